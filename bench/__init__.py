@@ -1,0 +1,1 @@
+"""Benchmarks: KV transfer A/B (more to come: serving load, colocated comparison)."""

@@ -1,0 +1,1 @@
+"""Control plane between router and workers: small msgpack messages over zmq."""

@@ -1,0 +1,1 @@
+"""Decode worker: receives KV, continues generation, streams tokens to the router."""

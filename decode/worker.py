@@ -1,0 +1,145 @@
+"""Decode worker process (and the colocated baseline).
+
+``decode{rid, first_token, prompt_len, emitted, params}`` arrives from the
+router once prefill answered; the KV for ``rid`` arrives independently over
+the transport. Whichever comes second starts the sequence. Every engine tick
+advances each active sequence by one token, so all requests in flight make
+progress together. Tokens go out as ``tokens`` messages, the last as ``done``
+with the transfer phases and decode timing. In colocated mode the worker also
+accepts ``generate``: it runs the prefill itself and keeps the KV in place."""
+from __future__ import annotations
+
+import logging
+import time
+
+from control.worker import WorkerLoop
+from engine import EngineConfig, RequestError, SamplingParams
+from engine.requests import first_message, new_sequence, run_prefill
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from kvtransfer import TransferError, TransferStatus, TransportConfig, make_receiver
+from kvtransfer.tensors import materialize
+
+log = logging.getLogger(__name__)
+
+
+class Active:
+    __slots__ = ("seq", "started", "phases", "last")
+
+    def __init__(self, seq, phases):
+        self.seq = seq
+        self.started = time.perf_counter()
+        self.phases = phases
+        self.last = self.started
+
+
+class DecodeWorker(WorkerLoop):
+    role = "decode"
+
+    def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
+                 kv_port: int = 0, colocated: bool = False, transport_cfg: TransportConfig | None = None):
+        super().__init__(host, port)
+        self.runner = ModelRunner(engine)
+        self.colocated = colocated
+        self.role = "colocated" if colocated else "decode"
+        self.transport = None if colocated else transport
+        self.receiver = None
+        if not colocated:
+            cfg = transport_cfg or TransportConfig(host=host, port=kv_port)
+            self.receiver = make_receiver(transport, cfg)
+            self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
+            self.receiver.start()
+            self.kv_timeout = cfg.timeout_s
+        self.waiting: dict[str, tuple[dict, float]] = {}
+        self.active: dict[str, Active] = {}
+
+    def info(self):
+        return {"role": self.role, "model": self.runner.name, "transport": self.transport,
+                "kv_addr": self.receiver.address if self.receiver else None, "max_len": self.runner.max_len,
+                "active": len(self.active), "waiting": len(self.waiting)}
+
+    def busy(self):
+        return bool(self.active)
+
+    def handle(self, msg):
+        op, rid = msg["op"], msg["rid"]
+        if op == "decode" and not self.colocated:
+            self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
+            self._try_start(rid)
+        elif op == "_kv":
+            if rid in self.waiting:
+                self._try_start(rid)
+        elif op == "generate" and self.colocated:
+            self._generate(msg)
+        elif op == "abort":
+            self._abort(rid)
+        else:
+            self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
+
+    def _try_start(self, rid):
+        status = self.receiver.poll(rid)
+        if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
+            return
+        msg, _ = self.waiting.pop(rid)
+        try:
+            received = self.receiver.wait(rid, 0)
+            layers = materialize(received, self.runner.device)
+            params = SamplingParams.from_dict(msg["params"])
+            seq = Sequence.resume(rid, msg["prompt_len"], msg["first_token"], msg["emitted"], params,
+                                  self.runner.tokenizer, self.runner.max_len)
+        except (TransferError, TimeoutError) as e:
+            return self.fail(rid, 502, f"KV transfer failed: {e}")
+        except (KeyError, TypeError, RequestError) as e:
+            return self.fail(rid, 400, f"bad decode request: {e}")
+        seq.cache = self.runner.cache_from(layers)
+        self.active[rid] = Active(seq, received.phases.to_dict())
+
+    def _generate(self, msg):
+        rid, queued = msg["rid"], time.perf_counter()
+        try:
+            seq = new_sequence(self.runner, rid, msg)
+        except RequestError as e:
+            return self.fail(rid, e.status, str(e))
+        text, kv, prefill_ms = run_prefill(self.runner, seq)
+        self.emit(rid, "first", **first_message(seq, text, prefill_ms, 0.0))
+        if seq.finished:
+            self.reply_to.pop(rid, None)
+            return
+        seq.cache = self.runner.cache_from(kv)
+        self.active[rid] = Active(seq, None)
+
+    def _abort(self, rid):
+        self.waiting.pop(rid, None)
+        self.active.pop(rid, None)
+        self.reply_to.pop(rid, None)
+        if self.receiver:
+            self.receiver.abort(rid)
+
+    def tick(self):
+        now = time.monotonic()
+        for rid, (_, deadline) in list(self.waiting.items()):
+            if deadline < now:
+                del self.waiting[rid]
+                self.receiver.abort(rid)
+                self.fail(rid, 504, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s")
+        for rid, act in list(self.active.items()):
+            seq = act.seq
+            try:
+                text = seq.accept(self.runner.step(seq.cache, seq.output_ids[-1]))
+            except Exception as e:
+                log.exception("decode step failed for %s", rid)
+                del self.active[rid]
+                self.fail(rid, 500, f"decode failed: {e}")
+                continue
+            if seq.finished:
+                del self.active[rid]
+                decode_ms = (time.perf_counter() - act.started) * 1e3
+                self.emit(rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
+                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=act.phases)
+            else:
+                self.emit(rid, "tokens", ids=[seq.output_ids[-1]], text=text)
+
+    def close(self):
+        if self.receiver:
+            self.receiver.close()
+        super().close()

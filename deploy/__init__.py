@@ -1,0 +1,1 @@
+"""Launching pdserve: the ``pdserve`` command and the local cluster (``up``)."""

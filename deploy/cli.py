@@ -1,0 +1,111 @@
+"""``pdserve`` command line: router | prefill | decode | up | bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+WORKER_DEFAULTS = {"host": "127.0.0.1", "transport": "tcp", "model": "tiny-llama"}
+
+
+def _add_engine(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="tiny-llama", help="'tiny-llama' (built in) or a local Hugging Face checkpoint dir")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--transport", default="tcp")
+
+
+def _add_worker(p: argparse.ArgumentParser):
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (control and KV ports)")
+    p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
+    p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    p.add_argument("--max-transfer-bytes", type=int, default=8 << 30)
+    _add_engine(p)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    ap.add_argument("--log-level", default="INFO")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("router", help="HTTP front end (OpenAI API)")
+    r.add_argument("--host", default=None)
+    r.add_argument("--port", type=int, default=None)
+    r.add_argument("--prefill", action="append", default=[], help="prefill worker tcp://host:port (repeatable)")
+    r.add_argument("--decode", action="append", default=[], help="decode worker tcp://host:port (repeatable)")
+    r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
+    r.add_argument("--policy", default=None, help="least_outstanding | round_robin")
+    r.add_argument("--config", default=None, help="TOML file with a [router] table")
+
+    p = sub.add_parser("prefill", help="prefill worker")
+    _add_worker(p)
+
+    d = sub.add_parser("decode", help="decode worker")
+    _add_worker(d)
+    d.add_argument("--kv-port", type=int, default=0, help="KV transport port (0 = pick a free one)")
+    d.add_argument("--colocated", action="store_true", help="also run prefill here; no KV transfer (baseline)")
+
+    u = sub.add_parser("up", help="router + workers as local processes")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    u.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    u.add_argument("--colocated", action="store_true", help="single-machine baseline: workers do prefill+decode")
+    u.add_argument("--policy", default="least_outstanding")
+    u.add_argument("--ready-timeout", type=float, default=180.0)
+    _add_engine(u)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from bench.transfer import add_arguments
+
+    add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
+    return ap
+
+
+def _engine_config(args):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        threads=args.threads)
+
+
+def _transport_config(args, port=0):
+    from kvtransfer import TransportConfig
+
+    return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "router":
+        from router.main import run_router
+
+        return run_router(args)
+    if args.cmd == "prefill":
+        from prefill.worker import PrefillWorker
+
+        PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args)).serve_forever()
+        return 0
+    if args.cmd == "decode":
+        from decode.worker import DecodeWorker
+
+        DecodeWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port, args.colocated,
+                     _transport_config(args, args.kv_port)).serve_forever()
+        return 0
+    if args.cmd == "up":
+        from deploy.up import up
+
+        return up(args)
+    if args.cmd == "bench":
+        from bench.transfer import run
+
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``pdserve up``: router and workers as child processes on this machine.
+
+Workers get free ports, the router is pointed at them, and ``up`` returns
+to the caller's terminal only when the cluster stops: on Ctrl-C/SIGTERM, or
+when any child dies, every child it started is stopped."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_args(args) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
+    if args.max_model_len:
+        out += ["--max-model-len", str(args.max_model_len)]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    return out
+
+
+def plan(args) -> list[list[str]]:
+    """The command lines of every child: workers first, the router last."""
+    base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
+    host, eng = args.host, engine_args(args)
+    cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
+    if args.colocated:
+        for _ in range(max(1, args.decode)):
+            port = free_port(host)
+            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng)
+            roles["colocated"].append(f"tcp://{host}:{port}")
+    else:
+        for _ in range(args.prefill):
+            port = free_port(host)
+            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng)
+            roles["prefill"].append(f"tcp://{host}:{port}")
+        for _ in range(args.decode):
+            port, kv = free_port(host), free_port(host)
+            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng)
+            roles["decode"].append(f"tcp://{host}:{port}")
+    router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy]
+    for role, addrs in roles.items():
+        for a in addrs:
+            router += [f"--{role}", a]
+    return cmds + [router]
+
+
+def wait_ready(url: str, procs, timeout: float) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"cluster not healthy after {timeout:.0f}s")
+
+
+def stop(procs, grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def up(args) -> int:
+    if args.port == 0:
+        args.port = free_port(args.host)
+    procs = []
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    url = f"http://{args.host}:{args.port}"
+    try:
+        for cmd in plan(args):
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        health = wait_ready(url, procs, args.ready_timeout)
+        mode = health.get("mode")
+        print(f"pdserve is up ({mode}, transport={args.transport if mode != 'colocated' else 'none'}): {url}", flush=True)
+        print(f"  try: curl -N {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\":\"{args.model if args.model == 'tiny-llama' else '<model>'}\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}}'",
+              flush=True)
+        while not stopping:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                print(f"pdserve: a child exited (code {dead[0].returncode}); stopping the cluster", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        if not stopping:
+            print(f"pdserve up failed: {e}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        stop(procs)

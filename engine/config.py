@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-llama"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    threads: int | None = None
+    served_name: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device {self.device!r} not in {DEVICES} (an index like cuda:1 is fine)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be at least 1")

@@ -1,0 +1,50 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from all ids so far; a delta is released only when it cannot
+change: trailing incomplete UTF-8 (U+FFFD) and any suffix that could still grow
+into a stop string are held back until the next token or the finish."""
+from __future__ import annotations
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop=(), ids=(), emitted: int = 0):
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.ids = list(ids)
+        self.emitted = emitted
+        self.text = tokenizer.decode(self.ids) if self.ids else ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Append a token; returns ``(delta, stopped)``."""
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids)
+        hit = self._find_stop()
+        if hit is not None:
+            self.text = self.text[:hit]
+            return self._release(len(self.text)), True
+        return self._release(self._safe_end()), False
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.emitted)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    def _find_stop(self):
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_end(self) -> int:
+        end = len(self.text)
+        while end > self.emitted and self.text[end - 1] == "\ufffd":
+            end -= 1
+        hold = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, end), hold, -1):
+                if self.text[end - n:end] == s[:n]:
+                    hold = n
+                    break
+        return end - hold

@@ -1,0 +1,40 @@
+"""ModelRunner: the forward passes both worker kinds share. KV leaves and
+enters as a list of ``(k, v)`` per layer, each ``[kv_heads, tokens, head_dim]``."""
+from __future__ import annotations
+
+import torch
+
+from .config import EngineConfig
+from .loader import load
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model, self.tokenizer, self.name, self.max_len, self.device, self.dtype = load(cfg)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int]):
+        ids = torch.tensor([token_ids], device=self.device)
+        out = self.model(input_ids=ids, use_cache=True)
+        kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        return out.logits[0, -1].float(), kv
+
+    def iter_prefill(self, token_ids: list[int]):
+        """Prefill, then yield the KV layer by layer (the hook for streaming sends)."""
+        logits, kv = self.prefill(token_ids)
+        return logits, iter(kv)
+
+    def cache_from(self, kv):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            cache.update(k.unsqueeze(0).to(self.device), v.unsqueeze(0).to(self.device), i)
+        return cache
+
+    @torch.inference_mode()
+    def step(self, cache, token_id: int) -> torch.Tensor:
+        ids = torch.tensor([[token_id]], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits[0, -1].float()

@@ -1,0 +1,98 @@
+"""The transport interface every KV backend implements.
+
+A transport is a pair: a ``KVSender`` on the prefill side and a ``KVReceiver``
+on the decode side. The receiver owns destination buffers (taken from a pool
+that is allocated/registered once and reused), exposes an ``address`` that the
+router hands to prefill, and tracks each transfer by id:
+``PENDING -> RECEIVING -> DONE | FAILED | ABORTED``. The sender pushes the KV
+layer by layer (``layers`` may be a generator that yields while prefill still
+computes), so transports can overlap transfer with compute.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .layout import KVLayout
+from .phases import PhaseTimes
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class TransferStatus(str, enum.Enum):
+    PENDING = "pending"
+    RECEIVING = "receiving"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass
+class TransportConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_transfer_bytes: int = 8 << 30
+    pool_bytes: int = 16 << 30
+    timeout_s: float = 30.0
+    lease_s: float = 60.0
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        for name in ("max_transfer_bytes", "pool_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.timeout_s <= 0 or self.lease_s <= 0:
+            raise ValueError("timeout_s and lease_s must be positive")
+
+
+@dataclass
+class ReceivedKV:
+    transfer_id: str
+    layout: KVLayout
+    buffer: object
+    phases: PhaseTimes
+    release: Callable[[], None]
+    meta: dict = field(default_factory=dict)
+
+
+class KVSender(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def send(self, dest: str, transfer_id: str, layout: KVLayout, layers: Iterable, meta: dict | None = None) -> PhaseTimes:
+        """Move ``layers`` (an iterable of ``(k, v)`` tensors) to the receiver at ``dest``."""
+
+    def close(self) -> None:
+        pass
+
+
+class KVReceiver(ABC):
+    name: str = "?"
+
+    @property
+    @abstractmethod
+    def address(self) -> str: ...
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def poll(self, transfer_id: str) -> TransferStatus: ...
+
+    @abstractmethod
+    def wait(self, transfer_id: str, timeout: float | None = None) -> ReceivedKV:
+        """Block until the transfer is DONE (returns it, caller must ``release``) or raise."""
+
+    @abstractmethod
+    def abort(self, transfer_id: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    on_complete: Callable[[str, TransferStatus], None] | None = None

@@ -1,0 +1,59 @@
+"""Host buffer pool: destination (and staging) buffers are allocated once and
+reused across transfers, so steady state does no allocation or registration.
+``allocations`` counts real allocations; a transport that must register memory
+with a NIC does it once per pool buffer, never per request."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class PoolExhausted(MemoryError):
+    pass
+
+
+class BufferPool:
+    def __init__(self, capacity_bytes: int, pin: bool | None = None, on_allocate=None):
+        self.capacity_bytes = capacity_bytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.on_allocate = on_allocate
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._in_use = 0
+        self._held = 0
+        self.allocations = 0
+        self.reuses = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of at least ``nbytes``; view ``[:nbytes]`` of it."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes + 4096]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self.reuses += 1
+            else:
+                while self._held + nbytes > self.capacity_bytes and self._free:
+                    self._held -= self._free.pop(0).numel()
+                if self._held + nbytes > self.capacity_bytes:
+                    raise PoolExhausted(f"buffer pool full: {self._held} of {self.capacity_bytes} bytes held, {nbytes} requested")
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+                self._held += nbytes
+                self.allocations += 1
+                if self.on_allocate:
+                    self.on_allocate(buf)
+            self._in_use += buf.numel()
+            return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._in_use -= buf.numel()
+            self._free.append(buf)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def bytes_held(self) -> int:
+        return self._held

@@ -1,0 +1,50 @@
+"""Transports by name, imported lazily so a backend's dependency is needed only
+when that backend is chosen."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .base import KVReceiver, KVSender, TransportConfig
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    module: str
+    sender: str
+    receiver: str
+    install_hint: str = ""
+
+
+TRANSPORTS: dict[str, TransportSpec] = {
+    "tcp": TransportSpec("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
+}
+
+
+class TransportUnavailable(RuntimeError):
+    pass
+
+
+def names() -> list[str]:
+    return sorted(TRANSPORTS)
+
+
+def _load(name: str, attr: str):
+    try:
+        spec = TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; choose one of {names()}") from None
+    try:
+        module = importlib.import_module(spec.module)
+    except ImportError as e:
+        hint = f"; install it with: {spec.install_hint}" if spec.install_hint else ""
+        raise TransportUnavailable(f"transport {name!r} needs a missing dependency ({e.name}){hint}") from e
+    return getattr(module, getattr(spec, attr))
+
+
+def make_sender(name: str, cfg: TransportConfig | None = None) -> KVSender:
+    return _load(name, "sender")(cfg or TransportConfig())
+
+
+def make_receiver(name: str, cfg: TransportConfig | None = None) -> KVReceiver:
+    return _load(name, "receiver")(cfg or TransportConfig())

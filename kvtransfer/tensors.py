@@ -1,0 +1,88 @@
+"""Moving between torch tensors and the canonical KV byte layout."""
+from __future__ import annotations
+
+import torch
+
+from .layout import KVLayout
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
+    "float8_e5m2": getattr(torch, "float8_e5m2", None),
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items() if v is not None}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no KV wire name") from None
+
+
+def layout_of(layers: list, num_tokens: int | None = None) -> KVLayout:
+    """Describe a list of ``(k, v)`` tensors shaped ``[kv_heads, tokens, head_dim]``."""
+    k = layers[0][0]
+    heads, tokens, head_dim = k.shape[-3:]
+    return KVLayout(len(layers), int(heads), int(head_dim), int(num_tokens or tokens), dtype_name(k.dtype))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous CPU tensor (no copy when it already is one)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu", non_blocking=False)
+    return t.contiguous()
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 too)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def check_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape[-3:]) != layout.tensor_shape or t.numel() * t.element_size() != layout.tensor_nbytes:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match layout {layout.tensor_shape}")
+        if dtype_name(t.dtype) != layout.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} does not match layout {layout.dtype}")
+
+
+def unpack(buffer: torch.Tensor, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Typed views (no copy) of a host byte buffer holding ``layout``."""
+    dtype = TORCH_DTYPES[layout.dtype]
+    n = layout.tensor_nbytes
+    out = []
+    for i in range(layout.num_layers):
+        off = layout.layer_offset(i)
+        k = buffer[off:off + n].view(dtype).view(layout.tensor_shape)
+        v = buffer[off + n:off + 2 * n].view(dtype).view(layout.tensor_shape)
+        out.append((k, v))
+    return out
+
+
+def to_device(layers, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy host views onto ``device`` (always a copy, so the host buffer can be reused)."""
+    device = torch.device(device)
+    copy = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in layers]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    return copy
+
+
+def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Typed device tensors from a ``ReceivedKV``; records deserialize/h2d and releases its buffer."""
+    try:
+        with received.phases.measure("deserialize"):
+            views = unpack(received.buffer, received.layout)
+        with received.phases.measure("h2d"):
+            return to_device(views, device)
+    finally:
+        received.release()

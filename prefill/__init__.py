@@ -1,0 +1,1 @@
+"""Prefill worker: runs the prompt, answers the first token at once, pushes KV to decode."""

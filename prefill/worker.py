@@ -1,0 +1,90 @@
+"""Prefill worker process.
+
+For each ``prefill`` request: build the sequence, run the prompt forward,
+send ``first`` (token + text) to the router immediately, then push the KV to
+the decode worker at ``kv_dest`` over the configured transport, in a sender
+thread so the next prompt can start. A failed push answers ``error``; a
+successful one ``kv_sent`` with the sender-side phases."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from control.worker import WorkerLoop
+from engine import EngineConfig, RequestError
+from engine.requests import first_message, new_sequence, run_prefill
+from engine.runner import ModelRunner
+from kvtransfer import TransferError, TransportConfig, make_sender
+from kvtransfer.tensors import layout_of
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker(WorkerLoop):
+    role = "prefill"
+
+    def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
+                 transport_cfg: TransportConfig | None = None, send_threads: int = 4):
+        super().__init__(host, port)
+        self.runner = ModelRunner(engine)
+        self.transport = transport
+        self.sender = make_sender(transport, transport_cfg or TransportConfig(host=host))
+        self.senders = ThreadPoolExecutor(send_threads, thread_name_prefix="kv-send")
+        self.aborted: set[str] = set()
+        self.received_at: dict[str, float] = {}
+
+    def info(self):
+        return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len}
+
+    def _on_message(self, identity, msg):
+        if msg.get("op") == "abort":
+            self.aborted.add(msg.get("rid"))
+        elif msg.get("rid"):
+            self.received_at[msg["rid"]] = time.perf_counter()
+        super()._on_message(identity, msg)
+
+    def handle(self, msg):
+        rid = msg["rid"]
+        queued_at = self.received_at.pop(rid, time.perf_counter())
+        if msg["op"] == "abort":
+            if rid not in self.reply_to:
+                self.aborted.discard(rid)
+            return
+        if msg["op"] != "prefill":
+            return self.fail(rid, 400, f"prefill worker does not handle {msg['op']!r}")
+        if rid in self.aborted:
+            self.aborted.discard(rid)
+            self.reply_to.pop(rid, None)
+            return
+        try:
+            seq = new_sequence(self.runner, rid, msg)
+        except RequestError as e:
+            return self.fail(rid, e.status, str(e))
+        queue_ms = (time.perf_counter() - queued_at) * 1e3
+        text, kv, prefill_ms = run_prefill(self.runner, seq)
+        self.emit(rid, "first", **first_message(seq, text, prefill_ms, queue_ms))
+        if seq.finished:
+            self.reply_to.pop(rid, None)
+            return
+        dest = msg.get("kv_dest")
+        if not isinstance(dest, str):
+            return self.fail(rid, 500, "prefill request has no kv_dest")
+        self.senders.submit(self._push, rid, dest, kv)
+
+    def _push(self, rid, dest, kv):
+        if rid in self.aborted:
+            self.aborted.discard(rid)
+            return
+        try:
+            phases = self.sender.send(dest, rid, layout_of(kv), kv)
+        except (TransferError, ValueError) as e:
+            log.warning("KV push for %s failed: %s", rid, e)
+            return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
+        self.emit(rid, "kv_sent", phases=phases.to_dict())
+        self.reply_to.pop(rid, None)
+
+    def close(self):
+        self.senders.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
+        super().close()

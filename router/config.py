@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+
+from .policy import POLICIES
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    colocated: list[str] = field(default_factory=list)
+    policy: str = "least_outstanding"
+    first_timeout_s: float = 300.0
+    token_timeout_s: float = 60.0
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 3.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} not in {sorted(POLICIES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("give either colocated workers or prefill+decode workers, not both")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("need at least one prefill and one decode worker (or colocated workers)")
+        for addr in self.prefill + self.decode + self.colocated:
+            if not addr.startswith("tcp://"):
+                raise ValueError(f"worker address {addr!r} must look like tcp://host:port")
+
+    @classmethod
+    def from_toml(cls, path: str, **overrides) -> "RouterConfig":
+        with open(path, "rb") as f:
+            data = tomllib.load(f).get("router", {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown router settings in {path}: {sorted(unknown)}")
+        data.update({k: v for k, v in overrides.items() if v not in (None, [], "")})
+        return cls(**data)

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from .app import create_app
+from .config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+def run_router(args) -> int:
+    overrides = dict(host=args.host, port=args.port, prefill=args.prefill, decode=args.decode,
+                     colocated=args.colocated, policy=args.policy)
+    if args.config:
+        cfg = RouterConfig.from_toml(args.config, **overrides)
+    else:
+        cfg = RouterConfig(**{k: v for k, v in overrides.items() if v not in (None, [])})
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("router binds %s: reachable beyond this machine", cfg.host)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    return 0

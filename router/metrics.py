@@ -1,0 +1,31 @@
+"""Prometheus metrics of the router (one registry per app)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+PHASE_NAMES = ("d2h", "serialize", "wire", "deserialize", "h2d", "total")
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens", ["mode"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_seconds", "Request latency end to end", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.phase = Histogram("pdserve_kv_transfer_phase_seconds", "KV transfer time by phase", ["transport", "phase"],
+                               buckets=PHASE_BUCKETS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
+        self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
+        self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
+        self.workers = Gauge("pdserve_healthy_workers", "Healthy workers by role", ["role"], registry=r)
+
+    def observe_transfer(self, transport: str, phases: dict):
+        for name in PHASE_NAMES:
+            if name in phases:
+                self.phase.labels(transport, name).observe(phases[name] / 1e3)
+        self.kv_bytes.labels(transport).inc(phases.get("bytes", 0))

@@ -1,0 +1,162 @@
+"""One request through the cluster, as an async stream of events.
+
+Disaggregated: pick a prefill and a decode worker, ask prefill (with the
+decode worker's KV address), relay ``first`` as soon as it comes, then ask
+decode to continue and relay its ``tokens``/``done``. Colocated: one
+``generate`` to a colocated worker. Any ``error`` ends the stream; a stream
+that ends early aborts its work on every worker involved."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+from .errors import ApiError
+
+_ids = itertools.count()
+
+
+def new_rid() -> str:
+    return f"{os.getpid():x}-{next(_ids):x}-{os.urandom(4).hex()}"
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timing: dict = field(default_factory=dict)
+
+
+class StreamError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Service:
+    def __init__(self, groups: dict, metrics, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0):
+        self.groups = groups
+        self.metrics = metrics
+        self.inboxes: dict[str, asyncio.Queue] = {}
+        self.first_timeout_s = first_timeout_s
+        self.token_timeout_s = token_timeout_s
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.groups.get("colocated") and self.groups["colocated"].clients)
+
+    def models(self) -> set[str]:
+        return {c.info.get("model") for g in self.groups.values() for c in g.healthy() if c.info.get("model")}
+
+    def ready(self) -> bool:
+        roles = ["colocated"] if self.colocated else ["prefill", "decode"]
+        return all(self.groups.get(r) and self.groups[r].healthy() for r in roles)
+
+    def check_model(self, model: str) -> None:
+        known = self.models()
+        if not known:
+            raise ApiError(503, "no healthy workers yet; try again shortly")
+        if model not in known:
+            raise ApiError(404, f"The model '{model}' does not exist; served: {sorted(known)}", param="model", code="model_not_found")
+
+    def _pick(self, role):
+        worker = self.groups[role].pick() if self.groups.get(role) else None
+        if worker is None:
+            raise ApiError(503, f"no healthy {role} worker")
+        return worker
+
+    async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
+        try:
+            msg = await asyncio.wait_for(inbox.get(), timeout)
+        except asyncio.TimeoutError:
+            raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
+        if msg["op"] == "error":
+            raise StreamError(int(msg.get("status") or 500), str(msg.get("message") or "worker error"))
+        return msg
+
+    async def generate(self, payload: dict, rid: str):
+        """Async generator of ``Delta``/``Finished``; raises ``StreamError``."""
+        t0 = time.perf_counter()
+        inbox = self.inboxes[rid] = asyncio.Queue()
+        involved, finished = [], False
+        timing = {}
+        try:
+            if self.colocated:
+                first_worker = self._pick("colocated")
+                decode_worker = first_worker
+                timing["transport"] = "none"
+                await self._dispatch(first_worker, involved, rid, "generate", **payload)
+            else:
+                first_worker, decode_worker = self._pick("prefill"), self._pick("decode")
+                timing["transport"] = decode_worker.info.get("transport")
+                await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"), **payload)
+            first = await self._next(inbox, self.first_timeout_s, "the first token")
+            while first["op"] != "first":
+                first = await self._next(inbox, self.first_timeout_s, "the first token")
+            ttft = time.perf_counter() - t0
+            timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
+            prompt_tokens, completion = first["prompt_tokens"], 1
+            yield Delta(first["text"], 1)
+            if first.get("finish_reason"):
+                finished = True
+                yield Finished(first["finish_reason"], prompt_tokens, 1, self._close_timing(timing, t0))
+                return
+            if not self.colocated:
+                await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
+                                     prompt_len=prompt_tokens, emitted=first["emitted"], params=payload["params"])
+            while True:
+                msg = await self._next(inbox, self.token_timeout_s, "the next token")
+                if msg["op"] == "kv_sent":
+                    first_worker.owned.discard(rid)
+                elif msg["op"] == "tokens":
+                    completion += len(msg["ids"])
+                    yield Delta(msg["text"], len(msg["ids"]))
+                elif msg["op"] == "done":
+                    completion = msg.get("completion_tokens", completion + len(msg["ids"]))
+                    yield Delta(msg["text"], len(msg["ids"]))
+                    timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
+                    if msg.get("phases"):
+                        timing["kv"] = msg["phases"]
+                        self.metrics.observe_transfer(timing["transport"], msg["phases"])
+                    finished = True
+                    yield Finished(msg["finish_reason"], prompt_tokens, completion, self._close_timing(timing, t0))
+                    return
+        finally:
+            self.inboxes.pop(rid, None)
+            for worker in involved:
+                worker.outstanding -= 1
+                worker.owned.discard(rid)
+                if not finished:
+                    await self._abort(worker, rid)
+
+    async def _dispatch(self, worker, involved, rid, op, **fields):
+        worker.outstanding += 1
+        worker.owned.add(rid)
+        involved.append(worker)
+        await worker.send(op, rid=rid, **fields)
+
+    async def _abort(self, worker, rid):
+        try:
+            await worker.send("abort", rid=rid)
+        except Exception:
+            pass
+
+    @staticmethod
+    def _close_timing(timing: dict, t0: float) -> dict:
+        timing["e2e"] = (time.perf_counter() - t0) * 1e3
+        kv = timing.pop("kv", None) or {}
+        timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "h2d")})
+        timing["transfer_total"] = kv.get("total", 0.0)
+        timing["kv_bytes"] = kv.get("bytes", 0)
+        timing.setdefault("decode", 0.0)
+        return timing
