@@ -89,7 +89,7 @@ class TcpSender(KVSender):
                 raise TransferError(f"receiver refused transfer {transfer_id}: {reply.get('error')}")
             ok = True
             return phases
-        except (OSError, frames.FrameError) as e:
+        except (OSError, ValueError) as e:
             raise TransferError(f"transfer {transfer_id} to {dest} failed: {e}") from e
         finally:
             if ok:

@@ -78,7 +78,7 @@ class PrefillWorker(WorkerLoop):
             return
         try:
             phases = self.sender.send(dest, rid, layout_of(kv), kv)
-        except (TransferError, ValueError) as e:
+        except TransferError as e:
             log.warning("KV push for %s failed: %s", rid, e)
             return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
         self.emit(rid, "kv_sent", phases=phases.to_dict())

@@ -87,15 +87,17 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         metrics.ttft.labels(mode).observe(time.perf_counter() - t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(endpoint, shaper, first, events, include_usage, t0), media_type="text/event-stream")
-        return await collect(endpoint, shaper, first, events, t0)
+            return StreamingResponse(stream(endpoint, shaper, first, events, include_usage, t0, req.return_token_ids),
+                                     media_type="text/event-stream")
+        return await collect(endpoint, shaper, first, events, t0, req.return_token_ids)
 
-    async def collect(endpoint, shaper, first, events, t0):
-        parts, result = [first.text], None
+    async def collect(endpoint, shaper, first, events, t0, with_ids):
+        parts, ids, result = [first.text], list(first.ids), None
         try:
             async for ev in events:
                 if isinstance(ev, Delta):
                     parts.append(ev.text)
+                    ids.extend(ev.ids)
                 else:
                     result = ev
         except StreamError as e:
@@ -104,23 +106,24 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         finally:
             metrics.in_flight.dec()
         finish(endpoint, result, t0)
-        body = shaper.full("".join(parts), result.finish_reason, usage(result.prompt_tokens, result.completion_tokens), result.timing)
+        body = shaper.full("".join(parts), result.finish_reason, usage(result.prompt_tokens, result.completion_tokens),
+                           result.timing, ids if with_ids else None)
         return JSONResponse(body)
 
-    async def stream(endpoint, shaper, first, events, include_usage, t0):
+    async def stream(endpoint, shaper, first, events, include_usage, t0, with_ids):
         last = time.perf_counter()
         try:
             if shaper.chat:
                 yield sse(shaper.chunk(None, role=True))
-            if first.text:
-                yield sse(shaper.chunk(first.text))
+            if first.text or with_ids:
+                yield sse(shaper.chunk(first.text, ids=first.ids if with_ids else None))
             async for ev in events:
                 if isinstance(ev, Delta):
                     now = time.perf_counter()
                     metrics.itl.labels(mode).observe(now - last)
                     last = now
-                    if ev.text:
-                        yield sse(shaper.chunk(ev.text))
+                    if ev.text or with_ids:
+                        yield sse(shaper.chunk(ev.text, ids=ev.ids if with_ids else None))
                 else:
                     finish(endpoint, ev, t0)
                     final = shaper.chunk(None, finish_reason=ev.finish_reason)

@@ -15,25 +15,33 @@ class Shaper:
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False, ids=None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base("text_completion"), "choices": [choice]}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        if ids is not None:
+            choice["token_ids"] = ids
+        return {**self._base(obj), "choices": [choice]}
 
     def usage_chunk(self, usage: dict, timing: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage, "pdserve": timing}
 
-    def full(self, text: str, finish_reason: str, usage: dict, timing: dict) -> dict:
+    def full(self, text: str, finish_reason: str, usage: dict, timing: dict, ids=None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
-            return {**self._base("chat.completion"), "choices": [choice], "usage": usage, "pdserve": timing}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base("text_completion"), "choices": [choice], "usage": usage, "pdserve": timing}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        if ids is not None:
+            choice["token_ids"] = ids
+        return {**self._base(obj), "choices": [choice], "usage": usage, "pdserve": timing}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

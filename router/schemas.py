@@ -25,6 +25,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -25,7 +25,7 @@ def new_rid() -> str:
 @dataclass
 class Delta:
     text: str
-    tokens: int
+    ids: list
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Service:
             ttft = time.perf_counter() - t0
             timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
             prompt_tokens, completion = first["prompt_tokens"], 1
-            yield Delta(first["text"], 1)
+            yield Delta(first["text"], [first["token"]])
             if first.get("finish_reason"):
                 finished = True
                 yield Finished(first["finish_reason"], prompt_tokens, 1, self._close_timing(timing, t0))
@@ -120,10 +120,10 @@ class Service:
                     first_worker.owned.discard(rid)
                 elif msg["op"] == "tokens":
                     completion += len(msg["ids"])
-                    yield Delta(msg["text"], len(msg["ids"]))
+                    yield Delta(msg["text"], msg["ids"])
                 elif msg["op"] == "done":
                     completion = msg.get("completion_tokens", completion + len(msg["ids"]))
-                    yield Delta(msg["text"], len(msg["ids"]))
+                    yield Delta(msg["text"], msg["ids"])
                     timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
                     if msg.get("phases"):
                         timing["kv"] = msg["phases"]

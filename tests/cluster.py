@@ -1,0 +1,79 @@
+"""Start and stop a real ``pdserve up`` cluster for tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Cluster:
+    def __init__(self, *args: str, ready_timeout: float = 240.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), "--threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.ready_timeout = ready_timeout
+        self.banner = ""
+
+    def wait_ready(self) -> "Cluster":
+        end = time.monotonic() + self.ready_timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve up exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.banner = self.proc.stdout.readline()
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError("cluster did not become healthy")
+
+    def stop(self) -> tuple[list[int], list[int]]:
+        """Stop ``up`` with SIGTERM; returns (its children, those it left running)."""
+        kids = children_of(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        time.sleep(0.2)
+        survivors = [pid for pid in kids if alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        return kids, survivors

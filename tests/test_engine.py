@@ -1,0 +1,126 @@
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import EngineConfig, RequestError, SamplingParams
+from engine.detok import Detokenizer
+from engine.generate import generate
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from engine.tokenizer import ByteTokenizer
+from kvtransfer import make_receiver, make_sender
+from kvtransfer.tensors import layout_of, materialize
+
+WEIGHT_HASH = """
+import hashlib, torch
+from engine.tiny import build_tiny_model
+h = hashlib.sha256()
+for name, p in sorted(build_tiny_model().state_dict().items()):
+    h.update(name.encode()); h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(EngineConfig(threads=1))
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = ByteTokenizer()
+    text = "Hello, wörld — 你好 🙂"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == text
+
+
+def test_tiny_weights_identical_across_processes():
+    out = [subprocess.run([sys.executable, "-c", WEIGHT_HASH], capture_output=True, text=True, check=True).stdout
+           for _ in range(2)]
+    assert out[0] == out[1] and len(out[0].strip()) == 64
+
+
+def test_detokenizer_holds_back_partial_utf8():
+    tok = ByteTokenizer()
+    d = Detokenizer(tok)
+    ids = tok.encode("é", add_bos=False)
+    assert d.add(ids[0]) == ("", False)
+    assert d.add(ids[1]) == ("é", False)
+
+
+def test_detokenizer_stop_string_across_tokens():
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, stop=["END"])
+    out = ""
+    for i in tok.encode("abcENxEND tail", add_bos=False):
+        delta, stopped = d.add(i)
+        out += delta
+        if stopped:
+            break
+    assert stopped and out == "abcENx"
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1), dict(temperature=3), dict(top_p=0),
+                                    dict(stop=[""]), dict(stop=["x"] * 17), dict(max_tokens=1.5)])
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(RequestError):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_is_rejected(runner):
+    with pytest.raises(RequestError, match="maximum context length"):
+        Sequence.create("r", "x" * runner.max_len, SamplingParams(), runner.tokenizer, runner.max_len)
+    with pytest.raises(RequestError, match="maximum context length"):
+        Sequence.create("r", "hi", SamplingParams(max_tokens=runner.max_len), runner.tokenizer, runner.max_len)
+
+
+def test_bad_token_ids_rejected(runner):
+    with pytest.raises(RequestError):
+        Sequence.create("r", [1, 99999], SamplingParams(), runner.tokenizer, runner.max_len)
+
+
+def test_greedy_generation_is_deterministic(runner):
+    p = dict(max_tokens=24, temperature=0)
+    a, b = generate(runner, "Hello", SamplingParams(**p)), generate(runner, "Hello", SamplingParams(**p))
+    assert a == b and len(a[1]) == 24 and a[2] == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(runner):
+    p = dict(max_tokens=24, temperature=1.0, top_p=0.9)
+    a = generate(runner, "Hello", SamplingParams(seed=7, **p))
+    assert a == generate(runner, "Hello", SamplingParams(seed=7, **p))
+    assert a != generate(runner, "Hello", SamplingParams(seed=8, **p))
+
+
+def test_max_tokens_one_finishes_at_prefill(runner):
+    text, ids, reason = generate(runner, "Hello", SamplingParams(max_tokens=1, temperature=0))
+    assert len(ids) == 1 and reason == "length"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_generation_over_tcp_matches_in_process(dtype):
+    runner = ModelRunner(EngineConfig(dtype=dtype, threads=1))
+    params = dict(max_tokens=20, temperature=0.7, seed=3)
+    expected = generate(runner, "The quick brown fox", SamplingParams(**params))
+
+    seq = Sequence.create("r1", "The quick brown fox", SamplingParams(**params), runner.tokenizer, runner.max_len)
+    logits, kv = runner.prefill(seq.prompt_ids)
+    text = seq.accept(logits)
+    receiver, sender = make_receiver("tcp"), make_sender("tcp")
+    receiver.start()
+    try:
+        sender.send(receiver.address, "r1", layout_of(kv), kv)
+        layers = materialize(receiver.wait("r1", 5), "cpu")
+    finally:
+        sender.close()
+        receiver.close()
+    for (k, v), (k2, v2) in zip(kv, layers):
+        assert torch.equal(k, k2) and torch.equal(v, v2) and k2.dtype == getattr(torch, dtype)
+    resumed = Sequence.resume("r1", len(seq.prompt_ids), seq.output_ids[0], seq.detok.emitted,
+                              SamplingParams(**params), runner.tokenizer, runner.max_len)
+    resumed.cache = runner.cache_from(layers)
+    while not resumed.finished:
+        text += resumed.accept(runner.step(resumed.cache, resumed.output_ids[-1]))
+    assert (text, resumed.output_ids, resumed.finish_reason) == expected

@@ -1,0 +1,39 @@
+import msgpack
+import pytest
+
+from kvtransfer import KVLayout, LayoutError, PhaseTimes
+
+
+def test_layout_sizes_match_mistral_shape():
+    layout = KVLayout(32, 8, 128, 871, "float16")
+    assert layout.tensor_nbytes == 8 * 871 * 128 * 2
+    assert layout.total_nbytes == 32 * 2 * 8 * 871 * 128 * 2 == 114_163_712
+    assert layout.layer_offset(3) == 3 * layout.layer_nbytes
+
+
+def test_layout_roundtrips_through_msgpack():
+    layout = KVLayout(80, 8, 128, 4096, "bfloat16")
+    wire = msgpack.packb(layout.to_dict())
+    assert KVLayout.from_dict(msgpack.unpackb(wire)) == layout
+
+
+@pytest.mark.parametrize("bad", [
+    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 1, "layers": 0, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 1, "layers": 1, "kv_heads": -1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "complex64"},
+    {"v": 1, "layers": 1.5, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
+    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1 << 40, "dtype": "float16"},
+    [1, 2, 3],
+])
+def test_layout_rejects_invalid_descriptions(bad):
+    with pytest.raises(LayoutError):
+        KVLayout.from_dict(bad)
+
+
+def test_phase_total_is_sum_of_phases():
+    p = PhaseTimes(d2h=1, serialize=2, wire=3, deserialize=4, h2d=5, bytes=10)
+    assert p.total == 15
+    d = p.to_dict()
+    assert d["total"] == 15 and PhaseTimes.from_dict(d) == p
