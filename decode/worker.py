@@ -24,13 +24,16 @@ log = logging.getLogger(__name__)
 
 
 class Active:
-    __slots__ = ("seq", "started", "phases", "last")
+    __slots__ = ("seq", "started", "received")
 
-    def __init__(self, seq, phases):
+    def __init__(self, seq, received=None):
         self.seq = seq
         self.started = time.perf_counter()
-        self.phases = phases
-        self.last = self.started
+        self.received = received
+
+    def release(self):
+        if self.received is not None:
+            self.received.release()
 
 
 class DecodeWorker(WorkerLoop):
@@ -83,16 +86,17 @@ class DecodeWorker(WorkerLoop):
         msg, _ = self.waiting.pop(rid)
         try:
             received = self.receiver.wait(rid, 0)
-            layers = materialize(received, self.runner.device)
+        except (TransferError, TimeoutError) as e:
+            return self.fail(rid, 502, f"KV transfer failed: {e}")
+        try:
             params = SamplingParams.from_dict(msg["params"])
             seq = Sequence.resume(rid, msg["prompt_len"], msg["first_token"], msg["emitted"], params,
                                   self.runner.tokenizer, self.runner.max_len)
-        except (TransferError, TimeoutError) as e:
-            return self.fail(rid, 502, f"KV transfer failed: {e}")
         except (KeyError, TypeError, RequestError) as e:
+            received.release()
             return self.fail(rid, 400, f"bad decode request: {e}")
-        seq.cache = self.runner.cache_from(layers)
-        self.active[rid] = Active(seq, received.phases.to_dict())
+        seq.cache = self.runner.cache_from(materialize(received, self.runner.device))
+        self.active[rid] = Active(seq, received)
 
     def _generate(self, msg):
         rid, queued = msg["rid"], time.perf_counter()
@@ -106,11 +110,13 @@ class DecodeWorker(WorkerLoop):
             self.reply_to.pop(rid, None)
             return
         seq.cache = self.runner.cache_from(kv)
-        self.active[rid] = Active(seq, None)
+        self.active[rid] = Active(seq)
 
     def _abort(self, rid):
         self.waiting.pop(rid, None)
-        self.active.pop(rid, None)
+        act = self.active.pop(rid, None)
+        if act:
+            act.release()
         self.reply_to.pop(rid, None)
         if self.receiver:
             self.receiver.abort(rid)
@@ -129,13 +135,16 @@ class DecodeWorker(WorkerLoop):
             except Exception as e:
                 log.exception("decode step failed for %s", rid)
                 del self.active[rid]
+                act.release()
                 self.fail(rid, 500, f"decode failed: {e}")
                 continue
             if seq.finished:
                 del self.active[rid]
+                act.release()
                 decode_ms = (time.perf_counter() - act.started) * 1e3
+                phases = act.received.phases.to_dict() if act.received else None
                 self.emit(rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
-                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=act.phases)
+                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases)
             else:
                 self.emit(rid, "tokens", ids=[seq.output_ids[-1]], text=text)
 

@@ -53,12 +53,20 @@ class TransportConfig:
 
 @dataclass
 class ReceivedKV:
+    """A completed transfer. ``buffer`` stays valid until ``release()`` (idempotent)."""
+
     transfer_id: str
     layout: KVLayout
     buffer: object
     phases: PhaseTimes
-    release: Callable[[], None]
+    on_release: Callable[[], None]
     meta: dict = field(default_factory=dict)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.on_release()
 
 
 class KVSender(ABC):

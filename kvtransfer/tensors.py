@@ -78,10 +78,16 @@ def to_device(layers, device: str | torch.device) -> list[tuple[torch.Tensor, to
 
 
 def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Typed device tensors from a ``ReceivedKV``; records deserialize/h2d and releases its buffer."""
+    """Typed tensors on ``device`` from a ``ReceivedKV``, recording deserialize and h2d.
+
+    On the CPU the tensors are views of the received buffer (no h2d exists), so
+    the caller releases ``received`` once it no longer needs them; on an
+    accelerator the buffer is copied and released here."""
+    with received.phases.measure("deserialize"):
+        views = unpack(received.buffer, received.layout)
+    if torch.device(device).type == "cpu":
+        return views
     try:
-        with received.phases.measure("deserialize"):
-            views = unpack(received.buffer, received.layout)
         with received.phases.measure("h2d"):
             return to_device(views, device)
     finally:
