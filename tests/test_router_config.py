@@ -1,0 +1,39 @@
+import pytest
+
+from router.config import RouterConfig
+from router.policy import LeastOutstanding, RoundRobin
+
+
+def test_toml_config_with_flag_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[router]\nport = 9000\nprefill = ["tcp://10.0.0.1:7001"]\ndecode = ["tcp://10.0.0.2:7101"]\n')
+    cfg = RouterConfig.from_toml(str(path), port=9100, policy=None)
+    assert cfg.port == 9100 and cfg.prefill == ["tcp://10.0.0.1:7001"] and cfg.policy == "least_outstanding"
+
+
+@pytest.mark.parametrize("kwargs", [dict(prefill=["tcp://a:1"]), dict(prefill=["a:1"], decode=["tcp://b:2"]),
+                                    dict(colocated=["tcp://a:1"], prefill=["tcp://b:2"], decode=["tcp://c:3"]),
+                                    dict(colocated=["tcp://a:1"], policy="random")])
+def test_invalid_configs(kwargs):
+    with pytest.raises(ValueError):
+        RouterConfig(**kwargs)
+
+
+def test_unknown_toml_keys_rejected(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[router]\nprefil = ["tcp://a:1"]\n')
+    with pytest.raises(ValueError, match="prefil"):
+        RouterConfig.from_toml(str(path))
+
+
+class W:
+    def __init__(self, n):
+        self.outstanding = n
+
+
+def test_policies():
+    ws = [W(3), W(1), W(1)]
+    lo = LeastOutstanding()
+    assert {id(lo.pick(ws)) for _ in range(4)} == {id(ws[1]), id(ws[2])}
+    rr = RoundRobin()
+    assert [rr.pick(ws) for _ in range(3)] == ws
