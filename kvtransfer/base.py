@@ -53,7 +53,9 @@ class TransportConfig:
 
 @dataclass
 class ReceivedKV:
-    """A completed transfer. ``buffer`` stays valid until ``release()`` (idempotent)."""
+    """A completed transfer. ``buffer`` (canonical bytes) stays valid until
+    ``release()`` (idempotent); a transport that hands over typed tensors
+    instead (the pickle baseline) sets ``layers``."""
 
     transfer_id: str
     layout: KVLayout
@@ -62,6 +64,7 @@ class ReceivedKV:
     on_release: Callable[[], None]
     meta: dict = field(default_factory=dict)
     released: bool = False
+    layers: list | None = None
 
     def release(self) -> None:
         if not self.released:

@@ -7,6 +7,7 @@ magic ``PDKV``, version, kind, flags, ``a`` (u32), ``b`` (u64).
     LAYER  a=layer  b=nbytes     then K bytes then V bytes of that layer
     END    a=0      b=len(meta)  then msgpack sender timings (ms)
     ACK    a=0 ok | 1 error, b=len(meta) then msgpack {"tid", "error"}
+    GRANT  a=0      b=len(meta)  then msgpack {"path", "offset"} (shm: where to write)
 
 A transfer is BEGIN, LAYER 0..n-1 in order, END; the receiver answers ACK.
 Lengths are checked against the declared layout and limits before anything is
@@ -22,8 +23,8 @@ import msgpack
 MAGIC = b"PDKV"
 WIRE_VERSION = 1
 PREFIX = struct.Struct("!4sHBBIQ")
-BEGIN, LAYER, END, ACK = 1, 2, 3, 4
-KINDS = {BEGIN, LAYER, END, ACK}
+BEGIN, LAYER, END, ACK, GRANT = 1, 2, 3, 4, 5
+KINDS = {BEGIN, LAYER, END, ACK, GRANT}
 MAX_META_BYTES = 64 * 1024
 
 

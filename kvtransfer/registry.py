@@ -18,6 +18,8 @@ class TransportSpec:
 
 TRANSPORTS: dict[str, TransportSpec] = {
     "tcp": TransportSpec("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
+    "shm": TransportSpec("kvtransfer.shm", "ShmSender", "ShmReceiver"),
+    "pickle": TransportSpec("kvtransfer.pickle_tcp", "PickleSender", "PickleReceiver"),
 }
 
 

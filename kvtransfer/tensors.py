@@ -1,6 +1,8 @@
 """Moving between torch tensors and the canonical KV byte layout."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .layout import KVLayout
@@ -40,17 +42,23 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 too)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 too).
+    The view does not keep ``t`` alive: hold the tensor while using it."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("as_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def check_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    dtype, numel = TORCH_DTYPES[layout.dtype], layout.tensor_nbytes // layout.itemsize
     for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape[-3:]) != layout.tensor_shape or t.numel() * t.element_size() != layout.tensor_nbytes:
-            raise ValueError(f"{name} shape {tuple(t.shape)} does not match layout {layout.tensor_shape}")
-        if dtype_name(t.dtype) != layout.dtype:
+        if t.dtype != dtype:
             raise ValueError(f"{name} dtype {t.dtype} does not match layout {layout.dtype}")
+        if t.numel() != numel or tuple(t.shape[-3:]) != layout.tensor_shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match layout {layout.tensor_shape}")
 
 
 def unpack(buffer: torch.Tensor, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,8 +91,11 @@ def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor
     On the CPU the tensors are views of the received buffer (no h2d exists), so
     the caller releases ``received`` once it no longer needs them; on an
     accelerator the buffer is copied and released here."""
-    with received.phases.measure("deserialize"):
-        views = unpack(received.buffer, received.layout)
+    if received.layers is not None:
+        views = received.layers
+    else:
+        with received.phases.measure("deserialize"):
+            views = unpack(received.buffer, received.layout)
     if torch.device(device).type == "cpu":
         return views
     try:

@@ -199,3 +199,16 @@ def test_two_by_two_cluster_round_robin_and_clean_stop(runner):
     finally:
         kids, survivors = cluster.stop()
     assert len(kids) == 5 and survivors == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "pickle"])
+def test_other_cpu_transports_serve_identical_output(transport, runner):
+    cluster = Cluster("--transport", transport).wait_ready()
+    try:
+        for prompt in PROMPTS[:3]:
+            want = generate(runner, prompt, SamplingParams(max_tokens=12, temperature=0))
+            body = complete(cluster.url, prompt=prompt, max_tokens=12, return_token_ids=True)
+            assert body["choices"][0]["token_ids"] == want[1] and body["choices"][0]["text"] == want[0]
+            assert body["pdserve"]["transport"] == transport and body["pdserve"]["kv_bytes"] > 0
+    finally:
+        assert cluster.stop()[1] == []

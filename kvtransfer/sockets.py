@@ -1,0 +1,233 @@
+"""Shared machinery of socket-based transports (tcp, pickle, shm).
+
+Sender: persistent connections per peer (``ConnectionPool``); a transfer is
+BEGIN, a transport-specific body, END (sender timings), then the receiver's
+ACK. Receiver: an accept loop, one thread per connection reading transfers
+back to back; any framing or limit violation drops that connection (with a
+NACK when possible) and fails the transfer in progress, never the process."""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+
+from . import frames
+from .base import KVReceiver, KVSender, ReceivedKV, TransferError, TransportConfig
+from .layout import KVLayout, LayoutError
+from .phases import PhaseTimes
+from .pool import BufferPool, PoolExhausted
+from .state import TransferTable
+
+log = logging.getLogger(__name__)
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {addr!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class SocketSender(KVSender):
+    def __init__(self, cfg: TransportConfig | None = None):
+        self.cfg = cfg or TransportConfig()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def _checkout(self, dest: str) -> socket.socket:
+        with self._lock:
+            pool = self._idle.setdefault(dest, [])
+            while pool:
+                sock = pool.pop()
+                if not select.select([sock], [], [], 0)[0]:
+                    return sock
+                sock.close()
+        sock = socket.create_connection(parse_address(dest), timeout=self.cfg.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
+        phases = PhaseTimes(bytes=layout.total_nbytes)
+        sock = self._checkout(dest)
+        ok = False
+        try:
+            payload = self._prepare(layout, layers, phases)
+            sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": transfer_id, "layout": layout.to_dict(), "meta": meta or {}}))
+            overlap = self._send_body(sock, layout, payload, phases)
+            sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3}
+            with phases.measure("wire"):
+                sock.sendall(frames.meta_frame(frames.END, sender))
+                status, length = frames.read_prefix(sock, frames.ACK)
+                reply = frames.read_meta(sock, length)
+            if status != 0:
+                raise TransferError(f"receiver refused transfer {transfer_id}: {reply.get('error')}")
+            ok = True
+            return phases
+        except (OSError, ValueError, TransferError) as e:
+            raise TransferError(f"transfer {transfer_id} to {dest} failed: {e}") from e
+        finally:
+            if ok:
+                with self._lock:
+                    self._idle.setdefault(dest, []).append(sock)
+            else:
+                sock.close()
+
+    def _prepare(self, layout, layers, phases):
+        """Work done before the first byte goes out (a non-streaming transport serializes here)."""
+        return layers
+
+    def _send_body(self, sock, layout, payload, phases) -> float:
+        """Send the payload; returns the seconds of the sender's own non-wire work after
+        BEGIN (d2h, serialize, waiting for ``layers``), which the receiver takes out of its
+        elapsed time to leave the wire time."""
+        raise NotImplementedError
+
+    def close(self):
+        with self._lock:
+            for pool in self._idle.values():
+                for sock in pool:
+                    sock.close()
+            self._idle.clear()
+
+
+def timed_layers(layers, expected: int):
+    """Iterate ``layers`` and count the time spent waiting for each; yields (index, pair)."""
+    waited, count, source = [0.0], 0, iter(layers)
+    while True:
+        t0 = time.perf_counter()
+        pair = next(source, None)
+        waited[0] += time.perf_counter() - t0
+        if pair is None:
+            break
+        if count >= expected:
+            raise ValueError(f"more layers than the layout's {expected}")
+        yield count, pair, waited
+        count += 1
+    if count != expected:
+        raise ValueError(f"got {count} layers, layout declares {expected}")
+
+
+class SocketReceiver(KVReceiver):
+    def __init__(self, cfg: TransportConfig | None = None, pool: BufferPool | None = None):
+        self.cfg = cfg or TransportConfig()
+        self.pool = pool or BufferPool(self.cfg.pool_bytes)
+        self.table = TransferTable(self.cfg.lease_s, on_change=self._changed)
+        self._server: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._closing = False
+        self.dropped_connections = 0
+
+    def _changed(self, tid, status):
+        if self.on_complete:
+            self.on_complete(tid, status)
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> None:
+        self._server = socket.create_server((self.cfg.host, self.cfg.port), backlog=128)
+        self._server.settimeout(1.0)
+        threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True).start()
+
+    def _accept_loop(self):
+        while not self._closing:
+            try:
+                sock, peer = self._server.accept()
+            except socket.timeout:
+                self.table.expire()
+                continue
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock, peer), name=f"{self.name}-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer):
+        current: list = [None]
+        try:
+            while not self._closing:
+                sock.settimeout(None)
+                current[0] = None
+                self._receive_one(sock, current)
+        except (frames.FrameError, LayoutError, PoolExhausted, ValueError) as e:
+            self.dropped_connections += 1
+            log.warning("dropping %s connection from %s: %s", self.name, peer, e)
+            self._nack(sock, current[0], str(e))
+            if current[0] is not None:
+                self.table.fail(current[0], str(e))
+        except OSError as e:
+            if current[0] is not None:
+                self.table.fail(current[0], f"connection lost: {e}")
+            elif not self._closing:
+                log.debug("%s connection from %s closed: %s", self.name, peer, e)
+        except Exception as e:
+            log.exception("%s connection from %s failed", self.name, peer)
+            if current[0] is not None:
+                self.table.fail(current[0], f"receiver error: {e}")
+        finally:
+            self._conns.discard(sock)
+            sock.close()
+
+    def _nack(self, sock, tid, error):
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(frames.meta_frame(frames.ACK, {"tid": tid, "error": error}, a=1))
+        except OSError:
+            pass
+
+    def _receive_one(self, sock: socket.socket, current: list) -> None:
+        length = frames.read_prefix(sock, frames.BEGIN)[1]
+        sock.settimeout(self.cfg.timeout_s)
+        start = time.perf_counter()
+        header = frames.read_meta(sock, length)
+        tid = header.get("tid")
+        if not isinstance(tid, str) or not tid or len(tid) > 256:
+            raise frames.FrameError("BEGIN without a valid transfer id")
+        layout = KVLayout.from_dict(header.get("layout"))
+        if layout.total_nbytes > self.cfg.max_transfer_bytes:
+            raise frames.FrameError(f"declared {layout.total_nbytes} bytes over limit {self.cfg.max_transfer_bytes}")
+        if not self.table.begin(tid):
+            raise frames.FrameError(f"transfer {tid} is not expected (duplicate or aborted)")
+        current[0] = tid
+        result = self._receive_body(sock, tid, layout, header.get("meta") or {}, start)
+        current[0] = None
+        self.table.done(tid, result)
+        sock.sendall(frames.meta_frame(frames.ACK, {"tid": tid}))
+
+    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+        raise NotImplementedError
+
+    def _finish(self, sock, layout, start) -> PhaseTimes:
+        sender = frames.read_meta(sock, frames.read_prefix(sock, frames.END)[1])
+        return phases_from(sender, (time.perf_counter() - start) * 1e3, layout.total_nbytes)
+
+    def poll(self, transfer_id):
+        return self.table.status(transfer_id)
+
+    def wait(self, transfer_id, timeout=None) -> ReceivedKV:
+        return self.table.wait(transfer_id, self.cfg.timeout_s if timeout is None else timeout)
+
+    def abort(self, transfer_id):
+        self.table.abort(transfer_id)
+
+    def close(self):
+        self._closing = True
+        if self._server:
+            self._server.close()
+        for sock in list(self._conns):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def phases_from(sender: dict, elapsed_ms: float, nbytes: int) -> PhaseTimes:
+    """Receiver-side record: the sender's own work after BEGIN is taken out of the elapsed time to leave ``wire``."""
+    def ms(key):
+        value = sender.get(key, 0.0)
+        return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e9 else 0.0
+    return PhaseTimes(d2h=ms("d2h"), serialize=ms("serialize"), wire=max(0.0, elapsed_ms - ms("overlap")), bytes=nbytes)
