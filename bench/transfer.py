@@ -134,7 +134,17 @@ def run(args) -> int:
     names = [n for n in args.transports.split(",") if n]
     print(f"payload {layout.total_nbytes / 1e6:.1f} MB ({args.preset if not args.layers else 'custom'}), "
           f"transports {names} vs {REFERENCE}, {args.reps} reps after {args.warmup} warm-up", flush=True)
-    samples = measure(names, layout, args.reps, args.warmup)
+    ray_cluster = None
+    if "ray" in names and not os.environ.get("RAY_ADDRESS"):
+        from deploy.raycluster import RayCluster
+
+        ray_cluster = RayCluster(num_cpus=2, token=os.environ.get("RAY_AUTH_TOKEN")).start()
+        os.environ.update(ray_cluster.env)
+    try:
+        samples = measure(names, layout, args.reps, args.warmup)
+    finally:
+        if ray_cluster:
+            ray_cluster.stop()
     report = {"command": " ".join(["pdserve", "bench", "transfer", *sys.argv[3:]]), "layout": layout.to_dict(),
               "bytes": layout.total_nbytes, "link": args.link, "env": environment(),
               "summary": summarize(samples, layout.total_nbytes), "samples": samples}

@@ -14,7 +14,9 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--transport", default="tcp")
+    p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
+    p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
+                   "`up` starts one)")
 
 
 def _add_worker(p: argparse.ArgumentParser):
@@ -75,7 +77,9 @@ def _engine_config(args):
 def _transport_config(args, port=0):
     from kvtransfer import TransportConfig
 
-    return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes)
+    options = {"ray_address": args.ray_address} if args.ray_address else {}
+    return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes,
+                           options=options)
 
 
 def main(argv=None) -> int:

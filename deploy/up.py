@@ -6,6 +6,7 @@ when any child dies, every child it started is stopped."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +27,8 @@ def engine_args(args) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    if args.ray_address:
+        out += ["--ray-address", args.ray_address]
     return out
 
 
@@ -95,9 +98,15 @@ def up(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     url = f"http://{args.host}:{args.port}"
+    ray_cluster, env = None, dict(os.environ)
     try:
+        if args.transport == "ray" and not args.ray_address and not args.colocated:
+            from deploy.raycluster import RayCluster
+
+            ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
+            env.update(ray_cluster.env)
         for cmd in plan(args):
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
         health = wait_ready(url, procs, args.ready_timeout)
         mode = health.get("mode")
         print(f"pdserve is up ({mode}, transport={args.transport if mode != 'colocated' else 'none'}): {url}", flush=True)
@@ -118,3 +127,5 @@ def up(args) -> int:
         return 0
     finally:
         stop(procs)
+        if ray_cluster:
+            ray_cluster.stop()

@@ -20,6 +20,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
     "tcp": TransportSpec("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
     "shm": TransportSpec("kvtransfer.shm", "ShmSender", "ShmReceiver"),
     "pickle": TransportSpec("kvtransfer.pickle_tcp", "PickleSender", "PickleReceiver"),
+    "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }
 
 

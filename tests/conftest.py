@@ -1,6 +1,14 @@
+import importlib.util
+import os
+import secrets
+
 import pytest
 
 from tests.cluster import Cluster
+
+# Ray reads its auth settings when first imported: fix this session's token before anything imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +31,25 @@ def disagg(clusters):
 @pytest.fixture(scope="session")
 def colocated(clusters):
     return clusters["colocated"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node Ray cluster on loopback (127.0.0.2 head, 127.0.0.3 with resource node_b)."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray not installed")
+    from deploy.raycluster import RayCluster
+
+    cluster = RayCluster(num_cpus=2, token=os.environ["RAY_AUTH_TOKEN"]).start()
+    try:
+        cluster.add_node("127.0.0.3", resources='{"node_b": 4}')
+        saved = {k: os.environ.get(k) for k in cluster.env}
+        os.environ.update(cluster.env)
+        yield cluster
+    finally:
+        cluster.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -19,6 +19,8 @@ LIMIT = 256 << 20
 @pytest.fixture(params=available())
 def pair(request):
     name = request.param
+    if name == "ray":
+        request.getfixturevalue("ray_cluster")
     receiver = make_receiver(name, TransportConfig(timeout_s=3.0, lease_s=10, max_transfer_bytes=LIMIT,
                                                    options={"shm_bytes": 512 << 20}))
     receiver.start()

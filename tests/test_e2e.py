@@ -1,4 +1,5 @@
 """End to end through real processes: router, prefill and decode workers."""
+import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -201,7 +202,8 @@ def test_two_by_two_cluster_round_robin_and_clean_stop(runner):
     assert len(kids) == 5 and survivors == []
 
 
-@pytest.mark.parametrize("transport", ["shm", "pickle"])
+@pytest.mark.parametrize("transport", ["shm", "pickle", pytest.param("ray", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray not installed"))])
 def test_other_cpu_transports_serve_identical_output(transport, runner):
     cluster = Cluster("--transport", transport).wait_ready()
     try:
