@@ -17,6 +17,8 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")
+    p.add_argument("--mlx-backend", default="ring", help="mlx transport: ring (TCP) | jaccl (Thunderbolt RDMA) | any")
+    p.add_argument("--mlx-hostfile", default=None, help="mlx transport: MLX hostfile (JSON)")
 
 
 def _add_worker(p: argparse.ArgumentParser):
@@ -24,6 +26,7 @@ def _add_worker(p: argparse.ArgumentParser):
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     p.add_argument("--max-transfer-bytes", type=int, default=8 << 30)
+    p.add_argument("--mlx-rank", type=int, default=None, help="mlx transport: this worker's rank in the hostfile")
     _add_engine(p)
 
 
@@ -77,7 +80,9 @@ def _engine_config(args):
 def _transport_config(args, port=0):
     from kvtransfer import TransportConfig
 
-    options = {"ray_address": args.ray_address} if args.ray_address else {}
+    options = {"ray_address": args.ray_address, "mlx_backend": args.mlx_backend, "mlx_hostfile": args.mlx_hostfile,
+               "mlx_rank": args.mlx_rank}
+    options = {k: v for k, v in options.items() if v is not None}
     return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes,
                            options=options)
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -29,7 +30,21 @@ def engine_args(args) -> list[str]:
         out += ["--threads", str(args.threads)]
     if args.ray_address:
         out += ["--ray-address", args.ray_address]
+    if args.transport == "mlx":
+        out += ["--mlx-backend", args.mlx_backend]
     return out
+
+
+def mlx_hostfile(args, host: str) -> str:
+    """A two-rank MLX world: rank 0 is the prefill worker, rank 1 the decode worker."""
+    if args.colocated or args.prefill != 1 or args.decode != 1:
+        raise RuntimeError("the mlx transport pairs exactly one prefill with one decode worker (--prefill 1 --decode 1)")
+    if args.mlx_hostfile:
+        return args.mlx_hostfile
+    fd, path = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
+    return path
 
 
 def plan(args) -> list[list[str]]:
@@ -37,6 +52,9 @@ def plan(args) -> list[list[str]]:
     base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
+    ranks = iter(range(args.prefill + args.decode))
+    if args.transport == "mlx" and not args.colocated:
+        eng = eng + ["--mlx-hostfile", mlx_hostfile(args, host)]
     if args.colocated:
         for _ in range(max(1, args.decode)):
             port = free_port(host)
@@ -45,11 +63,13 @@ def plan(args) -> list[list[str]]:
     else:
         for _ in range(args.prefill):
             port = free_port(host)
-            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng)
+            rank = ["--mlx-rank", str(next(ranks))] if args.transport == "mlx" else []
+            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank)
             roles["prefill"].append(f"tcp://{host}:{port}")
         for _ in range(args.decode):
             port, kv = free_port(host), free_port(host)
-            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng)
+            rank = ["--mlx-rank", str(next(ranks))] if args.transport == "mlx" else []
+            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank)
             roles["decode"].append(f"tcp://{host}:{port}")
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy]
     for role, addrs in roles.items():
@@ -105,7 +125,8 @@ def up(args) -> int:
 
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
             env.update(ray_cluster.env)
-        for cmd in plan(args):
+        cmds = plan(args)
+        for cmd in cmds:
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
         health = wait_ready(url, procs, args.ready_timeout)
         mode = health.get("mode")

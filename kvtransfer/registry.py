@@ -20,6 +20,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
     "tcp": TransportSpec("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
     "shm": TransportSpec("kvtransfer.shm", "ShmSender", "ShmReceiver"),
     "pickle": TransportSpec("kvtransfer.pickle_tcp", "PickleSender", "PickleReceiver"),
+    "mlx": TransportSpec("kvtransfer.mlx_dist", "MlxSender", "MlxReceiver", "pip install 'pdserve[mlx]' (mlx[cpu] on Linux)"),
     "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }
 

@@ -11,20 +11,30 @@ import torch
 
 from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
 from kvtransfer.tensors import layout_of, materialize
-from tests.transports import available
+from tests.transports import MlxWorld, ProxySender, available
 
 LIMIT = 256 << 20
+
+
+@pytest.fixture(scope="session")
+def mlx_world(tmp_path_factory):
+    world = MlxWorld(str(tmp_path_factory.mktemp("mlx")))
+    yield world
+    world.close()
 
 
 @pytest.fixture(params=available())
 def pair(request):
     name = request.param
+    options = {"shm_bytes": 512 << 20}
     if name == "ray":
         request.getfixturevalue("ray_cluster")
-    receiver = make_receiver(name, TransportConfig(timeout_s=3.0, lease_s=10, max_transfer_bytes=LIMIT,
-                                                   options={"shm_bytes": 512 << 20}))
+    if name == "mlx":
+        world = request.getfixturevalue("mlx_world")
+        options.update(world.options)
+    receiver = make_receiver(name, TransportConfig(timeout_s=3.0, lease_s=10, max_transfer_bytes=LIMIT, options=options))
     receiver.start()
-    sender = make_sender(name, TransportConfig(timeout_s=10.0))
+    sender = ProxySender(world) if name == "mlx" else make_sender(name, TransportConfig(timeout_s=10.0))
     yield name, sender, receiver
     sender.close()
     receiver.close()
@@ -104,17 +114,6 @@ def test_receiver_abort(pair):
         receiver.wait(f"{name}-ab", 1)
 
 
-def test_sender_killed_mid_transfer_fails_within_timeout(pair):
-    name, _, receiver = pair
-    tid = f"{name}-killed"
-    child = subprocess.run([sys.executable, "-m", "tests.sender_child", name, receiver.address, tid], timeout=60)
-    assert child.returncode == -9
-    start = time.monotonic()
-    with pytest.raises((TransferError, TimeoutError)):
-        receiver.wait(tid, receiver.cfg.timeout_s)
-    assert time.monotonic() - start < receiver.cfg.timeout_s + 1
-
-
 def test_declared_size_over_limit_is_refused(pair):
     name, sender, receiver = pair
     layout = KVLayout(64, 8, 128, 4096, "float32")
@@ -127,3 +126,20 @@ def test_declared_size_over_limit_is_refused(pair):
         sender.send(receiver.address, f"{name}-huge", layout, layers())
     kv = random_kv(1, 1, 2, 2, torch.float32)
     assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"{name}-after-huge")[0])
+
+
+def test_sender_killed_mid_transfer_fails_within_timeout(pair):
+    """Last in the module: for mlx it breaks the fixed two-rank world."""
+    name, sender, receiver = pair
+    tid = f"{name}-killed"
+    if name == "mlx":
+        kv = random_kv(16, 4, 256, 128, torch.float16)
+        sender.send(receiver.address, tid, layout_of(kv), kv, die_after=8)
+        assert sender.world.child.wait(30) == -9
+    else:
+        child = subprocess.run([sys.executable, "-m", "tests.sender_child", name, receiver.address, tid], timeout=60)
+        assert child.returncode == -9
+    start = time.monotonic()
+    with pytest.raises((TransferError, TimeoutError)):
+        receiver.wait(tid, receiver.cfg.timeout_s)
+    assert time.monotonic() - start < receiver.cfg.timeout_s + 1

@@ -202,8 +202,11 @@ def test_two_by_two_cluster_round_robin_and_clean_stop(runner):
     assert len(kids) == 5 and survivors == []
 
 
-@pytest.mark.parametrize("transport", ["shm", "pickle", pytest.param("ray", marks=pytest.mark.skipif(
-    importlib.util.find_spec("ray") is None, reason="ray not installed"))])
+def optional(name):
+    return pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} not installed"))
+
+
+@pytest.mark.parametrize("transport", ["shm", "pickle", optional("ray"), optional("mlx")])
 def test_other_cpu_transports_serve_identical_output(transport, runner):
     cluster = Cluster("--transport", transport).wait_ready()
     try:

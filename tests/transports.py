@@ -1,9 +1,18 @@
-"""Which transports this machine can run, for the conformance suite."""
+"""Which transports this machine can run, and the harness for the conformance suite."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Client
 
 import pytest
+
+from kvtransfer import TransferError
 
 CPU_TRANSPORTS = ["tcp", "shm", "pickle"]
 OPTIONAL = {"ray": "ray", "mlx": "mlx", "nixl": "nixl"}
@@ -16,3 +25,51 @@ def available() -> list:
         params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(missing, reason=f"{module} not installed")))
     params.append(pytest.param("nccl", id="nccl", marks=pytest.mark.skip(reason="nccl needs two CUDA GPUs; run on the device tool")))
     return params
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlxWorld:
+    """This test process is rank 1 (receiver); a child process is rank 0 (sender)."""
+
+    def __init__(self, tmp_dir: str):
+        hostfile = os.path.join(tmp_dir, "mlx-hosts.json")
+        with open(hostfile, "w") as f:
+            json.dump([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]], f)
+        self.options = {"mlx_hostfile": hostfile, "mlx_rank": 1, "mlx_backend": "ring"}
+        self.key = secrets.token_bytes(16)
+        env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": "0", "PDSERVE_TEST_KEY": self.key.hex()}
+        self.child = subprocess.Popen([sys.executable, "-m", "tests.mlx_peer"], env=env, stdout=subprocess.PIPE, text=True)
+        self.port = int(self.child.stdout.readline())
+
+    def close(self):
+        self.child.kill()
+        self.child.wait()
+
+
+class ProxySender:
+    """Stands in for the sender of the rank-0 child process (one connection per send)."""
+
+    name = "mlx"
+
+    def __init__(self, world: MlxWorld):
+        self.world = world
+
+    def send(self, dest, tid, layout, layers, meta=None, die_after=-1):
+        import torch
+
+        blobs = [tuple(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in pair) for pair in layers]
+        with Client(("127.0.0.1", self.world.port), authkey=self.world.key) as conn:
+            conn.send((dest, tid, layout.to_dict(), blobs, die_after))
+            if die_after >= 0:
+                return
+            error = conn.recv()
+        if error:
+            raise TransferError(error)
+
+    def close(self):
+        pass

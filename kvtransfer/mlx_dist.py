@@ -1,0 +1,105 @@
+"""MLX distributed transport: ``mx.distributed`` send/recv between a prefill
+rank and a decode rank. Backend ``jaccl`` is RDMA over Thunderbolt 5 on macOS;
+``ring`` is TCP and runs anywhere (``mlx[cpu]`` on Linux).
+
+MLX groups are a fixed world (hostfile + rank, read at init), so metadata
+travels over the socket framing of ``sockets``: BEGIN, then the receiver,
+holding its one-at-a-time data lock, answers GRANT ``{rank}`` and posts
+``recv`` for each layer's K and V bytes while the sender ``send``s them;
+END and ACK close the transfer. Data moves as uint8 so every dtype is
+bit-exact. Options: ``mlx_backend`` (ring | jaccl | any), ``mlx_hostfile``,
+``mlx_rank`` (else MLX's own ``MLX_HOSTFILE``/``MLX_RANK`` environment)."""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from . import frames
+from .base import ReceivedKV, TransferError
+from .sockets import SocketReceiver, SocketSender, timed_layers
+from .tensors import TORCH_DTYPES, check_layer, to_host
+
+_group = None
+_group_lock = threading.Lock()
+
+
+def group(cfg):
+    global _group
+    with _group_lock:
+        if _group is None:
+            opts = cfg.options
+            if opts.get("mlx_hostfile"):
+                os.environ["MLX_HOSTFILE"] = str(opts["mlx_hostfile"])
+            if opts.get("mlx_rank") is not None:
+                os.environ["MLX_RANK"] = str(opts["mlx_rank"])
+            if not os.environ.get("MLX_HOSTFILE"):
+                raise TransferError("mlx transport needs a hostfile (--mlx-hostfile or MLX_HOSTFILE) and a rank")
+            _group = mx.distributed.init(backend=opts.get("mlx_backend", "ring"), strict=True)
+        return _group
+
+
+class MlxSender(SocketSender):
+    name = "mlx"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.group = group(self.cfg)
+
+    def _send_body(self, sock, layout, layers, phases) -> float:
+        kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
+        grant = frames.read_meta(sock, length)
+        if kind == frames.ACK:
+            raise TransferError(f"receiver refused: {grant.get('error')}")
+        if kind != frames.GRANT or not isinstance(grant.get("rank"), int):
+            raise frames.FrameError("expected GRANT with a rank")
+        dst, waited = grant["rank"], [0.0]
+        for _, (k, v), waited in timed_layers(layers, layout.num_layers):
+            with phases.measure("d2h"):
+                k, v = to_host(k), to_host(v)
+            with phases.measure("serialize"):
+                check_layer(layout, k, v)
+                arrays = [mx.array(t.reshape(-1).view(torch.uint8).numpy()) for t in (k, v)]
+            with phases.measure("wire"):
+                try:
+                    mx.eval([mx.distributed.send(a, dst, group=self.group) for a in arrays])
+                except RuntimeError as e:
+                    raise TransferError(f"mlx send to rank {dst} failed: {e}") from e
+        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+
+class MlxReceiver(SocketReceiver):
+    name = "mlx"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.group = group(self.cfg)
+        self._data_lock = threading.Lock()
+
+    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+        src = 1 - self.group.rank() if self.group.size() == 2 else int(meta.get("rank", -1))
+        if not 0 <= src < self.group.size():
+            raise frames.FrameError("sender rank unknown")
+        arrays = []
+        with self._data_lock:
+            sock.sendall(frames.meta_frame(frames.GRANT, {"rank": self.group.rank()}))
+            try:
+                for _ in range(layout.num_layers):
+                    pair = [mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group) for _ in range(2)]
+                    mx.eval(pair)
+                    arrays.append(pair)
+            except RuntimeError as e:
+                raise ConnectionError(f"mlx recv from rank {src} failed: {e}") from e
+        phases = self._finish(sock, layout, start)
+        with phases.measure("deserialize"):
+            dtype = TORCH_DTYPES[layout.dtype]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                layers = [tuple(torch.from_numpy(np.asarray(a)).view(dtype).view(layout.tensor_shape) for a in pair)
+                          for pair in arrays]
+        holder = {"arrays": arrays}
+        return ReceivedKV(tid, layout, None, phases, holder.clear, meta, layers=layers)

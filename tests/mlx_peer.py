@@ -1,0 +1,43 @@
+"""Rank 0 of a two-rank MLX world for tests: runs MlxSender.send for each connection it accepts."""
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import Listener
+
+import torch
+
+from kvtransfer import KVLayout, TransportConfig, make_sender
+from kvtransfer.tensors import TORCH_DTYPES
+
+
+def serve(sender, conn):
+    with conn:
+        dest, tid, layout_dict, blobs, die_after = conn.recv()
+        layout = KVLayout.from_dict(layout_dict)
+        dtype = TORCH_DTYPES[layout.dtype]
+
+        def layers():
+            for i, (k, v) in enumerate(blobs):
+                if i == die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(layout.tensor_shape)
+                            for b in (k, v))
+        try:
+            sender.send(dest, tid, layout, layers())
+            conn.send(None)
+        except Exception as e:
+            conn.send(f"{type(e).__name__}: {e}")
+
+
+def main():
+    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(os.environ["PDSERVE_TEST_KEY"]))
+    print(listener.address[1], flush=True)
+    sender = make_sender("mlx", TransportConfig(timeout_s=20))
+    while True:
+        conn = listener.accept()
+        threading.Thread(target=serve, args=(sender, conn), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
