@@ -59,7 +59,8 @@ class DecodeWorker(WorkerLoop):
     def info(self):
         return {"role": self.role, "model": self.runner.name, "transport": self.transport,
                 "kv_addr": self.receiver.address if self.receiver else None, "max_len": self.runner.max_len,
-                "active": len(self.active), "waiting": len(self.waiting)}
+                "active": len(self.active), "waiting": len(self.waiting),
+                "kv_registrations": getattr(self.receiver, "registrations", 0)}
 
     def busy(self):
         return bool(self.active)

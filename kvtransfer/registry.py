@@ -21,6 +21,8 @@ TRANSPORTS: dict[str, TransportSpec] = {
     "shm": TransportSpec("kvtransfer.shm", "ShmSender", "ShmReceiver"),
     "pickle": TransportSpec("kvtransfer.pickle_tcp", "PickleSender", "PickleReceiver"),
     "mlx": TransportSpec("kvtransfer.mlx_dist", "MlxSender", "MlxReceiver", "pip install 'pdserve[mlx]' (mlx[cpu] on Linux)"),
+    "nixl": TransportSpec("kvtransfer.nixl_ucx", "NixlSender", "NixlReceiver",
+                          "pip install --no-deps nixl nixl-cu12 (plain `nixl` pulls CUDA torch)"),
     "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }
 

@@ -35,7 +35,8 @@ class PrefillWorker(WorkerLoop):
         self.received_at: dict[str, float] = {}
 
     def info(self):
-        return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len}
+        return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len,
+                "kv_registrations": getattr(self.sender, "registrations", 0)}
 
     def _on_message(self, identity, msg):
         if msg.get("op") == "abort":

@@ -177,6 +177,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def prom():
         for role, g in groups.items():
             metrics.workers.labels(role).set(len(g.healthy()))
+            for c in g.clients:
+                if "kv_registrations" in c.info:
+                    metrics.registrations.labels(role, c.address).set(c.info["kv_registrations"])
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

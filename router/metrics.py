@@ -23,6 +23,8 @@ class Metrics:
         self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
         self.workers = Gauge("pdserve_healthy_workers", "Healthy workers by role", ["role"], registry=r)
+        self.registrations = Gauge("pdserve_kv_memory_registrations", "Memory registrations a worker's transport has made",
+                                   ["role", "worker"], registry=r)
 
     def observe_transfer(self, transport: str, phases: dict):
         for name in PHASE_NAMES:

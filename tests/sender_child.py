@@ -10,7 +10,7 @@ from kvtransfer import KVLayout, TransportConfig, make_sender
 
 def main(name, dest, tid):
     layout = KVLayout(16, 4, 128, 256, "float16")
-    sender = make_sender(name, TransportConfig(timeout_s=10))
+    sender = make_sender(name, TransportConfig(timeout_s=10, options={"nixl_pool_bytes": 64 << 20}))
 
     def layers():
         for i in range(layout.num_layers):

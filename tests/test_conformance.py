@@ -26,7 +26,7 @@ def mlx_world(tmp_path_factory):
 @pytest.fixture(params=available())
 def pair(request):
     name = request.param
-    options = {"shm_bytes": 512 << 20}
+    options = {"shm_bytes": 512 << 20, "nixl_pool_bytes": 64 << 20}
     if name == "ray":
         request.getfixturevalue("ray_cluster")
     if name == "mlx":
@@ -34,7 +34,7 @@ def pair(request):
         options.update(world.options)
     receiver = make_receiver(name, TransportConfig(timeout_s=3.0, lease_s=10, max_transfer_bytes=LIMIT, options=options))
     receiver.start()
-    sender = ProxySender(world) if name == "mlx" else make_sender(name, TransportConfig(timeout_s=10.0))
+    sender = ProxySender(world) if name == "mlx" else make_sender(name, TransportConfig(timeout_s=10.0, options=options))
     yield name, sender, receiver
     sender.close()
     receiver.close()

@@ -206,7 +206,7 @@ def optional(name):
     return pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} not installed"))
 
 
-@pytest.mark.parametrize("transport", ["shm", "pickle", optional("ray"), optional("mlx")])
+@pytest.mark.parametrize("transport", ["shm", "pickle", optional("ray"), optional("mlx"), optional("nixl")])
 def test_other_cpu_transports_serve_identical_output(transport, runner):
     cluster = Cluster("--transport", transport).wait_ready()
     try:
@@ -215,5 +215,9 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
             body = complete(cluster.url, prompt=prompt, max_tokens=12, return_token_ids=True)
             assert body["choices"][0]["token_ids"] == want[1] and body["choices"][0]["text"] == want[0]
             assert body["pdserve"]["transport"] == transport and body["pdserve"]["kv_bytes"] > 0
+        if transport == "nixl":
+            workers = httpx.get(cluster.url + "/health").json()["workers"]
+            assert [w["kv_registrations"] for role in ("prefill", "decode") for w in workers[role]] == [1, 1]
+            assert 'pdserve_kv_memory_registrations{role="decode"' in httpx.get(cluster.url + "/metrics").text
     finally:
         assert cluster.stop()[1] == []

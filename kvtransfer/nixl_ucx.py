@@ -1,0 +1,167 @@
+"""NIXL transport (UCX backend: RDMA verbs when a NIC is present, TCP or
+shared memory otherwise; ``UCX_TLS`` passes through).
+
+Memory is registered once: receiver and sender each allocate one slab at
+startup (``nixl_pool_bytes``), register it with their NIXL agent and carve
+per-transfer regions out of it (``Arena``), so no request registers memory
+(``registrations`` counts them, and stays 1) and agent metadata never changes. Metadata goes over the
+socket framing of ``sockets``: BEGIN, then the receiver answers GRANT with
+its agent name, agent metadata (only re-sent when its registrations change)
+and the destination address; the sender copies each layer into its staging
+buffer and posts a one-sided WRITE of it into the destination, tagged with
+the transfer id as notification. END follows once every WRITE is DONE, and
+the receiver confirms the notification before it ACKs."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from . import frames
+from .base import ReceivedKV, TransferError
+from .arena import Arena
+from .sockets import SocketReceiver, SocketSender, timed_layers
+from .tensors import check_layer, to_host
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_POOL_BYTES = 1 << 30
+
+
+class Agent:
+    """A NIXL agent plus one slab of host memory registered with it once."""
+
+    def __init__(self, role: str, pool_bytes: int):
+        self.name = f"pdserve-{role}-{uuid.uuid4().hex[:10]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        slab = torch.zeros(pool_bytes, dtype=torch.uint8)
+        self._registration = self.agent.register_memory(slab)
+        self.registrations = 1
+        self.arena = Arena(slab)
+        self.metadata = self.agent.get_agent_metadata()
+        self.notifs: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def wait_notif(self, tag: bytes, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                for msgs in self.agent.get_new_notifs().values():
+                    for m in msgs:
+                        self.notifs[m] = self.notifs.get(m, 0) + 1
+                if self.notifs.get(tag):
+                    self.notifs[tag] -= 1
+                    if not self.notifs[tag]:
+                        del self.notifs[tag]
+                    return
+            if time.monotonic() > end:
+                raise TimeoutError(f"no NIXL notification for {tag!r}")
+            time.sleep(0.0002)
+
+
+def _descs(base: int, layout, layer: int):
+    off, n = base + layout.layer_offset(layer), layout.tensor_nbytes
+    return [(off, n, 0), (off + n, n, 0)]
+
+
+class NixlSender(SocketSender):
+    name = "nixl"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.nixl = Agent("prefill", int(self.cfg.options.get("nixl_pool_bytes", DEFAULT_POOL_BYTES)))
+        self._peers: set[str] = set()
+        self._peer_lock = threading.Lock()
+
+    @property
+    def registrations(self) -> int:
+        return self.nixl.registrations
+
+    def _peer(self, grant: dict) -> str:
+        with self._peer_lock:
+            if grant["agent"] not in self._peers:
+                added = self.nixl.agent.add_remote_agent(grant["meta"])
+                if (added.decode() if isinstance(added, bytes) else added) != grant["agent"]:
+                    raise frames.FrameError("NIXL metadata does not match the agent name")
+                self._peers.add(grant["agent"])
+        return grant["agent"]
+
+    def _send_body(self, sock, layout, layers, phases) -> float:
+        kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
+        grant = frames.read_meta(sock, length)
+        if kind == frames.ACK:
+            raise TransferError(f"receiver refused: {grant.get('error')}")
+        if kind != frames.GRANT or not {"agent", "meta", "addr", "tag"} <= set(grant):
+            raise frames.FrameError("malformed NIXL GRANT")
+        peer, agent = self._peer(grant), self.nixl.agent
+        slot, staging = self.nixl.arena.acquire(layout.total_nbytes)
+        handles, waited, n = [], [0.0], layout.tensor_nbytes
+        try:
+            for i, (k, v), waited in timed_layers(layers, layout.num_layers):
+                with phases.measure("d2h"):
+                    k, v = to_host(k), to_host(v)
+                with phases.measure("serialize"):
+                    check_layer(layout, k, v)
+                    off = layout.layer_offset(i)
+                    staging[off:off + n].copy_(k.reshape(-1).view(torch.uint8))
+                    staging[off + n:off + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+                with phases.measure("wire"):
+                    last = i == layout.num_layers - 1
+                    local = agent.get_xfer_descs(_descs(staging.data_ptr(), layout, i), "DRAM")
+                    remote = agent.get_xfer_descs(_descs(grant["addr"], layout, i), "DRAM")
+                    handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"] if last else b"")
+                    handles.append(handle)
+                    if agent.transfer(handle) == "ERR":
+                        raise TransferError("NIXL WRITE could not be posted")
+            with phases.measure("wire"):
+                self._wait(handles)
+        finally:
+            for h in handles:
+                agent.release_xfer_handle(h)
+            self.nixl.arena.release(slot)
+        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+    def _wait(self, handles):
+        end = time.monotonic() + self.cfg.timeout_s
+        pending = list(handles)
+        while pending:
+            state = self.nixl.agent.check_xfer_state(pending[0])
+            if state == "ERR":
+                raise TransferError("NIXL WRITE failed")
+            if state == "DONE":
+                pending.pop(0)
+            elif time.monotonic() > end:
+                raise TransferError("NIXL WRITE timed out")
+
+
+class NixlReceiver(SocketReceiver):
+    name = "nixl"
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.nixl = Agent("decode", int(self.cfg.options.get("nixl_pool_bytes", DEFAULT_POOL_BYTES)))
+
+    @property
+    def registrations(self) -> int:
+        return self.nixl.registrations
+
+    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+        slot, buf = self.nixl.arena.acquire(layout.total_nbytes)
+        tag = uuid.uuid4().bytes
+        try:
+            grant = {"agent": self.nixl.name, "meta": self.nixl.metadata, "addr": buf.data_ptr(), "tag": tag}
+            sock.sendall(frames.meta_frame(frames.GRANT, grant))
+            phases = self._finish(sock, layout, start)
+            self.nixl.wait_notif(tag, self.cfg.timeout_s)
+        except TimeoutError as e:
+            self.nixl.arena.release(slot)
+            raise ConnectionError(str(e)) from None
+        except BaseException:
+            self.nixl.arena.release(slot)
+            raise
+        return ReceivedKV(tid, layout, buf, phases, lambda: self.nixl.arena.release(slot), meta)
