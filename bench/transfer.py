@@ -34,14 +34,21 @@ def add_arguments(p):
     p.add_argument("--out", default="bench/out/transfer", help="report path prefix (.json/.md/.png)")
 
 
-def _receiver_main(conn, names, layout_dict, nbytes):
-    from kvtransfer import KVLayout, TransportConfig, make_receiver
+def _options(names, role: str, hostfile: str | None) -> dict:
+    if "mlx" in names:
+        return {"mlx_hostfile": hostfile, "mlx_rank": 0 if role == "sender" else 1}
+    return {}
+
+
+def _receiver_main(conn, names, layout_dict, nbytes, hostfile):
+    from kvtransfer import TransportConfig, make_receiver
     from kvtransfer.tensors import materialize
 
     from .reference import RawReceiver
 
-    receivers = {n: make_receiver(n, TransportConfig(max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4))
-                 for n in names}
+    cfg = TransportConfig(max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4, timeout_s=120,
+                          options=_options(names, "receiver", hostfile))
+    receivers = {n: make_receiver(n, cfg) for n in names}
     for r in receivers.values():
         r.start()
     raw = RawReceiver(nbytes)
@@ -63,18 +70,30 @@ def _receiver_main(conn, names, layout_dict, nbytes):
 def measure(names, layout, reps, warmup):
     from kvtransfer import TransportConfig, make_sender
 
+    hostfile = None
+    if "mlx" in names:
+        import tempfile
+
+        from deploy.up import free_port
+
+        fd, hostfile = tempfile.mkstemp(suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
+
     kv = make_kv(layout)
     flat = b"".join(bytes(t.reshape(-1).view(__import__("torch").uint8).numpy()) for pair in kv for t in pair)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, names, layout.to_dict(), layout.total_nbytes), daemon=True)
+    proc = ctx.Process(target=_receiver_main, args=(child, names, layout.to_dict(), layout.total_nbytes, hostfile),
+                       daemon=True)
     proc.start()
     try:
+        cfg = TransportConfig(timeout_s=120, options=_options(names, "sender", hostfile))
+        senders = {n: make_sender(n, cfg) for n in names}
         addresses = parent.recv()
         from .reference import RawSender
 
         raw = RawSender(addresses[REFERENCE])
-        senders = {n: make_sender(n, TransportConfig(timeout_s=120)) for n in names}
         samples = {n: [] for n in [REFERENCE, *names]}
         for rep in range(warmup + reps):
             wall = raw.send(flat)

@@ -14,9 +14,10 @@ class PoolExhausted(MemoryError):
 
 
 class BufferPool:
-    def __init__(self, capacity_bytes: int, pin: bool | None = None, on_allocate=None):
+    def __init__(self, capacity_bytes: int, pin: bool | None = None, on_allocate=None, device="cpu"):
         self.capacity_bytes = capacity_bytes
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cpu" and (torch.cuda.is_available() if pin is None else pin)
         self.on_allocate = on_allocate
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
@@ -37,7 +38,7 @@ class BufferPool:
                     self._held -= self._free.pop(0).numel()
                 if self._held + nbytes > self.capacity_bytes:
                     raise PoolExhausted(f"buffer pool full: {self._held} of {self.capacity_bytes} bytes held, {nbytes} requested")
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
                 self._held += nbytes
                 self.allocations += 1
                 if self.on_allocate:

@@ -88,15 +88,18 @@ def to_device(layers, device: str | torch.device) -> list[tuple[torch.Tensor, to
 def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Typed tensors on ``device`` from a ``ReceivedKV``, recording deserialize and h2d.
 
-    On the CPU the tensors are views of the received buffer (no h2d exists), so
-    the caller releases ``received`` once it no longer needs them; on an
-    accelerator the buffer is copied and released here."""
+    Where the buffer already lives on ``device`` (host buffers for a CPU decode,
+    GPU buffers of the nccl transport) the tensors are views of it and the caller
+    releases ``received`` once it no longer needs them; otherwise the buffer is
+    copied to ``device`` (h2d) and released here."""
     if received.layers is not None:
         views = received.layers
     else:
         with received.phases.measure("deserialize"):
             views = unpack(received.buffer, received.layout)
-    if torch.device(device).type == "cpu":
+    device = torch.device(device)
+    here = views[0][0].device
+    if here.type == device.type and (device.index is None or here.index == device.index):
         return views
     try:
         with received.phases.measure("h2d"):

@@ -23,7 +23,8 @@ def available() -> list:
     for name, module in OPTIONAL.items():
         missing = importlib.util.find_spec(module) is None
         params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(missing, reason=f"{module} not installed")))
-    params.append(pytest.param("nccl", id="nccl", marks=pytest.mark.skip(reason="nccl needs two CUDA GPUs; run on the device tool")))
+    params.append(pytest.param("nccl", id="nccl", marks=pytest.mark.skip(
+        reason="nccl needs two CUDA GPUs and a fixed rank pair: `python -m bench.nccl_check` runs its conformance checks")))
     return params
 
 
