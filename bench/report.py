@@ -57,3 +57,58 @@ def _plot(report: dict, path: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def serve_table(s: dict) -> str:
+    rows = ["| metric | p50 | p90 | p99 |", "|---|---|---|---|"]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        q = s.get(name) or {}
+        if q:
+            rows.append(f"| {name} | {q['median']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} |")
+    rows.append("")
+    rows.append(f"requests {s['requests']}, errors {s['errors']}, {s['request_per_s']:.2f} req/s, "
+                f"{s['output_tok_per_s']:.1f} output tok/s, goodput {s['goodput_req_per_s']:.2f} req/s "
+                f"({100 * s['goodput_fraction']:.0f}%)")
+    return "\n".join(rows)
+
+
+def write_serve_reports(report: dict, prefix: str) -> dict:
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    paths = {"json": prefix + ".json", "markdown": prefix + ".md"}
+    with open(paths["json"], "w") as f:
+        json.dump(report, f, indent=1)
+    table = serve_table(report["summary"])
+    with open(paths["markdown"], "w") as f:
+        f.write(f"# Serving load against {report['url']}\n\n`{report['command']}`\n\n{table}\n")
+    curves = {"ttft": [r["ttft_ms"] for r in report["samples"] if "ttft_ms" in r],
+              "e2e": [r["e2e_ms"] for r in report["samples"] if "ttft_ms" in r]}
+    png = plot_cdfs({"this run": curves}, prefix + ".png")
+    if png:
+        paths["png"] = png
+    paths["markdown_text"] = table
+    return paths
+
+
+def plot_cdfs(series: dict, path: str) -> str | None:
+    """``series``: label -> {metric: [ms, ...]}; one panel per metric."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    metrics = sorted({m for curves in series.values() for m in curves})
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, curves in series.items():
+            values = sorted(curves.get(metric) or [])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+        ax.set_xlabel(f"{metric} ms")
+        ax.set_ylabel("fraction of requests")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

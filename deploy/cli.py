@@ -64,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench.transfer import add_arguments
+    from bench import compare, serve, transfer
 
-    add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
+    transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
+    serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
+    compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     return ap
 
 
@@ -90,6 +92,7 @@ def _transport_config(args, port=0):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.cmd == "router":
         from router.main import run_router
 
@@ -110,9 +113,9 @@ def main(argv=None) -> int:
 
         return up(args)
     if args.cmd == "bench":
-        from bench.transfer import run
+        import importlib
 
-        return run(args)
+        return importlib.import_module(f"bench.{args.bench}").run(args)
     return 2
 
 

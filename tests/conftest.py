@@ -4,7 +4,7 @@ import secrets
 
 import pytest
 
-from tests.cluster import Cluster
+from deploy.local import Cluster
 
 # Ray reads its auth settings when first imported: fix this session's token before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")

@@ -10,7 +10,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.generate import generate
 from engine.runner import ModelRunner
-from tests.cluster import Cluster
+from deploy.local import Cluster
 
 PROMPTS = ["Hello", "The capital of France is", "x" * 300, "Ünïcödé ✓ 🙂", "a b c d e f g"]
 TIMING_KEYS = {"transport", "queue", "prefill", "ttft", "decode", "e2e", "d2h", "serialize", "wire", "deserialize",

@@ -1,4 +1,4 @@
-"""Start and stop a real ``pdserve up`` cluster for tests."""
+"""A real ``pdserve up`` cluster as a child process, for tests and benchmarks."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import urllib.request
 
 
 def free_port() -> int:
@@ -39,11 +39,11 @@ def alive(pid: int) -> bool:
 
 
 class Cluster:
-    def __init__(self, *args: str, ready_timeout: float = 240.0):
+    def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), "--threads", "1", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), "--threads", str(threads), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
         self.ready_timeout = ready_timeout
         self.banner = ""
 
@@ -53,10 +53,11 @@ class Cluster:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pdserve up exited {self.proc.returncode}: {self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.banner = self.proc.stdout.readline()
-                    return self
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.banner = self.proc.stdout.readline()
+                        return self
+            except OSError:
                 pass
             time.sleep(0.3)
         self.stop()

@@ -1,0 +1,84 @@
+"""``pdserve bench compare``: one workload against the single-machine baseline
+(colocated) and against disaggregated serving with each chosen transport; the
+clusters are started and stopped here. Prints the table of the experiment
+pdserve grew out of: prefill, serialize, transfer, deserialize, decode,
+transfer overhead, TTFT, e2e, decode tok/s — per configuration."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from .serve import run_load, summarize
+
+COLUMNS = [("prefill", "prefill"), ("serialize", "serialize"), ("transfer", "wire"), ("deserialize", "deserialize"),
+           ("h2d", "h2d"), ("decode", "decode"), ("transfer overhead", "transfer_total"), ("TTFT", "ttft"), ("e2e", "e2e")]
+
+
+def add_arguments(p):
+    p.add_argument("--transports", default="tcp", help="comma-separated; the colocated baseline always runs")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--prompt-len", default="871", help="the experiment's prompt length by default")
+    p.add_argument("--max-tokens", default="128")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--out", default="bench/out/compare")
+
+
+def measure(config: str, args) -> dict:
+    from deploy.local import Cluster
+
+    extra = ["--colocated"] if config == "colocated" else ["--transport", config]
+    cluster = Cluster("--model", args.model, *extra, threads=args.threads).wait_ready()
+    try:
+        load = argparse.Namespace(url=cluster.url, model=None, endpoint="completions", requests=args.requests + 1,
+                                  duration=None, concurrency=args.concurrency, rate=None, prompt_len=args.prompt_len,
+                                  max_tokens=args.max_tokens, prompts_jsonl=None, temperature=0.0, seed=0)
+        rows, wall = asyncio.run(run_load(load))
+    finally:
+        cluster.stop()
+    rows = rows[1:]
+    result = summarize(rows, wall)
+    decode_rates = [(r["output_tokens"] - 1) / (r["pdserve"]["decode"] / 1e3) for r in rows
+                    if not r["error"] and r["pdserve"].get("decode")]
+    result["decode_tok_per_s"] = sum(decode_rates) / len(decode_rates) if decode_rates else 0.0
+    return {"summary": result, "samples": rows}
+
+
+def table(results: dict) -> str:
+    head = "| configuration | " + " | ".join(f"{name} ms" for name, _ in COLUMNS) + " | decode tok/s | errors |"
+    rows = [head, "|---" * (len(COLUMNS) + 3) + "|"]
+    for config, res in results.items():
+        s = res["summary"]
+        cells = [f"{s['pdserve_ms'][key]['median']:.2f}" if key in s["pdserve_ms"] else "-" for _, key in COLUMNS]
+        rows.append(f"| {config} | " + " | ".join(cells) + f" | {s['decode_tok_per_s']:.1f} | {s['errors']} |")
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    import json
+
+    from .report import plot_cdfs
+    from .transfer import environment
+
+    configs = ["colocated", *[t for t in args.transports.split(",") if t]]
+    results = {}
+    for config in configs:
+        print(f"== {config}", file=sys.stderr, flush=True)
+        results[config] = measure(config, args)
+    text = table(results)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    command = " ".join(["pdserve", "bench", "compare", *sys.argv[3:]])
+    with open(args.out + ".json", "w") as f:
+        json.dump({"command": command, "env": environment(), "results": results}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# Colocated vs disaggregated ({args.model}, prompt {args.prompt_len}, output {args.max_tokens})\n\n"
+                f"`{command}`\n\nMedians over {args.requests} requests (one warm-up excluded).\n\n{text}\n")
+    plot_cdfs({c: {"ttft": [r["ttft_ms"] for r in res["samples"] if "ttft_ms" in r],
+                   "e2e": [r["e2e_ms"] for r in res["samples"] if "ttft_ms" in r]} for c, res in results.items()},
+              args.out + ".png")
+    print(text)
+    print(f"wrote {args.out}.json, {args.out}.md, {args.out}.png")
+    return 0 if all(r["summary"]["errors"] == 0 for r in results.values()) else 1

@@ -1,0 +1,134 @@
+"""``pdserve bench serve``: load against any OpenAI-compatible endpoint.
+
+Requests stream with ``include_usage``; per request it records TTFT (first
+content chunk), inter-token gaps, TPOT, end-to-end latency, output tokens and,
+when the server is pdserve, its per-phase timings. Fixed concurrency (closed
+loop) or Poisson arrivals at ``--rate``; stops after ``--requests`` or
+``--duration``. Goodput counts requests within ``--slo-ttft-ms``/``--slo-tpot-ms``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+from .stats import summary
+from .workload import arrivals, build
+
+PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "h2d", "transfer_total", "decode", "ttft", "e2e")
+
+
+def add_arguments(p):
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--duration", type=float, default=None, help="seconds; overrides --requests as the stop rule")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    p.add_argument("--prompt-len", default="128", help="N or LO:HI characters (≈ tokens for tiny-llama)")
+    p.add_argument("--max-tokens", default="64", help="N or LO:HI")
+    p.add_argument("--prompts-jsonl", default=None, help="rows of {prompt, max_tokens}")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/out/serve")
+
+
+async def one(client, url, model, endpoint, req, temperature) -> dict:
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": req.prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", req.prompt
+    start = time.perf_counter()
+    stamps, usage, timing, error = [], None, {}, None
+    try:
+        async with client.stream("POST", url + path, json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"].get("message")
+                        break
+                    for choice in chunk.get("choices") or []:
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if text:
+                            stamps.append(time.perf_counter())
+                    usage = chunk.get("usage") or usage
+                    timing = chunk.get("pdserve") or timing
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    out_tokens = (usage or {}).get("completion_tokens", len(stamps))
+    row = {"error": error, "e2e_ms": (end - start) * 1e3, "output_tokens": out_tokens,
+           "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "pdserve": timing}
+    if stamps:
+        row["ttft_ms"] = (stamps[0] - start) * 1e3
+        row["itl_ms"] = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        row["tpot_ms"] = (end - stamps[0]) * 1e3 / (out_tokens - 1) if out_tokens > 1 else 0.0
+    return row
+
+
+async def run_load(args) -> tuple[list[dict], float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
+        count = args.requests if not args.duration else 1_000_000
+        requests = build(min(count, 100_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl)
+        offsets = arrivals(len(requests), args.rate, args.seed)
+        gate = asyncio.Semaphore(args.concurrency)
+        rows, start = [], time.perf_counter()
+        deadline = start + args.duration if args.duration else None
+
+        async def fire(req, offset):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            if deadline and time.perf_counter() > deadline:
+                return
+            async with gate:
+                if deadline and time.perf_counter() > deadline:
+                    return
+                rows.append(await one(client, args.url, model, args.endpoint, req, args.temperature))
+                _progress(len(rows), None if deadline else len(requests), start)
+        await asyncio.gather(*(fire(r, o) for r, o in zip(requests, offsets)))
+        print(file=sys.stderr)
+        return rows, time.perf_counter() - start
+
+
+def _progress(done, total, start):
+    elapsed = time.perf_counter() - start
+    bar = f"{done}/{total}" if total else f"{done}"
+    print(f"\r  requests {bar}  {elapsed:6.1f}s", end="", file=sys.stderr, flush=True)
+
+
+def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None) -> dict:
+    ok = [r for r in rows if not r["error"] and "ttft_ms" in r]
+    good = [r for r in ok if (slo_ttft is None or r["ttft_ms"] <= slo_ttft) and (slo_tpot is None or r["tpot_ms"] <= slo_tpot)]
+    out = {"requests": len(rows), "errors": len(rows) - len(ok), "wall_s": wall_s,
+           "request_per_s": len(ok) / wall_s if wall_s else 0.0,
+           "output_tok_per_s": sum(r["output_tokens"] for r in ok) / wall_s if wall_s else 0.0,
+           "goodput_req_per_s": len(good) / wall_s if wall_s else 0.0, "goodput_fraction": len(good) / max(1, len(rows)),
+           "ttft_ms": summary(r["ttft_ms"] for r in ok), "tpot_ms": summary(r["tpot_ms"] for r in ok),
+           "itl_ms": summary(x for r in ok for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok)}
+    phases = {p: summary(r["pdserve"][p] for r in ok if isinstance(r["pdserve"].get(p), (int, float))) for p in PHASES}
+    out["pdserve_ms"] = {p: s for p, s in phases.items() if s}
+    return out
+
+
+def run(args) -> int:
+    from .report import write_serve_reports
+
+    rows, wall = asyncio.run(run_load(args))
+    report = {"command": " ".join(["pdserve", "bench", "serve", *sys.argv[3:]]), "url": args.url,
+              "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms), "samples": rows}
+    paths = write_serve_reports(report, args.out)
+    print(paths.pop("markdown_text"))
+    print("wrote " + ", ".join(paths.values()))
+    return 0 if report["summary"]["errors"] == 0 else 1

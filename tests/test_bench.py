@@ -1,0 +1,40 @@
+"""Fast runs of every bench code path (tiny payloads, few requests)."""
+import json
+
+from deploy.cli import main
+
+
+def test_bench_transfer_tiny(tmp_path):
+    out = tmp_path / "t"
+    assert main(["bench", "transfer", "--preset", "tiny", "--transports", "tcp,shm,pickle", "--reps", "2",
+                 "--warmup", "1", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert set(report["summary"]) == {"reference", "tcp", "shm", "pickle"}
+    assert len(report["samples"]["tcp"]) == 2 and report["summary"]["tcp"]["gbps"] > 0
+    assert (tmp_path / "t.md").read_text().count("|") > 10 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_bench_serve_against_running_cluster(disagg, tmp_path):
+    out = tmp_path / "s"
+    assert main(["bench", "serve", "--url", disagg.url, "--requests", "6", "--concurrency", "3", "--prompt-len",
+                 "10:40", "--max-tokens", "4:8", "--slo-ttft-ms", "10000", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "s.json").read_text())
+    s = report["summary"]
+    assert s["requests"] == 6 and s["errors"] == 0 and s["goodput_fraction"] == 1.0
+    assert s["ttft_ms"]["n"] == 6 and "wire" in s["pdserve_ms"] and s["output_tok_per_s"] > 0
+    assert all(4 <= r["output_tokens"] <= 8 for r in report["samples"])
+
+
+def test_bench_serve_poisson_and_chat(disagg, tmp_path):
+    assert main(["bench", "serve", "--url", disagg.url, "--endpoint", "chat", "--requests", "4", "--rate", "20",
+                 "--max-tokens", "3", "--prompt-len", "8", "--out", str(tmp_path / "p")]) == 0
+
+
+def test_bench_compare_small(tmp_path):
+    out = tmp_path / "c"
+    assert main(["bench", "compare", "--transports", "tcp", "--requests", "2", "--prompt-len", "16", "--max-tokens",
+                 "4", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert set(report["results"]) == {"colocated", "tcp"}
+    assert report["results"]["tcp"]["summary"]["pdserve_ms"]["wire"]["median"] > 0
+    assert "| colocated |" in (tmp_path / "c.md").read_text()
