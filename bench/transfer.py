@@ -1,15 +1,17 @@
 """``pdserve bench transfer``: move one KV payload between two real processes
 with each chosen transport and with the plain-socket reference, repetitions
-interleaved (ref A B ref A B ...), warm-up excluded. The receiving process is
-told which transfer to expect over a pipe, materializes it (deserialize + h2d)
-and answers with its phase record; the sender's wall clock from start to that
-answer is the independent total the phases are checked against."""
+interleaved (iperf3, socket, A, B, iperf3, socket, A, B ...), warm-up excluded,
+on loopback or across two network namespaces (``bench.link``). The receiving
+process materializes each transfer (deserialize + h2d) and reports its phases
+and the monotonic time it finished; from the sender's start time that gives an
+independent wall clock the phases are checked against."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 
@@ -17,7 +19,7 @@ from .payload import PRESETS, layout_from_args, make_kv
 from .report import write_reports
 from .stats import summary
 
-REFERENCE = "reference"
+IPERF, SOCKET = "iperf3", "socket"
 
 
 def add_arguments(p):
@@ -30,47 +32,31 @@ def add_arguments(p):
     p.add_argument("--transports", default="tcp", help="comma-separated transport names")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--link", default="loopback", help="loopback")
+    p.add_argument("--link", default="loopback", help="loopback | netns[:RATE] (two namespaces, veth shaped by tc tbf)")
     p.add_argument("--out", default="bench/out/transfer", help="report path prefix (.json/.md/.png)")
 
 
-def _options(names, role: str, hostfile: str | None) -> dict:
-    if "mlx" in names:
-        return {"mlx_hostfile": hostfile, "mlx_rank": 0 if role == "sender" else 1}
-    return {}
+def _start(link, side: str, args: list[str]) -> subprocess.Popen:
+    cmd = link.wrap(side, [sys.executable, "-m", "bench.peers", *args])
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
-def _receiver_main(conn, names, layout_dict, nbytes, hostfile):
-    from kvtransfer import TransportConfig, make_receiver
-    from kvtransfer.tensors import materialize
-
-    from .reference import RawReceiver
-
-    cfg = TransportConfig(max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4, timeout_s=120,
-                          options=_options(names, "receiver", hostfile))
-    receivers = {n: make_receiver(n, cfg) for n in names}
-    for r in receivers.values():
-        r.start()
-    raw = RawReceiver(nbytes)
-    conn.send({n: r.address for n, r in receivers.items()} | {REFERENCE: raw.address})
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        name, tid = msg
-        got = receivers[name].wait(tid, 120)
-        materialize(got, "cpu")
-        got.release()
-        conn.send(got.phases.to_dict())
-    for r in receivers.values():
-        r.close()
-    raw.close()
+def _ask(proc: subprocess.Popen, msg: dict) -> dict:
+    proc.stdin.write(json.dumps(msg) + "\n")
+    proc.stdin.flush()
+    return _read(proc)
 
 
-def measure(names, layout, reps, warmup):
-    from kvtransfer import TransportConfig, make_sender
+def _read(proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"benchmark peer exited (code {proc.wait()})")
+    return json.loads(line)
 
-    hostfile = None
+
+def measure(names, layout, reps, warmup, link):
+    hostfile = ""
     if "mlx" in names:
         import tempfile
 
@@ -78,54 +64,79 @@ def measure(names, layout, reps, warmup):
 
         fd, hostfile = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
-
-    kv = make_kv(layout)
-    flat = b"".join(bytes(t.reshape(-1).view(__import__("torch").uint8).numpy()) for pair in kv for t in pair)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, names, layout.to_dict(), layout.total_nbytes, hostfile),
-                       daemon=True)
-    proc.start()
+            json.dump([[f"{link.send_host}:{free_port(link.send_host) if link.name == 'loopback' else 47001}"],
+                       [f"{link.recv_host}:{free_port(link.recv_host) if link.name == 'loopback' else 47002}"]], f)
+    rx = _start(link, "recv", ["recv", link.recv_host, ",".join(names), str(layout.total_nbytes), hostfile])
+    tx = _start(link, "send", ["send", ",".join(names), json.dumps(layout.to_dict()), hostfile])
+    iperf = Iperf(link, layout.total_nbytes) if shutil.which("iperf3") else None
     try:
-        cfg = TransportConfig(timeout_s=120, options=_options(names, "sender", hostfile))
-        senders = {n: make_sender(n, cfg) for n in names}
-        addresses = parent.recv()
-        from .reference import RawSender
-
-        raw = RawSender(addresses[REFERENCE])
-        samples = {n: [] for n in [REFERENCE, *names]}
+        addresses = _read(rx)["addresses"]
+        _read(tx)
+        samples = {n: [] for n in ([IPERF] if iperf else []) + [SOCKET, *names]}
         for rep in range(warmup + reps):
-            wall = raw.send(flat)
-            if rep >= warmup:
-                samples[REFERENCE].append({"wall": wall * 1e3})
+            keep = rep >= warmup
+            if iperf:
+                ms = iperf.run()
+                if keep:
+                    samples[IPERF].append({"wall": ms})
+            wall = _ask(tx, {"name": "reference", "dest": addresses["reference"]})["wall"]
+            if keep:
+                samples[SOCKET].append({"wall": wall})
             for n in names:
                 tid = f"{n}-{rep}"
-                parent.send((n, tid))
-                start = time.perf_counter()
-                senders[n].send(addresses[n], tid, layout, kv)
-                phases = parent.recv()
-                wall = (time.perf_counter() - start) * 1e3
-                if rep >= warmup:
-                    samples[n].append({**phases, "wall": wall})
-        parent.send(None)
-        raw.close()
-        for s in senders.values():
-            s.close()
+                rx.stdin.write(json.dumps({"name": n, "tid": tid}) + "\n")
+                rx.stdin.flush()
+                start = _ask(tx, {"name": n, "tid": tid, "dest": addresses[n]})["start"]
+                got = _read(rx)
+                if keep:
+                    samples[n].append({**got["phases"], "wall": (got["done"] - start) * 1e3})
+        return samples
     finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    return samples
+        for proc in (tx, rx):
+            proc.stdin.close()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if iperf:
+            iperf.close()
+
+
+class Iperf:
+    """iperf3 moving the same number of bytes over the same link, one run per repetition."""
+
+    def __init__(self, link, nbytes: int):
+        from deploy.up import free_port
+
+        self.link, self.nbytes = link, nbytes
+        self.port = free_port() if link.name == "loopback" else 5201
+        self.server = subprocess.Popen(link.wrap("recv", ["iperf3", "-s", "-B", link.recv_host, "-p", str(self.port)]),
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def run(self) -> float:
+        cmd = self.link.wrap("send", ["iperf3", "-c", self.link.recv_host, "-p", str(self.port), "-n", str(self.nbytes), "-J"])
+        for _ in range(5):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if out.returncode == 0:
+                bps = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]
+                return self.nbytes * 8 / bps * 1e3
+            time.sleep(0.3)
+        raise RuntimeError(f"iperf3 failed: {out.stdout[-300:]} {out.stderr[-300:]}")
+
+    def close(self):
+        self.server.terminate()
+        self.server.wait(5)
 
 
 def summarize(samples, nbytes):
-    ref_ms = summary(s["wall"] for s in samples[REFERENCE])["median"]
+    reference = IPERF if IPERF in samples else SOCKET
+    ref_ms = summary(s["wall"] for s in samples[reference])["median"]
     out = {}
     for name, rows in samples.items():
         wall = summary(r["wall"] for r in rows)
         entry = {"wall_ms": wall, "gbps": nbytes * 8 / (wall["median"] * 1e6), "pct_of_reference": 100 * ref_ms / wall["median"]}
-        if name != REFERENCE:
+        if name not in (IPERF, SOCKET):
             for phase in ("d2h", "serialize", "wire", "deserialize", "h2d", "total"):
                 entry[f"{phase}_ms"] = summary(r[phase] for r in rows)
             entry["phase_sum_vs_wall_pct"] = 100 * entry["total_ms"]["median"] / wall["median"]
@@ -146,13 +157,12 @@ def environment() -> dict:
 
 
 def run(args) -> int:
-    if args.link != "loopback":
-        print(f"link {args.link!r} is not supported yet; use loopback", file=sys.stderr)
-        return 2
+    from .link import LinkError, make_link
+
     layout = layout_from_args(args)
     names = [n for n in args.transports.split(",") if n]
     print(f"payload {layout.total_nbytes / 1e6:.1f} MB ({args.preset if not args.layers else 'custom'}), "
-          f"transports {names} vs {REFERENCE}, {args.reps} reps after {args.warmup} warm-up", flush=True)
+          f"transports {names} vs iperf3/socket, link {args.link}, {args.reps} reps after {args.warmup} warm-up", flush=True)
     ray_cluster = None
     if "ray" in names and not os.environ.get("RAY_ADDRESS"):
         from deploy.raycluster import RayCluster
@@ -160,7 +170,11 @@ def run(args) -> int:
         ray_cluster = RayCluster(num_cpus=2, token=os.environ.get("RAY_AUTH_TOKEN")).start()
         os.environ.update(ray_cluster.env)
     try:
-        samples = measure(names, layout, args.reps, args.warmup)
+        with make_link(args.link) as link:
+            samples = measure(names, layout, args.reps, args.warmup, link)
+    except LinkError as e:
+        print(f"pdserve bench transfer: {e}", file=sys.stderr)
+        return 2
     finally:
         if ray_cluster:
             ray_cluster.stop()

@@ -1,0 +1,81 @@
+"""The two processes of ``bench transfer``, driven over stdin/stdout with JSON lines.
+
+    python -m bench.peers recv HOST NAMES NBYTES HOSTFILE   -> prints {"addresses": {...}}
+        then per line {"name", "tid"}: waits, materializes, prints phases + perf_counter at done
+    python -m bench.peers send NAMES LAYOUT HOSTFILE        -> prints {"ready": true}
+        then per line {"name", "tid", "dest"}: sends, prints perf_counter at start
+
+``time.perf_counter`` is the system monotonic clock, shared by both processes."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def options(names, role: str, hostfile: str) -> dict:
+    if "mlx" in names:
+        return {"mlx_hostfile": hostfile, "mlx_rank": 0 if role == "send" else 1}
+    return {}
+
+
+def say(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def recv(host: str, names: list[str], nbytes: int, hostfile: str) -> None:
+    from kvtransfer import TransportConfig, make_receiver
+    from kvtransfer.tensors import materialize
+
+    from .reference import RawReceiver
+
+    cfg = TransportConfig(host=host, max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4, timeout_s=120,
+                          options=options(names, "recv", hostfile))
+    receivers = {n: make_receiver(n, cfg) for n in names}
+    for r in receivers.values():
+        r.start()
+    raw = RawReceiver(nbytes, host)
+    say({"addresses": {**{n: r.address for n, r in receivers.items()}, "reference": raw.address}})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        got = receivers[msg["name"]].wait(msg["tid"], 120)
+        materialize(got, "cpu")
+        done = time.perf_counter()
+        got.release()
+        say({"phases": got.phases.to_dict(), "done": done})
+    for r in receivers.values():
+        r.close()
+
+
+def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
+    import torch
+
+    from kvtransfer import KVLayout, TransportConfig, make_sender
+
+    from .payload import make_kv
+    from .reference import RawSender
+
+    layout = KVLayout.from_dict(layout_dict)
+    kv = make_kv(layout)
+    flat = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for pair in kv for t in pair)
+    senders = {n: make_sender(n, TransportConfig(timeout_s=120, options=options(names, "send", hostfile))) for n in names}
+    raw = {}
+    say({"ready": True})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["name"] == "reference":
+            raw.setdefault(msg["dest"], RawSender(msg["dest"]))
+            say({"wall": raw[msg["dest"]].send(flat) * 1e3})
+            continue
+        start = time.perf_counter()
+        senders[msg["name"]].send(msg["dest"], msg["tid"], layout, kv)
+        say({"start": start})
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "recv":
+        recv(sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5])
+    else:
+        send(sys.argv[2].split(","), json.loads(sys.argv[3]), sys.argv[4])
