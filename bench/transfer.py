@@ -119,8 +119,11 @@ class Iperf:
         for _ in range(5):
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if out.returncode == 0:
-                bps = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]
-                return self.nbytes * 8 / bps * 1e3
+                end = json.loads(out.stdout)["end"]
+                bps = end["sum_received"]["bits_per_second"] or end["sum_sent"]["bits_per_second"]
+                if bps > 0:
+                    return self.nbytes * 8 / bps * 1e3
+                raise RuntimeError(f"iperf3 measured nothing for {self.nbytes} bytes; use a larger payload")
             time.sleep(0.3)
         raise RuntimeError(f"iperf3 failed: {out.stdout[-300:]} {out.stderr[-300:]}")
 

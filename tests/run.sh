@@ -8,4 +8,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0                 # CPU build; install it before anything that needs torch
 python -m pip install -q -e '.[test]'
 python -m pip install -q --no-deps nixl nixl-cu12      # plain `nixl` would pull CUDA torch
+if ! command -v iperf3 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  timeout 180 apt-get install -y -q iperf3 >/dev/null 2>&1 || echo "iperf3 not installed; benchmarks fall back to a plain socket reference"
+fi
 python -m pytest -q "$@"

@@ -6,7 +6,7 @@ from deploy.cli import main
 
 def test_bench_transfer_tiny(tmp_path):
     out = tmp_path / "t"
-    assert main(["bench", "transfer", "--preset", "tiny", "--transports", "tcp,shm,pickle", "--reps", "2",
+    assert main(["bench", "transfer", "--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--tokens", "512", "--transports", "tcp,shm,pickle", "--reps", "2",
                  "--warmup", "1", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "t.json").read_text())
     assert {"socket", "tcp", "shm", "pickle"} <= set(report["summary"])
@@ -49,7 +49,7 @@ def test_bench_transfer_over_netns_link(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("netns link emulation needs root")
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert main(["bench", "transfer", "--preset", "tiny", "--transports", "tcp", "--reps", "2", "--warmup", "1",
+    assert main(["bench", "transfer", "--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--tokens", "512", "--transports", "tcp", "--reps", "2", "--warmup", "1",
                  "--link", "netns:1gbit", "--out", str(tmp_path / "n")]) == 0
     report = json.loads((tmp_path / "n.json").read_text())
     assert report["link"] == "netns:1gbit" and len(report["samples"]["tcp"]) == 2
