@@ -126,7 +126,9 @@ def run(args) -> int:
     from .report import write_serve_reports
 
     rows, wall = asyncio.run(run_load(args))
-    report = {"command": " ".join(["pdserve", "bench", "serve", *sys.argv[3:]]), "url": args.url,
+    from .transfer import environment
+
+    report = {"command": " ".join(["pdserve", "bench", "serve", *sys.argv[3:]]), "url": args.url, "env": environment(),
               "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms), "samples": rows}
     paths = write_serve_reports(report, args.out)
     print(paths.pop("markdown_text"))
