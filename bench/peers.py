@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -19,9 +20,20 @@ def options(names, role: str, hostfile: str) -> dict:
     return {}
 
 
+def _private_stdout():
+    """Keep fd 1 for our JSON lines; libraries that print (NIXL logs, Ray) go to stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+_out = None
+
+
 def say(obj) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    _out.write(json.dumps(obj) + "\n")
+    _out.flush()
 
 
 def recv(host: str, names: list[str], nbytes: int, hostfile: str) -> None:
@@ -74,6 +86,7 @@ def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
 
 
 if __name__ == "__main__":
+    _out = _private_stdout()
     role = sys.argv[1]
     if role == "recv":
         recv(sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5])
