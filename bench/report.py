@@ -33,13 +33,20 @@ def write_reports(report: dict, prefix: str) -> dict:
     return paths
 
 
-def _plot(report: dict, path: str) -> str | None:
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _plot(report: dict, path: str) -> str | None:
+    plt = _pyplot()
+    if plt is None:
         return None
     names = [n for n in report["summary"] if "wire_ms" in report["summary"][n]]
     if not names:
@@ -91,12 +98,8 @@ def write_serve_reports(report: dict, prefix: str) -> dict:
 
 def plot_cdfs(series: dict, path: str) -> str | None:
     """``series``: label -> {metric: [ms, ...]}; one panel per metric."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     metrics = sorted({m for curves in series.values() for m in curves})
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from .payload import PRESETS, layout_from_args, make_kv
+from .payload import PRESETS, layout_from_args
 from .report import write_reports
 from .stats import summary
 

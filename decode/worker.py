@@ -100,7 +100,7 @@ class DecodeWorker(WorkerLoop):
         self.active[rid] = Active(seq, received)
 
     def _generate(self, msg):
-        rid, queued = msg["rid"], time.perf_counter()
+        rid = msg["rid"]
         try:
             seq = new_sequence(self.runner, rid, msg)
         except RequestError as e:

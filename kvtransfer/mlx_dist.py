@@ -21,7 +21,7 @@ import torch
 
 from . import frames
 from .base import ReceivedKV, TransferError
-from .sockets import SocketReceiver, SocketSender, timed_layers
+from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import TORCH_DTYPES, check_layer, to_host
 
 _group = None
@@ -51,12 +51,7 @@ class MlxSender(SocketSender):
         self.group = group(self.cfg)
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
-        grant = frames.read_meta(sock, length)
-        if kind == frames.ACK:
-            raise TransferError(f"receiver refused: {grant.get('error')}")
-        if kind != frames.GRANT or not isinstance(grant.get("rank"), int):
-            raise frames.FrameError("expected GRANT with a rank")
+        grant = read_grant(sock, {"rank": int})
         dst, waited = grant["rank"], [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import frames
 from .base import ReceivedKV, TransferError
 from .pool import BufferPool
-from .sockets import SocketReceiver, SocketSender, timed_layers
+from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer
 
 _lock = threading.Lock()
@@ -50,12 +50,7 @@ class NcclSender(SocketSender):
         self._data_lock = threading.Lock()
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
-        grant = frames.read_meta(sock, length)
-        if kind == frames.ACK:
-            raise TransferError(f"receiver refused: {grant.get('error')}")
-        if kind != frames.GRANT or not isinstance(grant.get("rank"), int):
-            raise frames.FrameError("expected GRANT with a rank")
+        grant = read_grant(sock, {"rank": int})
         dst, waited = grant["rank"], [0.0]
         torch.cuda.set_device(self.device)
         parts = []

@@ -24,7 +24,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 from . import frames
 from .base import ReceivedKV, TransferError
 from .arena import Arena
-from .sockets import SocketReceiver, SocketSender, timed_layers
+from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer, to_host
 
 log = logging.getLogger(__name__)
@@ -92,12 +92,7 @@ class NixlSender(SocketSender):
         return grant["agent"]
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
-        grant = frames.read_meta(sock, length)
-        if kind == frames.ACK:
-            raise TransferError(f"receiver refused: {grant.get('error')}")
-        if kind != frames.GRANT or not {"agent", "meta", "addr", "tag"} <= set(grant):
-            raise frames.FrameError("malformed NIXL GRANT")
+        grant = read_grant(sock, {"agent": str, "meta": bytes, "addr": int, "tag": bytes})
         peer, agent = self._peer(grant), self.nixl.agent
         slot, staging = self.nixl.arena.acquire(layout.total_nbytes)
         handles, waited, n = [], [0.0], layout.tensor_nbytes

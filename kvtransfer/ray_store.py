@@ -24,11 +24,10 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .base import KVReceiver, KVSender, ReceivedKV, TransferError, TransportConfig
+from .base import KVSender, ReceivedKV, TransferError, TransportConfig
 from .layout import KVLayout
 from .phases import PhaseTimes
-from .sockets import timed_layers
-from .state import TransferTable
+from .sockets import TableReceiver, timed_layers
 from .tensors import TORCH_DTYPES, check_layer, to_host
 
 log = logging.getLogger(__name__)
@@ -116,20 +115,15 @@ class RaySender(KVSender):
         return phases
 
 
-class RayReceiver(KVReceiver):
+class RayReceiver(TableReceiver):
     name = "ray"
 
     def __init__(self, cfg: TransportConfig | None = None):
-        self.cfg = cfg or TransportConfig()
+        super().__init__(cfg)
         connect(self.cfg)
-        self.table = TransferTable(self.cfg.lease_s, on_change=self._changed)
         self._name = f"pdserve-kv-{uuid.uuid4().hex[:12]}"
         self._inbox = None
         self._closing = False
-
-    def _changed(self, tid, status):
-        if self.on_complete:
-            self.on_complete(tid, status)
 
     @property
     def address(self) -> str:
@@ -178,15 +172,6 @@ class RayReceiver(KVReceiver):
             return
         holder = {"arrays": arrays, "ref": boxed_ref}
         self.table.done(tid, ReceivedKV(tid, layout, None, phases, holder.clear, meta, layers=layers))
-
-    def poll(self, transfer_id):
-        return self.table.status(transfer_id)
-
-    def wait(self, transfer_id, timeout=None) -> ReceivedKV:
-        return self.table.wait(transfer_id, self.cfg.timeout_s if timeout is None else timeout)
-
-    def abort(self, transfer_id):
-        self.table.abort(transfer_id)
 
     def close(self):
         self._closing = True

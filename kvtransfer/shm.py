@@ -16,8 +16,8 @@ import torch
 
 from . import frames
 from .arena import Arena
-from .base import ReceivedKV, TransferError
-from .sockets import SocketReceiver, SocketSender, timed_layers
+from .base import ReceivedKV
+from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer, to_host
 
 DEFAULT_SEGMENT_BYTES = 1 << 30
@@ -54,15 +54,8 @@ class ShmSender(SocketSender):
             return self._maps[path][1]
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        kind, status, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
-        grant = frames.read_meta(sock, length)
-        if kind == frames.ACK:
-            raise TransferError(f"receiver refused: {grant.get('error')}")
-        if kind != frames.GRANT:
-            raise frames.FrameError(f"expected GRANT, got frame kind {kind}")
-        path, offset = grant.get("path"), grant.get("offset")
-        if not isinstance(path, str) or not isinstance(offset, int):
-            raise frames.FrameError("malformed GRANT")
+        grant = read_grant(sock, {"path": str, "offset": int})
+        path, offset = grant["path"], grant["offset"]
         segment = self._segment(path)
         if offset < 0 or offset + layout.total_nbytes > segment.numel():
             raise frames.FrameError("GRANT outside the segment")

@@ -92,6 +92,17 @@ class SocketSender(KVSender):
             self._idle.clear()
 
 
+def read_grant(sock, required: dict) -> dict:
+    """The receiver's GRANT (``required`` maps each key to its type), or its refusal as TransferError."""
+    kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))
+    grant = frames.read_meta(sock, length)
+    if kind == frames.ACK:
+        raise TransferError(f"receiver refused: {grant.get('error')}")
+    if kind != frames.GRANT or any(not isinstance(grant.get(k), t) for k, t in required.items()):
+        raise frames.FrameError(f"expected a GRANT with {sorted(required)}, got frame kind {kind}")
+    return grant
+
+
 def timed_layers(layers, expected: int):
     """Iterate ``layers`` and count the time spent waiting for each; yields (index, pair)."""
     waited, count, source = [0.0], 0, iter(layers)
@@ -109,19 +120,35 @@ def timed_layers(layers, expected: int):
         raise ValueError(f"got {count} layers, layout declares {expected}")
 
 
-class SocketReceiver(KVReceiver):
-    def __init__(self, cfg: TransportConfig | None = None, pool: BufferPool | None = None):
+class TableReceiver(KVReceiver):
+    """Receiver state kept in a ``TransferTable``: poll, wait, abort and completion callbacks."""
+
+    def __init__(self, cfg: TransportConfig | None = None):
         self.cfg = cfg or TransportConfig()
-        self.pool = pool or BufferPool(self.cfg.pool_bytes)
         self.table = TransferTable(self.cfg.lease_s, on_change=self._changed)
-        self._server: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
-        self._closing = False
-        self.dropped_connections = 0
 
     def _changed(self, tid, status):
         if self.on_complete:
             self.on_complete(tid, status)
+
+    def poll(self, transfer_id):
+        return self.table.status(transfer_id)
+
+    def wait(self, transfer_id, timeout=None) -> ReceivedKV:
+        return self.table.wait(transfer_id, self.cfg.timeout_s if timeout is None else timeout)
+
+    def abort(self, transfer_id):
+        self.table.abort(transfer_id)
+
+
+class SocketReceiver(TableReceiver):
+    def __init__(self, cfg: TransportConfig | None = None, pool: BufferPool | None = None):
+        super().__init__(cfg)
+        self.pool = pool or BufferPool(self.cfg.pool_bytes)
+        self._server: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._closing = False
+        self.dropped_connections = 0
 
     @property
     def address(self) -> str:
@@ -204,15 +231,6 @@ class SocketReceiver(KVReceiver):
     def _finish(self, sock, layout, start) -> PhaseTimes:
         sender = frames.read_meta(sock, frames.read_prefix(sock, frames.END)[1])
         return phases_from(sender, (time.perf_counter() - start) * 1e3, layout.total_nbytes)
-
-    def poll(self, transfer_id):
-        return self.table.status(transfer_id)
-
-    def wait(self, transfer_id, timeout=None) -> ReceivedKV:
-        return self.table.wait(transfer_id, self.cfg.timeout_s if timeout is None else timeout)
-
-    def abort(self, transfer_id):
-        self.table.abort(transfer_id)
 
     def close(self):
         self._closing = True

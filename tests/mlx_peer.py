@@ -1,7 +1,6 @@
 """Rank 0 of a two-rank MLX world for tests: runs MlxSender.send for each connection it accepts."""
 import os
 import signal
-import sys
 import threading
 from multiprocessing.connection import Listener
 

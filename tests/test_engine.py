@@ -1,4 +1,3 @@
-import hashlib
 import subprocess
 import sys
 
