@@ -26,6 +26,8 @@ from .tensors import TORCH_DTYPES, check_layer, to_host
 
 _group = None
 _group_lock = threading.Lock()
+_data_lock = threading.Lock()
+_send_lock = threading.Lock()
 
 
 def group(cfg):
@@ -50,9 +52,18 @@ class MlxSender(SocketSender):
         super().__init__(cfg)
         self.group = group(self.cfg)
 
+    def send(self, dest, transfer_id, layout, layers, meta=None):
+        """One transfer at a time per process: concurrent MLX sends on one world can stall."""
+        with _send_lock:
+            return super().send(dest, transfer_id, layout, layers, meta)
+
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"rank": int})
-        dst, waited = grant["rank"], [0.0]
+        with _data_lock:
+            return self._send_layers(layout, layers, phases, grant["rank"])
+
+    def _send_layers(self, layout, layers, phases, dst) -> float:
+        waited = [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):
                 k, v = to_host(k), to_host(v)
@@ -73,14 +84,13 @@ class MlxReceiver(SocketReceiver):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self.group = group(self.cfg)
-        self._data_lock = threading.Lock()
 
     def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
         src = 1 - self.group.rank() if self.group.size() == 2 else int(meta.get("rank", -1))
         if not 0 <= src < self.group.size():
             raise frames.FrameError("sender rank unknown")
         arrays = []
-        with self._data_lock:
+        with _data_lock:
             sock.sendall(frames.meta_frame(frames.GRANT, {"rank": self.group.rank()}))
             try:
                 for _ in range(layout.num_layers):
