@@ -7,7 +7,6 @@ import logging
 import queue
 import signal
 import threading
-import time
 
 from .server import ControlServer
 
@@ -22,7 +21,6 @@ class WorkerLoop:
         self.server = ControlServer(host, port, self._on_message)
         self.reply_to: dict[str, bytes] = {}
         self.stopping = threading.Event()
-        self.started = time.time()
 
     def info(self) -> dict:
         return {"role": self.role}

@@ -5,9 +5,6 @@ import argparse
 import logging
 import sys
 
-WORKER_DEFAULTS = {"host": "127.0.0.1", "transport": "tcp", "model": "tiny-llama"}
-
-
 def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--model", default="tiny-llama", help="'tiny-llama' (built in) or a local Hugging Face checkpoint dir")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")

@@ -20,11 +20,6 @@ class ModelRunner:
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
         return out.logits[0, -1].float(), kv
 
-    def iter_prefill(self, token_ids: list[int]):
-        """Prefill, then yield the KV layer by layer (the hook for streaming sends)."""
-        logits, kv = self.prefill(token_ids)
-        return logits, iter(kv)
-
     def cache_from(self, kv):
         from transformers import DynamicCache
 
