@@ -1,33 +1,49 @@
 """What every worker process shares: a control server, an inbox drained by one
-engine thread, ping/pong with the worker's description, and reply routing by
-request id back to the router connection that asked."""
+engine thread, ping/pong with the worker's description, reply routing by
+request id back to the router connection that asked, and graceful shutdown.
+
+Shutdown (SIGTERM/SIGINT): the worker announces ``draining`` to every router
+it has heard from (an unsolicited ``pong``), keeps serving what it already
+has until idle or ``drain_s`` passes, fails what is left with 503 and exits.
+A second signal exits at once."""
 from __future__ import annotations
 
 import logging
 import queue
 import signal
 import threading
+import time
 
 from .server import ControlServer
 
 log = logging.getLogger(__name__)
 
+MIN_DRAIN_S = 0.3
+
 
 class WorkerLoop:
     role = "worker"
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, drain_s: float = 20.0):
         self.inbox: queue.Queue = queue.Queue()
         self.server = ControlServer(host, port, self._on_message)
         self.reply_to: dict[str, bytes] = {}
+        self.peers: set[bytes] = set()
         self.stopping = threading.Event()
+        self.forced = threading.Event()
+        self.drain_s = drain_s
+        self.draining_since: float | None = None
 
     def info(self) -> dict:
         return {"role": self.role}
 
+    def describe(self) -> dict:
+        return {**self.info(), "draining": self.draining_since is not None}
+
     def _on_message(self, identity: bytes, msg: dict) -> None:
         if msg["op"] == "ping":
-            self.server.send(identity, "pong", info=self.info(), t=msg.get("t"))
+            self.peers.add(identity)
+            self.server.send(identity, "pong", info=self.describe(), t=msg.get("t"))
             return
         rid = msg.get("rid")
         if not rid:
@@ -45,8 +61,8 @@ class WorkerLoop:
         if op in ("done", "error"):
             self.reply_to.pop(rid, None)
 
-    def fail(self, rid: str, status: int, message: str) -> None:
-        self.emit(rid, "error", status=status, message=message)
+    def fail(self, rid: str, status: int, message: str, **fields) -> None:
+        self.emit(rid, "error", status=status, message=message, **fields)
 
     def handle(self, msg: dict) -> None:
         raise NotImplementedError
@@ -54,15 +70,23 @@ class WorkerLoop:
     def busy(self) -> bool:
         return False
 
+    def idle(self) -> bool:
+        return self.inbox.empty() and not self.busy()
+
     def tick(self) -> None:
         pass
+
+    def _on_signal(self, *_):
+        if self.stopping.is_set():
+            self.forced.set()
+        self.stopping.set()
 
     def serve_forever(self) -> None:
         self.server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
+            signal.signal(sig, self._on_signal)
         log.info("%s worker ready on %s", self.role, self.server.address)
-        while not self.stopping.is_set():
+        while not self._should_exit():
             try:
                 msg = self.inbox.get(timeout=0 if self.busy() else 0.05)
                 while True:
@@ -71,7 +95,22 @@ class WorkerLoop:
             except queue.Empty:
                 pass
             self.tick()
+        for rid in list(self.reply_to):
+            self.fail(rid, 503, f"{self.role} worker shut down before the request finished", retry_after=1)
+        time.sleep(0.1)
         self.close()
+
+    def _should_exit(self) -> bool:
+        if not self.stopping.is_set():
+            return False
+        now = time.monotonic()
+        if self.draining_since is None:
+            self.draining_since = now
+            log.info("%s worker draining (at most %.0fs)", self.role, self.drain_s)
+            for identity in list(self.peers):
+                self.server.send(identity, "pong", info=self.describe(), t=None)
+        waited = now - self.draining_since
+        return self.forced.is_set() or waited > self.drain_s or (waited >= MIN_DRAIN_S and self.idle())
 
     def _safe_handle(self, msg):
         try:

@@ -3,7 +3,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M or 2GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
 
 def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--model", default="tiny-llama", help="'tiny-llama' (built in) or a local Hugging Face checkpoint dir")
@@ -22,7 +34,8 @@ def _add_worker(p: argparse.ArgumentParser):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (control and KV ports)")
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
-    p.add_argument("--max-transfer-bytes", type=int, default=8 << 30)
+    p.add_argument("--max-transfer-bytes", type=byte_size, default=8 << 30)
+    p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--mlx-rank", type=int, default=None, help="mlx transport: this worker's rank in the hostfile")
     _add_engine(p)
 
@@ -40,14 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
     r.add_argument("--policy", default=None, help="least_outstanding | round_robin")
     r.add_argument("--config", default=None, help="TOML file with a [router] table")
+    r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
+    r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
 
     p = sub.add_parser("prefill", help="prefill worker")
     _add_worker(p)
+    p.add_argument("--max-queue", type=int, default=64, help="prompts that may wait (then 503)")
 
     d = sub.add_parser("decode", help="decode worker")
     _add_worker(d)
     d.add_argument("--kv-port", type=int, default=0, help="KV transport port (0 = pick a free one)")
     d.add_argument("--colocated", action="store_true", help="also run prefill here; no KV transfer (baseline)")
+    d.add_argument("--kv-budget", type=byte_size, default=0, help="KV memory budget, e.g. 4G (default: half the free memory)")
 
     u = sub.add_parser("up", help="router + workers as local processes")
     u.add_argument("--host", default="127.0.0.1")
@@ -57,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--colocated", action="store_true", help="single-machine baseline: workers do prefill+decode")
     u.add_argument("--policy", default="least_outstanding")
     u.add_argument("--ready-timeout", type=float, default=180.0)
+    u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
+    u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     _add_engine(u)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -97,13 +116,15 @@ def main(argv=None) -> int:
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker
 
-        PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args)).serve_forever()
+        PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args),
+                      max_queue=args.max_queue, drain_s=args.drain_timeout).serve_forever()
         return 0
     if args.cmd == "decode":
         from decode.worker import DecodeWorker
 
         DecodeWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port, args.colocated,
-                     _transport_config(args, args.kv_port)).serve_forever()
+                     _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
+                     drain_s=args.drain_timeout).serve_forever()
         return 0
     if args.cmd == "up":
         from deploy.up import up

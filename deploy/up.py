@@ -52,13 +52,14 @@ def plan(args) -> list[list[str]]:
     base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
+    budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
     ranks = iter(range(args.prefill + args.decode))
     if args.transport == "mlx" and not args.colocated:
         eng = eng + ["--mlx-hostfile", mlx_hostfile(args, host)]
     if args.colocated:
         for _ in range(max(1, args.decode)):
             port = free_port(host)
-            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng)
+            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng + budget)
             roles["colocated"].append(f"tcp://{host}:{port}")
     else:
         for _ in range(args.prefill):
@@ -69,9 +70,10 @@ def plan(args) -> list[list[str]]:
         for _ in range(args.decode):
             port, kv = free_port(host), free_port(host)
             rank = ["--mlx-rank", str(next(ranks))] if args.transport == "mlx" else []
-            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank)
+            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget)
             roles["decode"].append(f"tcp://{host}:{port}")
-    router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy]
+    router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
+                     "--max-queue", str(args.max_queue)]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]
@@ -92,8 +94,9 @@ def wait_ready(url: str, procs, timeout: float) -> dict:
     raise TimeoutError(f"cluster not healthy after {timeout:.0f}s")
 
 
-def stop(procs, grace: float = 10.0) -> None:
-    for p in procs:
+def stop(procs, grace: float = 30.0) -> None:
+    """SIGTERM every child, router first; each finishes its in-flight work (bounded) and exits."""
+    for p in reversed(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     end = time.monotonic() + grace

@@ -12,6 +12,10 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.model, self.tokenizer, self.name, self.max_len, self.device, self.dtype = load(cfg)
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_heads * head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int]):

@@ -4,10 +4,15 @@ For each ``prefill`` request: build the sequence, run the prompt forward,
 send ``first`` (token + text) to the router immediately, then push the KV to
 the decode worker at ``kv_dest`` over the configured transport, in a sender
 thread so the next prompt can start. A failed push answers ``error``; a
-successful one ``kv_sent`` with the sender-side phases."""
+successful one ``kv_sent`` with the sender-side phases.
+
+Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
+``retry_after``); KV waiting to be pushed is held at most ``lease_s`` (then
+the request fails with 504 and the KV is dropped)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,24 +30,45 @@ class PrefillWorker(WorkerLoop):
     role = "prefill"
 
     def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
-                 transport_cfg: TransportConfig | None = None, send_threads: int = 4):
-        super().__init__(host, port)
+                 transport_cfg: TransportConfig | None = None, send_threads: int = 4, max_queue: int = 64,
+                 drain_s: float = 20.0):
+        super().__init__(host, port, drain_s)
         self.runner = ModelRunner(engine)
         self.transport = transport
-        self.sender = make_sender(transport, transport_cfg or TransportConfig(host=host))
+        self.cfg = transport_cfg or TransportConfig(host=host)
+        self.sender = make_sender(transport, self.cfg)
+        self.max_queue = max_queue
+        self.queued = 0
+        self.pushing = 0
+        self.held_bytes = 0
+        self._count_lock = threading.Lock()
         self.senders = ThreadPoolExecutor(send_threads, thread_name_prefix="kv-send")
         self.aborted: set[str] = set()
         self.received_at: dict[str, float] = {}
 
     def info(self):
         return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len,
-                "kv_registrations": getattr(self.sender, "registrations", 0)}
+                "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
+                "pushing": self.pushing, "kv_held_bytes": self.held_bytes}
+
+    def idle(self):
+        return super().idle() and self.pushing == 0
+
+    def _count(self, name, delta):
+        with self._count_lock:
+            setattr(self, name, getattr(self, name) + delta)
 
     def _on_message(self, identity, msg):
-        if msg.get("op") == "abort":
-            self.aborted.add(msg.get("rid"))
-        elif msg.get("rid"):
-            self.received_at[msg["rid"]] = time.perf_counter()
+        op, rid = msg.get("op"), msg.get("rid")
+        if op == "abort":
+            self.aborted.add(rid)
+        elif op == "prefill" and isinstance(rid, str):
+            if self.queued >= self.max_queue:
+                self.server.send(identity, "error", rid=rid, status=503, retry_after=1,
+                                 message=f"prefill queue full ({self.max_queue} waiting)")
+                return
+            self._count("queued", 1)
+            self.received_at[rid] = time.perf_counter()
         super()._on_message(identity, msg)
 
     def handle(self, msg):
@@ -54,6 +80,7 @@ class PrefillWorker(WorkerLoop):
             return
         if msg["op"] != "prefill":
             return self.fail(rid, 400, f"prefill worker does not handle {msg['op']!r}")
+        self._count("queued", -1)
         if rid in self.aborted:
             self.aborted.discard(rid)
             self.reply_to.pop(rid, None)
@@ -71,19 +98,29 @@ class PrefillWorker(WorkerLoop):
         dest = msg.get("kv_dest")
         if not isinstance(dest, str):
             return self.fail(rid, 500, "prefill request has no kv_dest")
-        self.senders.submit(self._push, rid, dest, kv)
+        layout = layout_of(kv)
+        self._count("pushing", 1)
+        self._count("held_bytes", layout.total_nbytes)
+        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic())
 
-    def _push(self, rid, dest, kv):
-        if rid in self.aborted:
-            self.aborted.discard(rid)
-            return
+    def _push(self, rid, dest, layout, kv, created):
         try:
-            phases = self.sender.send(dest, rid, layout_of(kv), kv)
-        except TransferError as e:
-            log.warning("KV push for %s failed: %s", rid, e)
-            return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
-        self.emit(rid, "kv_sent", phases=phases.to_dict())
-        self.reply_to.pop(rid, None)
+            if rid in self.aborted:
+                self.aborted.discard(rid)
+                self.reply_to.pop(rid, None)
+                return
+            if time.monotonic() - created > self.cfg.lease_s:
+                return self.fail(rid, 504, f"KV lease of {self.cfg.lease_s:.0f}s expired before the transfer started")
+            try:
+                phases = self.sender.send(dest, rid, layout, kv)
+            except TransferError as e:
+                log.warning("KV push for %s failed: %s", rid, e)
+                return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
+            self.emit(rid, "kv_sent", phases=phases.to_dict())
+            self.reply_to.pop(rid, None)
+        finally:
+            self._count("held_bytes", -layout.total_nbytes)
+            self._count("pushing", -1)
 
     def close(self):
         self.senders.shutdown(wait=False, cancel_futures=True)

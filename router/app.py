@@ -1,6 +1,7 @@
 """FastAPI application: the OpenAI-compatible endpoints, health and metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .admission import Admission
 from .config import RouterConfig
 from .errors import ApiError, error_body
 from .metrics import Metrics
@@ -35,7 +37,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     metrics = Metrics()
     inboxes: dict = {}
     groups = _groups(cfg, inboxes)
-    service = Service(groups, metrics, cfg.first_timeout_s, cfg.token_timeout_s)
+    admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
+    service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s)
     service.inboxes = inboxes
     mode = "colocated" if cfg.colocated else "disaggregated"
 
@@ -45,7 +48,16 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         for group in groups.values():
             for client in group.clients:
                 client.start(ctx)
+
+        async def admit_periodically():
+            while True:
+                await asyncio.sleep(0.2)
+                admission.wake()
+                metrics.queue.set(admission.queued)
+
+        waker = asyncio.create_task(admit_periodically())
         yield
+        waker.cancel()
         for group in groups.values():
             for client in group.clients:
                 client.close()
@@ -57,7 +69,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         metrics.errors.labels(f"http_{exc.status}").inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        if exc.status in (429, 503) and exc.headers:
+            metrics.rejected.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -80,7 +94,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         except StreamError as e:
             metrics.in_flight.dec()
             metrics.requests.labels(endpoint, "error").inc()
-            raise ApiError(e.status, e.message) from None
+            raise ApiError(e.status, e.message, headers=retry_header(e)) from None
         except BaseException:
             metrics.in_flight.dec()
             raise
@@ -102,7 +116,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     result = ev
         except StreamError as e:
             metrics.requests.labels(endpoint, "error").inc()
-            raise ApiError(e.status, e.message) from None
+            raise ApiError(e.status, e.message, headers=retry_header(e)) from None
         finally:
             metrics.in_flight.dec()
         finish(endpoint, result, t0)
@@ -167,19 +181,20 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def health():
         workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding, **c.info}
                           for c in g.clients] for role, g in groups.items() if g.clients}
-        for role, g in groups.items():
-            metrics.workers.labels(role).set(len(g.healthy()))
+        metrics.observe_workers(groups)
         ok = service.ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode, "workers": workers},
+        return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode, "workers": workers,
+                             "admission": {"queued": admission.queued, "in_flight": len(service.inboxes)}},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prom():
-        for role, g in groups.items():
-            metrics.workers.labels(role).set(len(g.healthy()))
-            for c in g.clients:
-                if "kv_registrations" in c.info:
-                    metrics.registrations.labels(role, c.address).set(c.info["kv_registrations"])
+        metrics.observe_workers(groups)
+        metrics.queue.set(admission.queued)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def retry_header(e: StreamError) -> dict | None:
+    return {"Retry-After": str(int(e.retry_after))} if e.retry_after else None

@@ -18,12 +18,16 @@ class RouterConfig:
     token_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
     dead_after_s: float = 3.0
+    max_queue: int = 256
+    queue_timeout_s: float = 30.0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} not in {sorted(POLICIES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.max_queue < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated workers or prefill+decode workers, not both")
         if not self.colocated and not (self.prefill and self.decode):

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param

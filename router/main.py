@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 
 def run_router(args) -> int:
     overrides = dict(host=args.host, port=args.port, prefill=args.prefill, decode=args.decode,
-                     colocated=args.colocated, policy=args.policy)
+                     colocated=args.colocated, policy=args.policy, max_queue=args.max_queue,
+                     queue_timeout_s=args.queue_timeout)
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:

@@ -6,6 +6,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 PHASE_NAMES = ("d2h", "serialize", "wire", "deserialize", "h2d", "total")
+WORKER_GAUGES = {
+    "active": ("pdserve_worker_active_sequences", "Sequences a worker is generating"),
+    "waiting": ("pdserve_worker_waiting_for_kv", "Decode requests waiting for their KV"),
+    "queued": ("pdserve_worker_queued_prompts", "Prompts waiting in a prefill worker's queue"),
+    "kv_reserved_bytes": ("pdserve_worker_kv_reserved_bytes", "KV budget a worker has reserved for its sequences"),
+    "kv_budget_bytes": ("pdserve_worker_kv_budget_bytes", "A worker's KV memory budget"),
+    "kv_pool_bytes_in_use": ("pdserve_worker_kv_buffer_bytes_in_use", "Transport buffer bytes holding received KV"),
+    "kv_held_bytes": ("pdserve_worker_kv_held_bytes", "KV bytes a prefill worker holds until they are sent"),
+}
 
 
 class Metrics:
@@ -25,9 +34,22 @@ class Metrics:
         self.workers = Gauge("pdserve_healthy_workers", "Healthy workers by role", ["role"], registry=r)
         self.registrations = Gauge("pdserve_kv_memory_registrations", "Memory registrations a worker's transport has made",
                                    ["role", "worker"], registry=r)
+        self.queue = Gauge("pdserve_admission_queue_depth", "Requests waiting for KV memory", registry=r)
+        self.rejected = Counter("pdserve_admission_rejected", "Requests refused by admission control", ["status"], registry=r)
+        self.worker = {k: Gauge(name, doc, ["role", "worker"], registry=r) for k, (name, doc) in WORKER_GAUGES.items()}
 
     def observe_transfer(self, transport: str, phases: dict):
         for name in PHASE_NAMES:
             if name in phases:
                 self.phase.labels(transport, name).observe(phases[name] / 1e3)
         self.kv_bytes.labels(transport).inc(phases.get("bytes", 0))
+
+    def observe_workers(self, groups: dict):
+        for role, group in groups.items():
+            self.workers.labels(role).set(len(group.healthy()))
+            for c in group.clients:
+                for key, gauge in self.worker.items():
+                    if key in c.info:
+                        gauge.labels(role, c.address).set(c.info[key])
+                if "kv_registrations" in c.info:
+                    self.registrations.labels(role, c.address).set(c.info["kv_registrations"])

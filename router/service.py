@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .admission import estimate_prompt_tokens
 from .errors import ApiError
 
 _ids = itertools.count()
@@ -37,16 +38,18 @@ class Finished:
 
 
 class StreamError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after=None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
 
 class Service:
-    def __init__(self, groups: dict, metrics, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0):
+    def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0):
         self.groups = groups
         self.metrics = metrics
+        self.admission = admission
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.first_timeout_s = first_timeout_s
         self.token_timeout_s = token_timeout_s
@@ -72,7 +75,7 @@ class Service:
     def _pick(self, role):
         worker = self.groups[role].pick() if self.groups.get(role) else None
         if worker is None:
-            raise ApiError(503, f"no healthy {role} worker")
+            raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return worker
 
     async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
@@ -81,7 +84,7 @@ class Service:
         except asyncio.TimeoutError:
             raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
         if msg["op"] == "error":
-            raise StreamError(int(msg.get("status") or 500), str(msg.get("message") or "worker error"))
+            raise StreamError(int(msg.get("status") or 500), str(msg.get("message") or "worker error"), msg.get("retry_after"))
         return msg
 
     async def generate(self, payload: dict, rid: str):
@@ -90,14 +93,16 @@ class Service:
         inbox = self.inboxes[rid] = asyncio.Queue()
         involved, finished = [], False
         timing = {}
+        max_new = payload["params"].get("max_tokens") or 1 << 30
         try:
             if self.colocated:
-                first_worker = self._pick("colocated")
+                first_worker = await self.admission.acquire(self.groups["colocated"], rid, estimate_prompt_tokens(payload) + max_new)
                 decode_worker = first_worker
                 timing["transport"] = "none"
                 await self._dispatch(first_worker, involved, rid, "generate", **payload)
             else:
-                first_worker, decode_worker = self._pick("prefill"), self._pick("decode")
+                decode_worker = await self.admission.acquire(self.groups["decode"], rid, estimate_prompt_tokens(payload) + max_new)
+                first_worker = self._pick("prefill")
                 timing["transport"] = decode_worker.info.get("transport")
                 await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"), **payload)
             first = await self._next(inbox, self.first_timeout_s, "the first token")
@@ -106,6 +111,7 @@ class Service:
             ttft = time.perf_counter() - t0
             timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
             prompt_tokens, completion = first["prompt_tokens"], 1
+            self.admission.adjust(rid, prompt_tokens + max_new)
             yield Delta(first["text"], [first["token"]])
             if first.get("finish_reason"):
                 finished = True
@@ -133,6 +139,7 @@ class Service:
                     return
         finally:
             self.inboxes.pop(rid, None)
+            self.admission.release(rid)
             for worker in involved:
                 worker.outstanding -= 1
                 worker.owned.discard(rid)

@@ -1,5 +1,10 @@
 """Router side of the control plane: one zmq DEALER per worker (asyncio),
-heartbeats, and delivery of worker messages to the request that owns them."""
+heartbeats, and delivery of worker messages to the request that owns them.
+
+A worker is healthy while it answers pings (within ``dead_after_s``). A
+dropped connection (seen by a zmq socket monitor) marks it dead at once and
+fails the requests it owns; zmq keeps reconnecting, and the first pong after
+the worker is back makes it healthy again."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +13,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from control.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode
 
@@ -25,7 +31,7 @@ class WorkerClient:
         self.last_pong = 0.0
         self.outstanding = 0
         self.owned: set[str] = set()
-        self._sock = None
+        self._sock = self._monitor = None
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -36,8 +42,10 @@ class WorkerClient:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat()),
+                       asyncio.create_task(self._watch(self._monitor))]
 
     async def send(self, op: str, **fields) -> None:
         await self._sock.send(encode(op, **fields))
@@ -52,11 +60,19 @@ class WorkerClient:
             if self.owned and not self.healthy:
                 self._fail_owned(f"{self.role} worker {self.address} stopped answering")
 
+    async def _watch(self, monitor):
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("%s worker %s disconnected", self.role, self.address)
+                self.last_pong = 0.0
+                self._fail_owned(f"{self.role} worker {self.address} disconnected")
+
     def _fail_owned(self, message: str):
         for rid in list(self.owned):
             inbox = self.inboxes.get(rid)
             if inbox is not None:
-                inbox.put_nowait({"op": "error", "rid": rid, "status": 503, "message": message})
+                inbox.put_nowait({"op": "error", "rid": rid, "status": 503, "message": message, "retry_after": 1})
         self.owned.clear()
 
     async def _recv_loop(self):
@@ -81,6 +97,8 @@ class WorkerClient:
         for task in self._tasks:
             task.cancel()
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
 
@@ -91,7 +109,7 @@ class WorkerGroup:
         self.policy = policy
 
     def healthy(self) -> list[WorkerClient]:
-        return [c for c in self.clients if c.healthy]
+        return [c for c in self.clients if c.healthy and not c.info.get("draining")]
 
     def pick(self) -> WorkerClient | None:
         ready = self.healthy()
