@@ -53,6 +53,7 @@ class DecodeWorker(WorkerLoop):
         self.runner = ModelRunner(engine)
         self.kv_budget = kv_budget_bytes or default_budget(self.runner.device)
         self.reserved: dict[str, int] = {}
+        self.completed = 0
         self.colocated = colocated
         self.role = "colocated" if colocated else "decode"
         self.transport = None if colocated else transport
@@ -70,7 +71,7 @@ class DecodeWorker(WorkerLoop):
     def info(self):
         return {"role": self.role, "model": self.runner.name, "transport": self.transport,
                 "kv_addr": self.receiver.address if self.receiver else None, "max_len": self.runner.max_len,
-                "active": len(self.active), "waiting": len(self.waiting),
+                "active": len(self.active), "waiting": len(self.waiting), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": self.runner.kv_bytes_per_token,
                 "kv_reserved_bytes": sum(self.reserved.values()),
@@ -177,6 +178,7 @@ class DecodeWorker(WorkerLoop):
                 continue
             if seq.finished:
                 self._finish(rid)
+                self.completed += 1
                 decode_ms = (time.perf_counter() - act.started) * 1e3
                 phases = act.received.phases.to_dict() if act.received else None
                 self.emit(rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,

@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
     r.add_argument("--policy", default=None, help="least_outstanding | round_robin")
     r.add_argument("--config", default=None, help="TOML file with a [router] table")
+    r.add_argument("--heartbeat", type=float, default=None, help="seconds between worker pings (dead after 3 missed)")
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
 

@@ -13,7 +13,8 @@ log = logging.getLogger(__name__)
 def run_router(args) -> int:
     overrides = dict(host=args.host, port=args.port, prefill=args.prefill, decode=args.decode,
                      colocated=args.colocated, policy=args.policy, max_queue=args.max_queue,
-                     queue_timeout_s=args.queue_timeout)
+                     queue_timeout_s=args.queue_timeout, heartbeat_s=args.heartbeat,
+                     dead_after_s=args.heartbeat * 3 if args.heartbeat else None)
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:

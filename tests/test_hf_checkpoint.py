@@ -5,20 +5,12 @@ from engine import EngineConfig, SamplingParams
 from engine.generate import generate
 from engine.runner import ModelRunner
 from engine.tiny import build_tiny_model
+from tests.checkpoints import write_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-hf")
-    build_tiny_model().save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": i + 3 for i in range(256)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    tok.decoder = decoders.ByteFallback()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(path)
-    return str(path)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-hf"))
 
 
 def test_checkpoint_dir_matches_builtin_model(checkpoint):

@@ -1,0 +1,98 @@
+"""Router and workers as separate processes on fixed ports, so tests can kill,
+stop, restart and signal each one (``pdserve up`` would stop them all)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from deploy.local import free_port
+
+
+class Fleet:
+    def __init__(self, *engine_args: str, env: dict | None = None):
+        self.engine_args = ["--threads", "1", *engine_args]
+        self.env = {**os.environ, **(env or {})}
+        self.cmds: dict[str, list[str]] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addrs: dict[str, str] = {}
+        self.url = ""
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        self.cmds[name] = cmd
+        self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env)
+        return self.procs[name]
+
+    def worker(self, name: str, role: str, *extra: str) -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", role, "--port", str(port)]
+        if role == "decode":
+            cmd += ["--kv-port", str(free_port())]
+        self._spawn(name, cmd + self.engine_args + list(extra))
+        self.addrs[name] = f"tcp://127.0.0.1:{port}"
+        return self.addrs[name]
+
+    def router(self, *extra: str, name: str = "router") -> str:
+        port = free_port()
+        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "router", "--port", str(port)]
+        for wname, addr in self.addrs.items():
+            role = self.cmds[wname][5]
+            cmd += [f"--{'colocated' if '--colocated' in self.cmds[wname] else role}", addr]
+        self._spawn(name, cmd + list(extra))
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def worker_info(self, name: str) -> dict:
+        for workers in self.health()["workers"].values():
+            for w in workers:
+                if w["address"] == self.addrs[name]:
+                    return w
+        raise KeyError(name)
+
+    def wait_healthy(self, names=None, timeout: float = 120.0) -> None:
+        names = list(names or self.addrs)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for name, p in self.procs.items():
+                if name in names and p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}")
+            try:
+                if all(self.worker_info(n)["healthy"] for n in names):
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{names} not healthy after {timeout:.0f}s")
+
+    def signal(self, name: str, sig=signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].wait()
+
+    def restart(self, name: str) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        self._spawn(name, self.cmds[name])
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,48 @@
+"""Streaming clients in background threads that record what they saw and when."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+
+class StreamClient(threading.Thread):
+    def __init__(self, url: str, body: dict, timeout: float = 120.0):
+        super().__init__(daemon=True)
+        self.url, self.body, self.timeout = url, {**body, "stream": True, "return_token_ids": True}, timeout
+        self.tokens = 0
+        self.error: dict | None = None
+        self.status: int | None = None
+        self.finished = False
+        self.ended_at: float | None = None
+        self.first_at: float | None = None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=self.timeout) as r:
+                self.status = r.status_code
+                if r.status_code != 200:
+                    self.error = json.loads(r.read()).get("error")
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                    elif chunk["choices"]:
+                        self.tokens += len(chunk["choices"][0].get("token_ids") or [])
+                        self.first_at = self.first_at or time.monotonic()
+                        self.finished = self.finished or bool(chunk["choices"][0].get("finish_reason"))
+        except httpx.HTTPError as e:
+            self.error = {"message": f"client: {e!r}"}
+        finally:
+            self.ended_at = time.monotonic()
+
+    def wait_tokens(self, n: int, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while self.tokens < n and self.ended_at is None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert self.tokens >= n, f"stream saw {self.tokens} tokens (error={self.error})"
