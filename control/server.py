@@ -1,23 +1,36 @@
 """Worker side of the control plane: a zmq ROUTER socket owned by one IO
 thread. Incoming messages go to ``handler(identity, msg)`` (keep it quick:
 enqueue work). Any thread may ``send``; messages reach the IO thread through
-per-thread inproc PUSH sockets, so the socket is only ever touched by its owner."""
+per-thread inproc PUSH sockets, so the socket is only ever touched by its owner.
+
+With a cluster token, a connection must pass the handshake of ``auth``
+(``hello`` -> ``challenge`` -> ``auth`` -> ``welcome``) before anything else
+is handled; other messages from it are dropped and answered ``auth_required``
+(the router then handshakes again, e.g. after this worker restarted)."""
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
 import zmq
 
-from . import messages
+from . import auth, messages
 
 log = logging.getLogger(__name__)
 
 
+MAX_PEERS = 1024
+
+
 class ControlServer:
-    def __init__(self, host: str, port: int, handler):
+    def __init__(self, host: str, port: int, handler, token: bytes | None = None):
+        auth.require_token_for(host, token, "worker control port")
         self.ctx = zmq.Context.instance()
         self.handler = handler
+        self.token = token
+        self._authed: collections.OrderedDict = collections.OrderedDict()
+        self._pending: collections.OrderedDict = collections.OrderedDict()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -80,10 +93,50 @@ class ControlServer:
             self.bad_messages += 1
             log.warning("dropping control message: %s", e)
             return
+        if self.token and not self._authenticated(identity, msg):
+            return
         try:
             self.handler(identity, msg)
         except Exception:
             log.exception("control handler failed on %s", msg.get("op"))
+
+    def _reply(self, identity, op, **fields):
+        try:
+            self.sock.send_multipart([identity, messages.encode(op, **fields)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("control reply failed: %s", e)
+
+    def _authenticated(self, identity: bytes, msg: dict) -> bool:
+        op = msg["op"]
+        if op == "hello" and auth.valid_nonce(msg.get("nonce")):
+            ns = auth.nonce()
+            self._remember(self._pending, identity, (msg["nonce"], ns))
+            self._authed.pop(identity, None)
+            self._reply(identity, "challenge", nonce=ns, proof=auth.proof(self.token, "server", msg["nonce"], ns))
+            return False
+        if op == "auth":
+            nc, ns = self._pending.pop(identity, (None, None))
+            if nc is not None and auth.verify(self.token, "client", ns, nc, msg.get("proof")):
+                self._remember(self._authed, identity, True)
+                self._reply(identity, "welcome")
+            else:
+                self.bad_messages += 1
+                log.warning("control peer failed the cluster-token handshake")
+                self._reply(identity, "auth_required", reason="handshake failed")
+            return False
+        if identity in self._authed:
+            return True
+        self.bad_messages += 1
+        log.warning("dropping %s from an unauthenticated control peer", op)
+        self._reply(identity, "auth_required", reason="send hello first")
+        return False
+
+    @staticmethod
+    def _remember(table: collections.OrderedDict, key, value):
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > MAX_PEERS:
+            table.popitem(last=False)
 
     def close(self):
         self._stop.set()

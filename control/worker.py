@@ -24,9 +24,9 @@ MIN_DRAIN_S = 0.3
 class WorkerLoop:
     role = "worker"
 
-    def __init__(self, host: str, port: int, drain_s: float = 20.0):
+    def __init__(self, host: str, port: int, drain_s: float = 20.0, token: bytes | None = None):
         self.inbox: queue.Queue = queue.Queue()
-        self.server = ControlServer(host, port, self._on_message)
+        self.server = ControlServer(host, port, self._on_message, token)
         self.reply_to: dict[str, bytes] = {}
         self.peers: set[bytes] = set()
         self.stopping = threading.Event()

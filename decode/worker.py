@@ -49,7 +49,7 @@ class DecodeWorker(WorkerLoop):
     def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
                  kv_port: int = 0, colocated: bool = False, transport_cfg: TransportConfig | None = None,
                  kv_budget_bytes: int = 0, drain_s: float = 20.0):
-        super().__init__(host, port, drain_s)
+        super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
         self.runner = ModelRunner(engine)
         self.kv_budget = kv_budget_bytes or default_budget(self.runner.device)
         self.reserved: dict[str, int] = {}

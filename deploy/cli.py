@@ -35,6 +35,8 @@ def _add_worker(p: argparse.ArgumentParser):
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     p.add_argument("--max-transfer-bytes", type=byte_size, default=8 << 30)
+    p.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN); "
+                   "required when binding beyond loopback")
     p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--mlx-rank", type=int, default=None, help="mlx transport: this worker's rank in the hostfile")
     _add_engine(p)
@@ -53,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
     r.add_argument("--policy", default=None, help="least_outstanding | round_robin")
     r.add_argument("--config", default=None, help="TOML file with a [router] table")
+    r.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN)")
+    r.add_argument("--api-key-file", default=None, help="file with the API key clients must send (or PDSERVE_API_KEY)")
     r.add_argument("--heartbeat", type=float, default=None, help="seconds between worker pings (dead after 3 missed)")
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -102,8 +106,10 @@ def _transport_config(args, port=0):
     options = {"ray_address": args.ray_address, "mlx_backend": args.mlx_backend, "mlx_hostfile": args.mlx_hostfile,
                "mlx_rank": args.mlx_rank}
     options = {k: v for k, v in options.items() if v is not None}
+    from control.auth import load_token
+
     return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes,
-                           options=options)
+                           options=options, token=load_token(path=args.cluster_token_file))
 
 
 def main(argv=None) -> int:

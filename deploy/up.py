@@ -2,7 +2,9 @@
 
 Workers get free ports, the router is pointed at them, and ``up`` returns
 to the caller's terminal only when the cluster stops: on Ctrl-C/SIGTERM, or
-when any child dies, every child it started is stopped."""
+when any child dies, every child it started is stopped. The children share
+a cluster token (a fresh one unless PDSERVE_CLUSTER_TOKEN[_FILE] is set),
+passed in their environment, never on a command line."""
 from __future__ import annotations
 
 import json
@@ -122,6 +124,10 @@ def up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     url = f"http://{args.host}:{args.port}"
     ray_cluster, env = None, dict(os.environ)
+    from control.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
+
+    if not (env.get(TOKEN_ENV) or env.get(TOKEN_FILE_ENV)):
+        env[TOKEN_ENV] = new_token()
     try:
         if args.transport == "ray" and not args.ray_address and not args.colocated:
             from deploy.raycluster import RayCluster

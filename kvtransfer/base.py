@@ -40,6 +40,7 @@ class TransportConfig:
     timeout_s: float = 30.0
     lease_s: float = 60.0
     options: dict = field(default_factory=dict)
+    token: bytes | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

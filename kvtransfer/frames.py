@@ -1,4 +1,4 @@
-"""Data-plane framing (wire version 1), used by socket transports.
+"""Data-plane framing (wire version 2), used by socket transports.
 
 Every frame starts with a fixed 20-byte prefix ``!4sHBBIQ``:
 magic ``PDKV``, version, kind, flags, ``a`` (u32), ``b`` (u64).
@@ -8,8 +8,11 @@ magic ``PDKV``, version, kind, flags, ``a`` (u32), ``b`` (u64).
     END    a=0      b=len(meta)  then msgpack sender timings (ms)
     ACK    a=0 ok | 1 error, b=len(meta) then msgpack {"tid", "error"}
     GRANT  a=0      b=len(meta)  then msgpack {"path", "offset"} (shm: where to write)
+    HELLO / CHALLENGE / AUTH     then msgpack {"nonce"} / {"nonce", "proof"} / {"proof"}
 
-A transfer is BEGIN, LAYER 0..n-1 in order, END; the receiver answers ACK.
+With a cluster token, a connection opens with HELLO, CHALLENGE, AUTH (the
+handshake of ``control.auth``). A transfer is BEGIN, LAYER 0..n-1 in order,
+END; the receiver answers ACK.
 Lengths are checked against the declared layout and limits before anything is
 read; a violation raises ``FrameError`` and the connection is dropped.
 """
@@ -21,10 +24,10 @@ import struct
 import msgpack
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 PREFIX = struct.Struct("!4sHBBIQ")
-BEGIN, LAYER, END, ACK, GRANT = 1, 2, 3, 4, 5
-KINDS = {BEGIN, LAYER, END, ACK, GRANT}
+BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH = 1, 2, 3, 4, 5, 6, 7, 8
+KINDS = {BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH}
 MAX_META_BYTES = 64 * 1024
 
 
@@ -72,6 +75,10 @@ def read_prefix(sock: socket.socket, expect: int | None = None) -> tuple[int, in
     if expect is not None and kind != expect:
         raise FrameError(f"expected frame kind {expect}, got {kind}")
     return a, b
+
+
+def read_meta_frame(sock: socket.socket, expect: int) -> dict:
+    return read_meta(sock, read_prefix(sock, expect)[1])
 
 
 def read_meta(sock: socket.socket, length: int) -> dict:

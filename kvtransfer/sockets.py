@@ -4,7 +4,13 @@ Sender: persistent connections per peer (``ConnectionPool``); a transfer is
 BEGIN, a transport-specific body, END (sender timings), then the receiver's
 ACK. Receiver: an accept loop, one thread per connection reading transfers
 back to back; any framing or limit violation drops that connection (with a
-NACK when possible) and fails the transfer in progress, never the process."""
+NACK when possible) and fails the transfer in progress, never the process.
+
+Limits on the receiver: with a cluster token every connection must pass the
+handshake first (within ``timeout_s``); a connection idle between transfers
+longer than ``idle_s`` is closed (the sender reconnects); a transfer, once its
+first byte arrived, must keep moving (``timeout_s`` per read); at most
+``MAX_CONNECTIONS`` connections are served at once."""
 from __future__ import annotations
 
 import logging
@@ -13,14 +19,20 @@ import socket
 import threading
 import time
 
+from control.auth import require_token_for
+
 from . import frames
 from .base import KVReceiver, KVSender, ReceivedKV, TransferError, TransportConfig
+from .handshake import client_handshake, server_handshake
 from .layout import KVLayout, LayoutError
 from .phases import PhaseTimes
 from .pool import BufferPool, PoolExhausted
 from .state import TransferTable
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 256
+IDLE_S = 300.0
 
 
 def parse_address(addr: str) -> tuple[str, int]:
@@ -45,14 +57,20 @@ class SocketSender(KVSender):
                     return sock
                 sock.close()
         sock = socket.create_connection(parse_address(dest), timeout=self.cfg.timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.cfg.token:
+                client_handshake(sock, self.cfg.token)
+        except BaseException:
+            sock.close()
+            raise
         return sock
 
     def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
         phases = PhaseTimes(bytes=layout.total_nbytes)
-        sock = self._checkout(dest)
-        ok = False
+        sock, ok = None, False
         try:
+            sock = self._checkout(dest)
             payload = self._prepare(layout, layers, phases)
             sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": transfer_id, "layout": layout.to_dict(), "meta": meta or {}}))
             overlap = self._send_body(sock, layout, payload, phases)
@@ -71,7 +89,7 @@ class SocketSender(KVSender):
             if ok:
                 with self._lock:
                     self._idle.setdefault(dest, []).append(sock)
-            else:
+            elif sock is not None:
                 sock.close()
 
     def _prepare(self, layout, layers, phases):
@@ -156,6 +174,7 @@ class SocketReceiver(TableReceiver):
         return f"{host}:{port}"
 
     def start(self) -> None:
+        require_token_for(self.cfg.host, self.cfg.token, f"{self.name} KV receiver")
         self._server = socket.create_server((self.cfg.host, self.cfg.port), backlog=128)
         self._server.settimeout(1.0)
         threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True).start()
@@ -169,16 +188,28 @@ class SocketReceiver(TableReceiver):
                 continue
             except OSError:
                 return
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.dropped_connections += 1
+                log.warning("refusing %s connection from %s: %d already open", self.name, peer, len(self._conns))
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.add(sock)
             threading.Thread(target=self._serve, args=(sock, peer), name=f"{self.name}-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer):
         current: list = [None]
+        idle_s = float(self.cfg.options.get("idle_s", IDLE_S))
         try:
+            if self.cfg.token:
+                sock.settimeout(self.cfg.timeout_s)
+                server_handshake(sock, self.cfg.token)
             while not self._closing:
-                sock.settimeout(None)
+                sock.settimeout(idle_s)
                 current[0] = None
+                if not sock.recv(1, socket.MSG_PEEK):
+                    return
+                sock.settimeout(self.cfg.timeout_s)
                 self._receive_one(sock, current)
         except (frames.FrameError, LayoutError, PoolExhausted, ValueError) as e:
             self.dropped_connections += 1
@@ -208,7 +239,6 @@ class SocketReceiver(TableReceiver):
 
     def _receive_one(self, sock: socket.socket, current: list) -> None:
         length = frames.read_prefix(sock, frames.BEGIN)[1]
-        sock.settimeout(self.cfg.timeout_s)
         start = time.perf_counter()
         header = frames.read_meta(sock, length)
         tid = header.get("tid")

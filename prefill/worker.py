@@ -32,10 +32,10 @@ class PrefillWorker(WorkerLoop):
     def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
                  transport_cfg: TransportConfig | None = None, send_threads: int = 4, max_queue: int = 64,
                  drain_s: float = 20.0):
-        super().__init__(host, port, drain_s)
+        self.cfg = transport_cfg or TransportConfig(host=host)
+        super().__init__(host, port, drain_s, self.cfg.token)
         self.runner = ModelRunner(engine)
         self.transport = transport
-        self.cfg = transport_cfg or TransportConfig(host=host)
         self.sender = make_sender(transport, self.cfg)
         self.max_queue = max_queue
         self.queued = 0

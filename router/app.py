@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 
 import zmq.asyncio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,18 +26,19 @@ from .workers import WorkerClient, WorkerGroup
 log = logging.getLogger(__name__)
 
 
-def _groups(cfg: RouterConfig, inboxes: dict) -> dict:
+def _groups(cfg: RouterConfig, inboxes: dict, token: bytes | None) -> dict:
     groups = {}
     for role in ("prefill", "decode", "colocated"):
-        clients = [WorkerClient(a, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s) for a in getattr(cfg, role)]
+        clients = [WorkerClient(a, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token) for a in getattr(cfg, role)]
         groups[role] = WorkerGroup(role, clients, make_policy(cfg.policy))
     return groups
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
+def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | None = None) -> FastAPI:
+    """``token``: the cluster token for worker connections; ``api_key``: required as ``Authorization: Bearer``."""
     metrics = Metrics()
     inboxes: dict = {}
-    groups = _groups(cfg, inboxes)
+    groups = _groups(cfg, inboxes, token)
     admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s)
     service.inboxes = inboxes
@@ -63,7 +65,14 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                 client.close()
         ctx.term()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    def check_key(request: Request):
+        if api_key is None or request.url.path in ("/health", "/metrics"):
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, dependencies=[Depends(check_key)])
     app.state.service, app.state.metrics = service, metrics
 
     @app.exception_handler(ApiError)

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import uvicorn
+
+from control.auth import load_token
 
 from .app import create_app
 from .config import RouterConfig
@@ -19,7 +22,17 @@ def run_router(args) -> int:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:
         cfg = RouterConfig(**{k: v for k, v in overrides.items() if v not in (None, [])})
+    token = load_token(path=args.cluster_token_file)
+    api_key = load_api_key(args.api_key_file)
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("router binds %s: reachable beyond this machine", cfg.host)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+        log.warning("router binds %s: reachable beyond this machine%s", cfg.host,
+                    "" if api_key else " and no API key is set (--api-key-file or PDSERVE_API_KEY)")
+    uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
     return 0
+
+
+def load_api_key(path: str | None) -> str | None:
+    if path:
+        with open(path) as f:
+            return f.read().strip() or None
+    return os.environ.get("PDSERVE_API_KEY") or None

@@ -4,7 +4,10 @@ heartbeats, and delivery of worker messages to the request that owns them.
 A worker is healthy while it answers pings (within ``dead_after_s``). A
 dropped connection (seen by a zmq socket monitor) marks it dead at once and
 fails the requests it owns; zmq keeps reconnecting, and the first pong after
-the worker is back makes it healthy again."""
+the worker is back makes it healthy again. With a cluster token the client
+runs the handshake of ``control.auth`` first (and again whenever the worker
+answers ``auth_required``, e.g. after it restarted), and checks the worker's
+proof before it trusts it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,14 +18,20 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from control import auth
 from control.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 
 
 class WorkerClient:
-    def __init__(self, address: str, role: str, inboxes: dict, heartbeat_s: float = 1.0, dead_after_s: float = 3.0):
+    def __init__(self, address: str, role: str, inboxes: dict, heartbeat_s: float = 1.0, dead_after_s: float = 3.0,
+                 token: bytes | None = None):
         self.address = address
+        self.token = token
+        self.authed = token is None
+        self._nonce = b""
+        self._answered = False
         self.role = role
         self.inboxes = inboxes
         self.heartbeat_s = heartbeat_s
@@ -50,10 +59,26 @@ class WorkerClient:
     async def send(self, op: str, **fields) -> None:
         await self._sock.send(encode(op, **fields))
 
+    async def _hello(self):
+        self.authed = self._answered = False
+        self._nonce = auth.nonce()
+        await self.send("hello", nonce=self._nonce)
+
+    async def _on_challenge(self, msg):
+        ns = msg.get("nonce")
+        if not (self._nonce and auth.valid_nonce(ns) and auth.verify(self.token, "server", self._nonce, ns, msg.get("proof"))):
+            log.error("%s worker %s failed the cluster-token handshake (wrong token?)", self.role, self.address)
+            return
+        self._answered = True
+        await self.send("auth", proof=auth.proof(self.token, "client", ns, self._nonce))
+
     async def _heartbeat(self):
         while True:
             try:
-                await self.send("ping", t=time.monotonic())
+                if self.authed:
+                    await self.send("ping", t=time.monotonic())
+                elif self.token:
+                    await self._hello()
             except zmq.ZMQError as e:
                 log.warning("ping to %s failed: %s", self.address, e)
             await asyncio.sleep(self.heartbeat_s)
@@ -84,6 +109,22 @@ class WorkerClient:
                 log.warning("bad message from %s: %s", self.address, e)
                 continue
             op = msg["op"]
+            if op == "auth_required":
+                if not self.token:
+                    log.error("%s worker %s requires a cluster token; give the router the same token",
+                              self.role, self.address)
+                elif self.authed:
+                    await self._hello()
+                continue
+            if op == "challenge" and self.token:
+                await self._on_challenge(msg)
+                continue
+            if op == "welcome" and self.token and self._answered:
+                self.authed = True
+                await self.send("ping", t=time.monotonic())
+                continue
+            if not self.authed:
+                continue
             if op == "pong":
                 self.last_pong = time.monotonic()
                 self.info = msg.get("info") or {}
