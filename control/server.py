@@ -112,7 +112,8 @@ class ControlServer:
             ns = auth.nonce()
             self._remember(self._pending, identity, (msg["nonce"], ns))
             self._authed.pop(identity, None)
-            self._reply(identity, "challenge", nonce=ns, proof=auth.proof(self.token, "server", msg["nonce"], ns))
+            self._reply(identity, "challenge", nonce=ns, for_nonce=msg["nonce"],
+                        proof=auth.proof(self.token, "server", msg["nonce"], ns))
             return False
         if op == "auth":
             nc, ns = self._pending.pop(identity, (None, None))

@@ -11,11 +11,13 @@ import zmq.asyncio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admission import Admission
 from .config import RouterConfig
 from .errors import ApiError, error_body
+from .limits import BodyLimit
 from .metrics import Metrics
 from .policy import make_policy
 from .responses import SSE_DONE, Shaper, sse, usage
@@ -73,6 +75,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
             raise ApiError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, dependencies=[Depends(check_key)])
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.state.service, app.state.metrics = service, metrics
 
     @app.exception_handler(ApiError)
@@ -81,6 +84,14 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         if exc.status in (429, 503) and exc.headers:
             metrics.rejected.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        metrics.errors.labels(f"http_{exc.status_code}").inc()
+        message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "request body is not valid JSON (UTF-8)"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -20,6 +20,7 @@ class RouterConfig:
     dead_after_s: float = 3.0
     max_queue: int = 256
     queue_timeout_s: float = 30.0
+    max_body_bytes: int = 8 << 20
 
     def __post_init__(self):
         if self.policy not in POLICIES:

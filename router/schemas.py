@@ -9,6 +9,8 @@ MAX_PROMPT_CHARS = 1 << 20
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
 
 
@@ -62,7 +64,7 @@ class CompletionRequest(SamplingFields):
             v = v[0]
         if isinstance(v, str) and len(v) > MAX_PROMPT_CHARS:
             raise ValueError(f"prompt longer than {MAX_PROMPT_CHARS} characters")
-        if isinstance(v, list) and not v:
+        if not v:
             raise ValueError("prompt is empty")
         return v
 

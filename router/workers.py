@@ -32,6 +32,7 @@ class WorkerClient:
         self.authed = token is None
         self._nonce = b""
         self._answered = False
+        self._hello_at = -1e9
         self.role = role
         self.inboxes = inboxes
         self.heartbeat_s = heartbeat_s
@@ -61,11 +62,13 @@ class WorkerClient:
 
     async def _hello(self):
         self.authed = self._answered = False
-        self._nonce = auth.nonce()
+        self._nonce, self._hello_at = auth.nonce(), time.monotonic()
         await self.send("hello", nonce=self._nonce)
 
     async def _on_challenge(self, msg):
         ns = msg.get("nonce")
+        if msg.get("for_nonce") != self._nonce:
+            return
         if not (self._nonce and auth.valid_nonce(ns) and auth.verify(self.token, "server", self._nonce, ns, msg.get("proof"))):
             log.error("%s worker %s failed the cluster-token handshake (wrong token?)", self.role, self.address)
             return
@@ -77,7 +80,7 @@ class WorkerClient:
             try:
                 if self.authed:
                     await self.send("ping", t=time.monotonic())
-                elif self.token:
+                elif self.token and time.monotonic() - self._hello_at > max(5.0, 3 * self.heartbeat_s):
                     await self._hello()
             except zmq.ZMQError as e:
                 log.warning("ping to %s failed: %s", self.address, e)
