@@ -1,0 +1,16 @@
+"""The soak benchmark, short: 32 concurrent streams for 30 s against ``pdserve up``."""
+import json
+import subprocess
+import sys
+
+
+def test_thirty_second_soak_has_no_errors_and_flat_memory(tmp_path):
+    out = tmp_path / "soak"
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "soak", "--streams", "32", "--duration", "30",
+                        "--out", str(out), "--up-args", "--threads 1"], capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert r.returncode == 0, (report["error_samples"], r.stderr[-2000:])
+    assert report["errors"] == 0 and report["requests"] >= 32
+    assert len(report["rss_growth_pct"]) == 3
+    assert report["rss_total_growth_pct"] < 10, report["rss_growth_pct"]
+    assert (tmp_path / "soak.md").read_text().startswith("# Soak: 32 streams")
