@@ -62,16 +62,10 @@ def check_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def unpack(buffer: torch.Tensor, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Typed views (no copy) of a host byte buffer holding ``layout``."""
+    """Typed views (no copy) of a byte buffer holding ``layout``."""
     dtype = TORCH_DTYPES[layout.dtype]
-    n = layout.tensor_nbytes
-    out = []
-    for i in range(layout.num_layers):
-        off = layout.layer_offset(i)
-        k = buffer[off:off + n].view(dtype).view(layout.tensor_shape)
-        v = buffer[off + n:off + 2 * n].view(dtype).view(layout.tensor_shape)
-        out.append((k, v))
-    return out
+    whole = buffer[:layout.total_nbytes].view(dtype).view(layout.num_layers, 2, *layout.tensor_shape)
+    return [tuple(pair.unbind(0)) for pair in whole.unbind(0)]
 
 
 def to_device(layers, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
