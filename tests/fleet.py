@@ -46,6 +46,14 @@ class Fleet:
         self.url = f"http://127.0.0.1:{port}"
         return self.url
 
+    def pair(self, router=(), prefill=(), decode=()) -> "Fleet":
+        """One prefill ``p`` and one decode ``d`` worker behind a router, all healthy."""
+        self.worker("p", "prefill", *prefill)
+        self.worker("d", "decode", *decode)
+        self.router(*router)
+        self.wait_healthy()
+        return self
+
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()
 

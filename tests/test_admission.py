@@ -82,10 +82,7 @@ def test_prefill_queue_is_bounded(tmp_path):
     model_dir = write_checkpoint(tmp_path / "slow", SLOW)
     body = {"model": "slow", "prompt": "x" * 2500, "max_tokens": 2}
     with Fleet("--model", model_dir) as f:
-        f.worker("p", "prefill", "--max-queue", "1")
-        f.worker("d", "decode")
-        f.router()
-        f.wait_healthy()
+        f.pair(prefill=("--max-queue", "1"))
         results = []
         threads = [threading.Thread(target=lambda: results.append(complete(f.url, body))) for _ in range(3)]
         for t, pause in zip(threads, (0.3, 0.1, 0)):

@@ -146,10 +146,7 @@ def test_sender_refuses_a_receiver_without_the_token():
 
 def test_cluster_with_token_serves_and_refuses_strangers():
     with Fleet(env={auth.TOKEN_ENV: TOKEN}) as f:
-        f.worker("p", "prefill")
-        f.worker("d", "decode")
-        f.router()
-        f.wait_healthy()
+        f.pair()
         assert complete(f.url).status_code == 200
 
         ctx = zmq.Context.instance()

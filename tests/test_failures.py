@@ -94,10 +94,7 @@ def test_prefill_killed_mid_prefill_errors_and_others_continue(slow_model):
 
 def test_prefill_killed_right_after_first_token_ends_cleanly():
     with Fleet() as f:
-        f.worker("p", "prefill")
-        f.worker("d", "decode")
-        f.router()
-        f.wait_healthy()
+        f.pair()
         client = StreamClient(f.url, {**LONG, "prompt": "y" * 600, "max_tokens": 400})
         client.start()
         client.wait_tokens(1, timeout=30)
@@ -111,10 +108,7 @@ def test_prefill_killed_right_after_first_token_ends_cleanly():
 
 def test_stalled_decode_times_out_and_prefill_frees_the_kv():
     with Fleet() as f:
-        f.worker("p", "prefill", "--kv-timeout", "1.5")
-        f.worker("d", "decode")
-        f.router()
-        f.wait_healthy()
+        f.pair(prefill=("--kv-timeout", "1.5"))
         f.signal("d", signal.SIGSTOP)
         try:
             started = time.monotonic()
@@ -131,10 +125,7 @@ def test_stalled_decode_times_out_and_prefill_frees_the_kv():
 
 def test_client_disconnect_aborts_and_frees_within_a_second():
     with Fleet() as f:
-        f.worker("p", "prefill")
-        f.worker("d", "decode")
-        f.router("--heartbeat", "0.1")
-        f.wait_healthy()
+        f.pair(router=("--heartbeat", "0.1"))
         with httpx.stream("POST", f.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
             lines = r.iter_lines()
             for _ in range(5):
@@ -150,10 +141,7 @@ def test_client_disconnect_aborts_and_frees_within_a_second():
 
 def test_router_restart_reconnects_to_running_workers():
     with Fleet() as f:
-        f.worker("p", "prefill")
-        f.worker("d", "decode")
-        f.router()
-        f.wait_healthy()
+        f.pair()
         assert complete(f.url).status_code == 200
         workers = {n: f.procs[n].pid for n in ("p", "d")}
         f.signal("router", signal.SIGKILL)
