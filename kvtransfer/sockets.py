@@ -68,13 +68,14 @@ class SocketSender(KVSender):
 
     def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
         phases = PhaseTimes(bytes=layout.total_nbytes)
-        sock, ok = None, False
+        sock, ok, t0 = None, False, time.perf_counter()
         try:
             sock = self._checkout(dest)
             payload = self._prepare(layout, layers, phases)
             sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": transfer_id, "layout": layout.to_dict(), "meta": meta or {}}))
+            setup = (time.perf_counter() - t0) * 1e3 - phases.d2h - phases.serialize
             overlap = self._send_body(sock, layout, payload, phases)
-            sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3}
+            sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3, "setup": setup}
             with phases.measure("wire"):
                 sock.sendall(frames.meta_frame(frames.END, sender))
                 status, length = frames.read_prefix(sock, frames.ACK)
@@ -274,8 +275,9 @@ class SocketReceiver(TableReceiver):
 
 
 def phases_from(sender: dict, elapsed_ms: float, nbytes: int) -> PhaseTimes:
-    """Receiver-side record: the sender's own work after BEGIN is taken out of the elapsed time to leave ``wire``."""
+    """Receiver-side record: the sender's own work after BEGIN is taken out of the elapsed time to leave
+    ``wire``, and its connection setup before BEGIN (checkout, handshake, header) is added to it."""
     def ms(key):
         value = sender.get(key, 0.0)
         return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e9 else 0.0
-    return PhaseTimes(d2h=ms("d2h"), serialize=ms("serialize"), wire=max(0.0, elapsed_ms - ms("overlap")), bytes=nbytes)
+    return PhaseTimes(d2h=ms("d2h"), serialize=ms("serialize"), wire=max(0.0, elapsed_ms - ms("overlap") + ms("setup")), bytes=nbytes)

@@ -12,6 +12,8 @@ from .tensors import as_bytes, check_layer, to_host
 
 __all__ = ["TcpSender", "TcpReceiver", "parse_address"]
 
+IOV_BATCH = 512
+
 
 def send_parts(sock, parts: list) -> None:
     """``sendall`` of several buffers with as few ``sendmsg`` calls as possible."""
@@ -29,6 +31,8 @@ class TcpSender(SocketSender):
     name = "tcp"
 
     def _send_body(self, sock, layout, layers, phases) -> float:
+        if isinstance(layers, (list, tuple)):
+            return self._send_all(sock, layout, layers, phases)
         clock, waited = time.perf_counter, [0.0]
         d2h = serialize = wire = 0.0
         for i, (k, v), waited in timed_layers(layers, layout.num_layers):
@@ -42,6 +46,25 @@ class TcpSender(SocketSender):
             d2h, serialize, wire = d2h + t1 - t0, serialize + t2 - t1, wire + clock() - t2
         phases.d2h, phases.serialize, phases.wire = d2h * 1e3, serialize * 1e3, wire * 1e3
         return d2h + serialize + waited[0]
+
+
+    def _send_all(self, sock, layout, layers, phases) -> float:
+        """KV that already exists in full: views of every layer first, then one stream of ``sendmsg`` calls."""
+        if len(layers) != layout.num_layers:
+            raise ValueError(f"got {len(layers)} layers, layout declares {layout.num_layers}")
+        clock = time.perf_counter
+        t0 = clock()
+        host = [(to_host(k), to_host(v)) for k, v in layers]
+        t1 = clock()
+        parts = []
+        for i, (k, v) in enumerate(host):
+            check_layer(layout, k, v)
+            parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), as_bytes(k), as_bytes(v)]
+        t2 = clock()
+        for start in range(0, len(parts), IOV_BATCH):
+            send_parts(sock, parts[start:start + IOV_BATCH])
+        phases.d2h, phases.serialize, phases.wire = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (clock() - t2) * 1e3
+        return t2 - t0
 
 
 class TcpReceiver(SocketReceiver):

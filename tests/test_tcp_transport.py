@@ -220,3 +220,14 @@ def test_unknown_transport_and_missing_dependency_messages():
             make_sender("fake")
     finally:
         del registry.TRANSPORTS["fake"]
+
+
+def test_layers_streamed_from_a_generator_arrive_like_a_list(pair):
+    sender, receiver = pair
+    kv = random_kv(5, 2, 9, 8, torch.bfloat16, seed=11)
+    sender.send(receiver.address, "gen", layout_of(kv), (layer for layer in kv))
+    got = receiver.wait("gen", 5)
+    streamed = [(k.clone(), v.clone()) for k, v in materialize(got, "cpu")]
+    got.release()
+    assert_bit_exact(kv, streamed)
+    assert_bit_exact(kv, roundtrip(sender, receiver, kv, "list"))
