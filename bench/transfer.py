@@ -3,8 +3,11 @@ with each chosen transport and with the plain-socket reference, repetitions
 interleaved (iperf3, socket, A, B, iperf3, socket, A, B ...), warm-up excluded,
 on loopback or across two network namespaces (``bench.link``). The receiving
 process materializes each transfer (deserialize + h2d) and reports its phases
-and the monotonic time it finished; from the sender's start time that gives an
-independent wall clock the phases are checked against."""
+and when it finished: the monotonic time the receiver marked the transfer
+complete plus the time materializing took (the wake-up of the thread that
+waits is left out: it belongs to the consumer, not the transport). From the
+sender's start time that gives an independent wall clock the phases are
+checked against."""
 from __future__ import annotations
 
 import json

@@ -66,6 +66,7 @@ class ReceivedKV:
     meta: dict = field(default_factory=dict)
     released: bool = False
     layers: list | None = None
+    completed_at: float = 0.0
 
     def release(self) -> None:
         if not self.released:

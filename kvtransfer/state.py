@@ -55,6 +55,7 @@ class TransferTable:
         return self._set(tid, TransferStatus.RECEIVING)
 
     def done(self, tid: str, result: ReceivedKV) -> bool:
+        result.completed_at = time.perf_counter()
         return self._set(tid, TransferStatus.DONE, result=result)
 
     def fail(self, tid: str, error: str) -> None:
