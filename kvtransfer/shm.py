@@ -18,7 +18,7 @@ from . import frames
 from .arena import Arena
 from .base import ReceivedKV
 from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
-from .tensors import check_layer, to_host
+from .tensors import check_layer, host_layers, to_host
 
 DEFAULT_SEGMENT_BYTES = 1 << 30
 
@@ -35,6 +35,11 @@ def _map(path: str, size: int | None = None):
     finally:
         os.close(fd)
     return region, torch.frombuffer(region, dtype=torch.uint8)
+
+
+def _copy_layer(segment: torch.Tensor, base: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    segment[base:base + n].copy_(k.reshape(-1).view(torch.uint8))
+    segment[base + n:base + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
 
 
 class ShmSender(SocketSender):
@@ -60,15 +65,19 @@ class ShmSender(SocketSender):
         if offset < 0 or offset + layout.total_nbytes > segment.numel():
             raise frames.FrameError("GRANT outside the segment")
         waited, n = [0.0], layout.tensor_nbytes
+        if isinstance(layers, (list, tuple)):
+            host = host_layers(layout, layers, phases)
+            with phases.measure("wire"):
+                for i, (k, v) in enumerate(host):
+                    _copy_layer(segment, offset + layout.layer_offset(i), n, k, v)
+            return (phases.d2h + phases.serialize) / 1e3
         for i, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):
                 k, v = to_host(k), to_host(v)
             with phases.measure("serialize"):
                 check_layer(layout, k, v)
             with phases.measure("wire"):
-                base = offset + layout.layer_offset(i)
-                segment[base:base + n].copy_(k.reshape(-1).view(torch.uint8))
-                segment[base + n:base + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+                _copy_layer(segment, offset + layout.layer_offset(i), n, k, v)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
 
     def close(self):

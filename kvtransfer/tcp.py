@@ -8,7 +8,7 @@ import time
 from . import frames
 from .base import ReceivedKV, TransferStatus
 from .sockets import SocketReceiver, SocketSender, parse_address, timed_layers
-from .tensors import as_bytes, check_layer, to_host
+from .tensors import as_bytes, check_layer, host_layers, to_host
 
 __all__ = ["TcpSender", "TcpReceiver", "parse_address"]
 
@@ -50,21 +50,15 @@ class TcpSender(SocketSender):
 
     def _send_all(self, sock, layout, layers, phases) -> float:
         """KV that already exists in full: views of every layer first, then one stream of ``sendmsg`` calls."""
-        if len(layers) != layout.num_layers:
-            raise ValueError(f"got {len(layers)} layers, layout declares {layout.num_layers}")
-        clock = time.perf_counter
-        t0 = clock()
-        host = [(to_host(k), to_host(v)) for k, v in layers]
-        t1 = clock()
-        parts = []
-        for i, (k, v) in enumerate(host):
-            check_layer(layout, k, v)
-            parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), as_bytes(k), as_bytes(v)]
-        t2 = clock()
-        for start in range(0, len(parts), IOV_BATCH):
-            send_parts(sock, parts[start:start + IOV_BATCH])
-        phases.d2h, phases.serialize, phases.wire = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (clock() - t2) * 1e3
-        return t2 - t0
+        host = host_layers(layout, layers, phases)
+        with phases.measure("serialize"):
+            parts = []
+            for i, (k, v) in enumerate(host):
+                parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), as_bytes(k), as_bytes(v)]
+        with phases.measure("wire"):
+            for start in range(0, len(parts), IOV_BATCH):
+                send_parts(sock, parts[start:start + IOV_BATCH])
+        return (phases.d2h + phases.serialize) / 1e3
 
 
 class TcpReceiver(SocketReceiver):

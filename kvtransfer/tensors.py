@@ -61,6 +61,18 @@ def check_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match layout {layout.tensor_shape}")
 
 
+def host_layers(layout: KVLayout, layers, phases) -> list:
+    """A KV that exists in full, on the host and checked: d2h and serialize timed once for all layers."""
+    if len(layers) != layout.num_layers:
+        raise ValueError(f"got {len(layers)} layers, layout declares {layout.num_layers}")
+    with phases.measure("d2h"):
+        host = [(to_host(k), to_host(v)) for k, v in layers]
+    with phases.measure("serialize"):
+        for k, v in host:
+            check_layer(layout, k, v)
+    return host
+
+
 def unpack(buffer: torch.Tensor, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Typed views (no copy) of a byte buffer holding ``layout``."""
     dtype = TORCH_DTYPES[layout.dtype]
