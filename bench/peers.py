@@ -37,13 +37,14 @@ def say(obj) -> None:
 
 
 def recv(host: str, names: list[str], nbytes: int, hostfile: str) -> None:
+    from control.auth import load_token
     from kvtransfer import TransportConfig, make_receiver
     from kvtransfer.tensors import materialize
 
     from .reference import RawReceiver
 
     cfg = TransportConfig(host=host, max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4, timeout_s=120,
-                          options=options(names, "recv", hostfile))
+                          options=options(names, "recv", hostfile), token=load_token())
     receivers = {n: make_receiver(n, cfg) for n in names}
     for r in receivers.values():
         r.start()
@@ -64,6 +65,7 @@ def recv(host: str, names: list[str], nbytes: int, hostfile: str) -> None:
 def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
     import torch
 
+    from control.auth import load_token
     from kvtransfer import KVLayout, TransportConfig, make_sender
 
     from .payload import make_kv
@@ -72,7 +74,8 @@ def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
     layout = KVLayout.from_dict(layout_dict)
     kv = make_kv(layout)
     flat = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for pair in kv for t in pair)
-    senders = {n: make_sender(n, TransportConfig(timeout_s=120, options=options(names, "send", hostfile))) for n in names}
+    senders = {n: make_sender(n, TransportConfig(timeout_s=120, options=options(names, "send", hostfile), token=load_token()))
+               for n in names}
     raw = {}
     say({"ready": True})
     for line in sys.stdin:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
@@ -39,10 +40,13 @@ def add_arguments(p):
     p.add_argument("--out", default="bench/out/transfer", help="report path prefix (.json/.md/.png)")
 
 
+_TOKEN_ENV = {} if os.environ.get("PDSERVE_CLUSTER_TOKEN") else {"PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
+
+
 def _start(link, side: str, args: list[str]) -> subprocess.Popen:
     cmd = link.wrap(side, [sys.executable, "-m", "bench.peers", *args])
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **_TOKEN_ENV})
 
 
 def _ask(proc: subprocess.Popen, msg: dict) -> dict:
