@@ -43,6 +43,10 @@ def add_arguments(p):
 _TOKEN_ENV = {} if os.environ.get("PDSERVE_CLUSTER_TOKEN") else {"PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
 
 
+# pause before every measured transfer, so each starts with a full token bucket on a tbf-shaped link
+SETTLE_S = 0.02
+
+
 def _start(link, side: str, args: list[str]) -> subprocess.Popen:
     cmd = link.wrap(side, [sys.executable, "-m", "bench.peers", *args])
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
@@ -86,10 +90,12 @@ def measure(names, layout, reps, warmup, link):
                 ms = iperf.run()
                 if keep:
                     samples[IPERF].append({"wall": ms})
+            time.sleep(SETTLE_S)
             wall = _ask(tx, {"name": "reference", "dest": addresses["reference"]})["wall"]
             if keep:
                 samples[SOCKET].append({"wall": wall})
             for n in names:
+                time.sleep(SETTLE_S)
                 tid = f"{n}-{rep}"
                 rx.stdin.write(json.dumps({"name": n, "tid": tid}) + "\n")
                 rx.stdin.flush()
