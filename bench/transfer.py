@@ -43,7 +43,7 @@ def add_arguments(p):
 _TOKEN_ENV = {} if os.environ.get("PDSERVE_CLUSTER_TOKEN") else {"PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
 
 
-# pause before every measured transfer, so each starts with a full token bucket on a tbf-shaped link
+# on a tbf-shaped link, pause before every measured transfer so each starts with a full token bucket
 SETTLE_S = 0.02
 
 
@@ -84,18 +84,19 @@ def measure(names, layout, reps, warmup, link):
         addresses = _read(rx)["addresses"]
         _read(tx)
         samples = {n: [] for n in ([IPERF] if iperf else []) + [SOCKET, *names]}
+        settle = SETTLE_S if link.name.startswith("netns") else 0.0
         for rep in range(warmup + reps):
             keep = rep >= warmup
             if iperf:
                 ms = iperf.run()
                 if keep:
                     samples[IPERF].append({"wall": ms})
-            time.sleep(SETTLE_S)
+            time.sleep(settle)
             wall = _ask(tx, {"name": "reference", "dest": addresses["reference"]})["wall"]
             if keep:
                 samples[SOCKET].append({"wall": wall})
             for n in names:
-                time.sleep(SETTLE_S)
+                time.sleep(settle)
                 tid = f"{n}-{rep}"
                 rx.stdin.write(json.dumps({"name": n, "tid": tid}) + "\n")
                 rx.stdin.flush()
