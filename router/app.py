@@ -180,17 +180,41 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         metrics.tokens.inc(result.completion_tokens)
         metrics.requests.labels(endpoint, "ok").inc()
 
+    async def until_disconnected(request: Request, work):
+        """Run ``work``; if the client goes away first, cancel it (which aborts the request on its workers)."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        metrics.errors.labels("client_disconnected").inc()
+        return Response(status_code=499)
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await serve("completions", "completion", req, {"prompt": req.prompt, "params": req.params(16)})
+    async def completions(req: CompletionRequest, request: Request):
+        return await until_disconnected(request, serve("completions", "completion", req,
+                                                       {"prompt": req.prompt, "params": req.params(16)}))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         try:
             messages = req.plain_messages()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return await serve("chat", "chat", req, {"messages": messages, "params": req.params(None)})
+        return await until_disconnected(request, serve("chat", "chat", req,
+                                                       {"messages": messages, "params": req.params(None)}))
 
     @app.get("/v1/models")
     async def models():

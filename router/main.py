@@ -5,7 +5,7 @@ import os
 
 import uvicorn
 
-from control.auth import load_token
+from control.auth import load_token, require_token_for
 
 from .app import create_app
 from .config import RouterConfig
@@ -24,6 +24,7 @@ def run_router(args) -> int:
         cfg = RouterConfig(**{k: v for k, v in overrides.items() if v not in (None, [])})
     token = load_token(path=args.cluster_token_file)
     api_key = load_api_key(args.api_key_file)
+    require_token_for(cfg.host, token, "router")
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("router binds %s: reachable beyond this machine%s", cfg.host,
                     "" if api_key else " and no API key is set (--api-key-file or PDSERVE_API_KEY)")

@@ -130,13 +130,25 @@ def test_client_disconnect_aborts_and_frees_within_a_second():
             lines = r.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert f.worker_info("d")["active"] == 1
+            assert eventually(lambda: f.worker_info("d")["active"] == 1, 1)
         closed_at = time.monotonic()
         assert eventually(lambda: decode_is_clean(f, "d") and f.health()["admission"]["in_flight"] == 0, 1.0)
         assert time.monotonic() - closed_at < 1.0
         metrics = httpx.get(f.url + "/metrics").text
         assert "pdserve_requests_in_flight 0.0" in metrics
         assert 'pdserve_worker_active_sequences{role="decode"' in metrics
+
+
+def test_non_stream_client_that_gives_up_aborts_its_request():
+    with Fleet() as f:
+        f.pair(router=("--heartbeat", "0.1"))
+        with pytest.raises(httpx.ReadTimeout):
+            complete(f.url, LONG, timeout=0.6)
+        gave_up = time.monotonic()
+        assert eventually(lambda: decode_is_clean(f, "d") and f.health()["admission"]["in_flight"] == 0, 1.5)
+        assert time.monotonic() - gave_up < 1.5
+        assert f.worker_info("d")["completed"] == 0
+        assert 'pdserve_errors_total{kind="client_disconnected"} 1.0' in httpx.get(f.url + "/metrics").text
 
 
 def test_router_restart_reconnects_to_running_workers():

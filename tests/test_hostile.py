@@ -121,6 +121,12 @@ def test_garbage_on_the_control_port(disagg):
         dealer.send(raw)
     dealer.send_multipart([b"a", b"b", b"c"])
     dealer.close()
+    oversized = ctx.socket(zmq.DEALER)
+    oversized.setsockopt(zmq.LINGER, 0)
+    oversized.connect(f"tcp://{host}:{port}")
+    oversized.send(b"\x00" * (messages.MAX_MESSAGE_BYTES + 1))
+    time.sleep(0.2)
+    oversized.close()
     time.sleep(0.3)
     assert worker_address(disagg, "decode")["healthy"]
     still_serving(disagg.url)
