@@ -7,13 +7,16 @@ travels over the socket framing of ``sockets``: BEGIN, then the receiver,
 holding its one-at-a-time data lock, answers GRANT ``{rank}`` and posts
 ``recv`` for each layer's K and V bytes while the sender ``send``s them;
 END and ACK close the transfer. Data moves as uint8 so every dtype is
-bit-exact. Options: ``mlx_backend`` (ring | jaccl | any), ``mlx_hostfile``,
+bit-exact. Every MLX call of a process runs on one dedicated thread: MLX
+streams and the ring's connections are not safe to drive from the many
+connection threads of the socket layer. Options: ``mlx_backend`` (ring | jaccl | any), ``mlx_hostfile``,
 ``mlx_rank`` (else MLX's own ``MLX_HOSTFILE``/``MLX_RANK`` environment)."""
 from __future__ import annotations
 
 import os
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +31,11 @@ _group = None
 _group_lock = threading.Lock()
 _data_lock = threading.Lock()
 _send_lock = threading.Lock()
+_mlx_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx")
+
+
+def on_mlx_thread(fn, *args):
+    return _mlx_thread.submit(fn, *args).result()
 
 
 def group(cfg):
@@ -41,7 +49,7 @@ def group(cfg):
                 os.environ["MLX_RANK"] = str(opts["mlx_rank"])
             if not os.environ.get("MLX_HOSTFILE"):
                 raise TransferError("mlx transport needs a hostfile (--mlx-hostfile or MLX_HOSTFILE) and a rank")
-            _group = mx.distributed.init(backend=opts.get("mlx_backend", "ring"), strict=True)
+            _group = on_mlx_thread(lambda: mx.distributed.init(backend=opts.get("mlx_backend", "ring"), strict=True))
         return _group
 
 
@@ -60,7 +68,7 @@ class MlxSender(SocketSender):
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"rank": int})
         with _data_lock:
-            return self._send_layers(layout, layers, phases, grant["rank"])
+            return on_mlx_thread(self._send_layers, layout, layers, phases, grant["rank"])
 
     def _send_layers(self, layout, layers, phases, dst) -> float:
         waited = [0.0]
@@ -85,18 +93,22 @@ class MlxReceiver(SocketReceiver):
         super().__init__(cfg)
         self.group = group(self.cfg)
 
+    def _recv_layers(self, layout, src) -> list:
+        arrays = []
+        for _ in range(layout.num_layers):
+            pair = [mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group) for _ in range(2)]
+            mx.eval(pair)
+            arrays.append(pair)
+        return arrays
+
     def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
         src = 1 - self.group.rank() if self.group.size() == 2 else int(meta.get("rank", -1))
         if not 0 <= src < self.group.size():
             raise frames.FrameError("sender rank unknown")
-        arrays = []
         with _data_lock:
             sock.sendall(frames.meta_frame(frames.GRANT, {"rank": self.group.rank()}))
             try:
-                for _ in range(layout.num_layers):
-                    pair = [mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group) for _ in range(2)]
-                    mx.eval(pair)
-                    arrays.append(pair)
+                arrays = on_mlx_thread(self._recv_layers, layout, src)
             except RuntimeError as e:
                 raise ConnectionError(f"mlx recv from rank {src} failed: {e}") from e
         phases = self._finish(sock, layout, start)

@@ -47,6 +47,10 @@ def ray_cluster():
         os.environ.update(cluster.env)
         yield cluster
     finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
         cluster.stop()
     for k, v in saved.items():
         if v is None:
