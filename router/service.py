@@ -91,7 +91,7 @@ class Service:
         """Async generator of ``Delta``/``Finished``; raises ``StreamError``."""
         t0 = time.perf_counter()
         inbox = self.inboxes[rid] = asyncio.Queue()
-        involved, finished = [], False
+        involved, finished, decode_worker = [], False, None
         timing = {}
         max_new = payload["params"].get("max_tokens") or 1 << 30
         try:
@@ -145,6 +145,8 @@ class Service:
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)
+            if not finished and decode_worker is not None and decode_worker not in involved:
+                await self._abort(decode_worker, rid)  # its KV may be on the way already
 
     async def _dispatch(self, worker, involved, rid, op, **fields):
         worker.outstanding += 1

@@ -151,6 +151,17 @@ def test_non_stream_client_that_gives_up_aborts_its_request():
         assert 'pdserve_errors_total{kind="client_disconnected"} 1.0' in httpx.get(f.url + "/metrics").text
 
 
+def test_client_gone_before_the_first_token_leaves_no_kv_behind(slow_model):
+    model = slow_model.rsplit("/", 1)[1]
+    with Fleet("--model", slow_model) as f:
+        f.pair(router=("--heartbeat", "0.1"))
+        with pytest.raises(httpx.ReadTimeout):
+            complete(f.url, {"model": model, "prompt": "x" * 2500, "max_tokens": 50}, timeout=0.3)
+        time.sleep(3)
+        assert decode_is_clean(f, "d") and f.health()["admission"]["in_flight"] == 0
+        assert f.worker_info("p")["kv_held_bytes"] == 0
+
+
 def test_router_restart_reconnects_to_running_workers():
     with Fleet() as f:
         f.pair()
