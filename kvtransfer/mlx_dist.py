@@ -14,9 +14,10 @@ connection threads of the socket layer. Options: ``mlx_backend`` (ring | jaccl |
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
@@ -31,11 +32,26 @@ _group = None
 _group_lock = threading.Lock()
 _data_lock = threading.Lock()
 _send_lock = threading.Lock()
-_mlx_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx")
+_jobs: queue.Queue = queue.Queue()
+
+
+def _mlx_loop():
+    while True:
+        fn, args, future = _jobs.get()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
 
 
 def on_mlx_thread(fn, *args):
-    return _mlx_thread.submit(fn, *args).result()
+    """Run ``fn`` on the process's one MLX thread (a daemon: a recv stuck on a dead peer never blocks exit)."""
+    future = Future()
+    _jobs.put((fn, args, future))
+    return future.result()
+
+
+threading.Thread(target=_mlx_loop, name="mlx", daemon=True).start()
 
 
 def group(cfg):
