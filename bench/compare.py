@@ -21,6 +21,7 @@ def add_arguments(p):
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: closed loop)")
     p.add_argument("--prompt-len", default="871", help="the experiment's prompt length by default")
     p.add_argument("--max-tokens", default="128")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -34,7 +35,7 @@ def measure(config: str, args) -> dict:
     cluster = Cluster("--model", args.model, *extra, threads=args.threads).wait_ready()
     try:
         load = argparse.Namespace(url=cluster.url, model=None, endpoint="completions", requests=args.requests + 1,
-                                  duration=None, concurrency=args.concurrency, rate=None, prompt_len=args.prompt_len,
+                                  duration=None, concurrency=args.concurrency, rate=args.rate, prompt_len=args.prompt_len,
                                   max_tokens=args.max_tokens, prompts_jsonl=None, temperature=0.0, seed=0)
         rows, wall = asyncio.run(run_load(load))
     finally:

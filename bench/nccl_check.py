@@ -6,7 +6,9 @@ Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
 and non-contiguous shapes), 8 transfers in flight, abort, the size limit;
 then times the 109 MB Mistral-7B KV (and two larger ones) through the transport against a raw
-``dist.send``/``dist.recv`` of the same bytes in the same run."""
+``dist.send``/``dist.recv`` of the same bytes in the same run: produced in the sender's own
+GPU slab (``alloc``, as the prefill engine does) and, for Mistral, also as separate
+tensors the sender must gather first ("/staged")."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +24,9 @@ import torch.multiprocessing as mp
 
 CASES = [(1, 1, 1, 1), (1, 8, 4096, 128), (80, 2, 3, 8), (3, 5, 1000, 7)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16), "llama3-8b@4096": (32, 8, 4096, 128, torch.float16),
+PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16),
+            "mistral-7b@871/staged": (32, 8, 871, 128, torch.float16),
+            "llama3-8b@4096": (32, 8, 4096, 128, torch.float16),
             "llama3-70b@8192": (80, 8, 8192, 128, torch.bfloat16)}
 REPS = 10
 
@@ -52,7 +56,7 @@ def worker(rank, init, kv_port, results):
 
     device = torch.device(f"cuda:{rank}")
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
-                          options={"nccl_init": init, "nccl_rank": rank})
+                          options={"nccl_init": init, "nccl_rank": rank, "nccl_pool_bytes": 3 << 30})
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
     if rank == 1:
         r = make_receiver("nccl", cfg)
@@ -73,6 +77,11 @@ def worker(rank, init, kv_port, results):
             ok8 &= all(torch.equal(a, b) for pa, pb in zip(want, materialize(got, device)) for a, b in zip(pa, pb))
             got.release()
         report["checks"]["8_in_flight"] = ok8
+        got = r.wait("placed", 60)
+        want = kv((6, 2, 37, 8), torch.bfloat16, 55, device)
+        report["checks"]["placed"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                         for pa, pb in zip(want, materialize(got, device)) for a, b in zip(pa, pb))
+        got.release()
         dist.barrier()
         r.abort("aborted")
         try:
@@ -125,6 +134,14 @@ def worker(rank, init, kv_port, results):
             t.start()
         for t in threads:
             t.join()
+        want = kv((6, 2, 37, 8), torch.bfloat16, 55, device)
+        source, before = s.alloc(layout_of(want), str(device)), s.staged_bytes
+        for (k, v), (dk, dv) in zip(want, source.layers):
+            dk.copy_(k)
+            dv.copy_(v)
+        s.send(dest, "placed", layout_of(want), source.layers)
+        source.release()
+        results["placed_staged_bytes"] = s.staged_bytes - before
         dist.barrier()
         huge = KVLayout(1024, 64, 256, 8192, "float32")
         try:
@@ -136,6 +153,12 @@ def worker(rank, init, kv_port, results):
         dist.barrier()
         for name, (L, H, T, D, dtype) in PAYLOADS.items():
             layers = kv((L, H, T, D), dtype, 7, device)
+            source = None if name.endswith("/staged") else s.alloc(layout_of(layers), str(device))
+            if source is not None:
+                for (k, v), (dk, dv) in zip(layers, source.layers):
+                    dk.copy_(k)
+                    dv.copy_(v)
+                layers = source.layers
             flat = torch.empty(layout_of(layers).total_nbytes, dtype=torch.uint8, device=device)
             for rep in range(REPS + 2):
                 dist.barrier()
@@ -144,6 +167,8 @@ def worker(rank, init, kv_port, results):
                 dist.send(flat, 1)
                 torch.cuda.synchronize(device)
                 dist.barrier()
+            if source is not None:
+                source.release()
             del layers, flat
         s.close()
     dist.barrier()

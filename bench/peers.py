@@ -5,6 +5,9 @@
     python -m bench.peers send NAMES LAYOUT HOSTFILE        -> prints {"ready": true}
         then per line {"name", "tid", "dest"}: sends, prints perf_counter at start
 
+A transport that offers its own memory (``alloc``) gets the payload produced in
+it once, as the prefill engine writes its KV there; the others send ordinary
+tensors. Either way the same bytes move and are checked at the receiver's end.
 ``time.perf_counter`` is the system monotonic clock, shared by both processes."""
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def recv(host: str, names: list[str], nbytes: int, hostfile: str) -> None:
     from .reference import RawReceiver
 
     cfg = TransportConfig(host=host, max_transfer_bytes=max(nbytes, 1) * 2, pool_bytes=nbytes * 4, timeout_s=120,
-                          options=options(names, "recv", hostfile), token=load_token())
+                          options={**options(names, "recv", hostfile), "nixl_pool_bytes": 2 * nbytes + (64 << 20)},
+                          token=load_token())
     receivers = {n: make_receiver(n, cfg) for n in names}
     for r in receivers.values():
         r.start()
@@ -74,8 +78,10 @@ def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
     layout = KVLayout.from_dict(layout_dict)
     kv = make_kv(layout)
     flat = b"".join(bytes(t.reshape(-1).view(torch.uint8).numpy()) for pair in kv for t in pair)
-    senders = {n: make_sender(n, TransportConfig(timeout_s=120, options=options(names, "send", hostfile), token=load_token()))
-               for n in names}
+    opts = {**options(names, "send", hostfile), "nixl_pool_bytes": 3 * layout.total_nbytes + (64 << 20),
+            "mlx_pool_bytes": layout.total_nbytes + (1 << 20)}
+    senders = {n: make_sender(n, TransportConfig(timeout_s=120, options=opts, token=load_token())) for n in names}
+    payloads = {n: produced(s, layout, kv) for n, s in senders.items()}
     raw = {}
     say({"ready": True})
     for line in sys.stdin:
@@ -85,8 +91,18 @@ def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
             say({"wall": raw[msg["dest"]].send(flat) * 1e3})
             continue
         start = time.perf_counter()
-        senders[msg["name"]].send(msg["dest"], msg["tid"], layout, kv)
+        senders[msg["name"]].send(msg["dest"], msg["tid"], layout, payloads[msg["name"]])
         say({"start": start})
+
+
+def produced(sender, layout, kv):
+    source = sender.alloc(layout)
+    if source is None:
+        return kv
+    for (k, v), (dk, dv) in zip(kv, source.layers):
+        dk.copy_(k)
+        dv.copy_(v)
+    return source.layers
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def new_sequence(runner: ModelRunner, rid: str, msg: dict) -> Sequence:
     return Sequence.create(rid, prompt, params, runner.tokenizer, runner.max_len)
 
 
-def run_prefill(runner: ModelRunner, seq: Sequence):
-    """Forward the prompt, sample the first token; returns ``(text, kv, ms)``."""
+def run_prefill(runner: ModelRunner, seq: Sequence, into: list | None = None):
+    """Forward the prompt (KV into ``into`` when given), sample the first token; returns ``(text, kv, ms)``."""
     start = time.perf_counter()
-    logits, kv = runner.prefill(seq.prompt_ids)
+    logits, kv = runner.prefill(seq.prompt_ids, into)
     text = seq.accept(logits)
     return text, kv, (time.perf_counter() - start) * 1e3
 

@@ -1,11 +1,14 @@
 """ModelRunner: the forward passes both worker kinds share. KV leaves and
-enters as a list of ``(k, v)`` per layer, each ``[kv_heads, tokens, head_dim]``."""
+enters as a list of ``(k, v)`` per layer, each ``[kv_heads, tokens, head_dim]``;
+``prefill(..., into=...)`` writes the prompt's KV into caller-given tensors of
+that shape (``kv_shape`` says which) instead of fresh ones."""
 from __future__ import annotations
 
 import torch
 
 from .config import EngineConfig
 from .loader import load
+from .placed import placed_cache
 
 
 class ModelRunner:
@@ -16,11 +19,13 @@ class ModelRunner:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_heads * head_dim * self.dtype.itemsize
+        self.kv_shape = (c.num_hidden_layers, kv_heads, head_dim)
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int]):
+    def prefill(self, token_ids: list[int], into: list | None = None):
         ids = torch.tensor([token_ids], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
+        cache = placed_cache(into) if into is not None else None
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
         return out.logits[0, -1].float(), kv
 

@@ -1,11 +1,11 @@
 """KV-cache transfer between prefill and decode: a canonical layout, a small
 transport interface, and transports loaded lazily by name."""
-from .base import KVReceiver, KVSender, ReceivedKV, TransferError, TransferStatus, TransportConfig
+from .base import KVReceiver, KVSender, ReceivedKV, SourceKV, TransferError, TransferStatus, TransportConfig
 from .layout import KVLayout, LayoutError
 from .phases import PHASES, PhaseTimes
 from .registry import TransportUnavailable, make_receiver, make_sender, names
 
 __all__ = [
-    "KVLayout", "LayoutError", "KVReceiver", "KVSender", "ReceivedKV", "TransferError", "TransferStatus",
+    "KVLayout", "LayoutError", "KVReceiver", "KVSender", "ReceivedKV", "SourceKV", "TransferError", "TransferStatus",
     "TransportConfig", "PHASES", "PhaseTimes", "TransportUnavailable", "make_receiver", "make_sender", "names",
 ]

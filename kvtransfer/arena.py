@@ -6,7 +6,9 @@ import threading
 
 import torch
 
+from .base import SourceKV
 from .pool import PoolExhausted
+from .tensors import TORCH_DTYPES, unpack
 
 ALIGN = 4096
 
@@ -49,3 +51,34 @@ class Arena:
     @property
     def bytes_in_use(self) -> int:
         return sum(self._used.values())
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is contiguous and lies inside this arena's memory."""
+        start = t.data_ptr() - self.memory.data_ptr()
+        end = start + t.numel() * t.element_size()
+        return t.device == self.memory.device and t.is_contiguous() and 0 <= start and end <= self.memory.numel()
+
+    def source(self, layout) -> SourceKV | None:
+        """A region for ``layout`` as typed ``(k, v)`` views, or None when the arena is full."""
+        try:
+            offset, region = self.acquire(layout.total_nbytes)
+        except PoolExhausted:
+            return None
+        return SourceKV(layout, unpack(region, layout), lambda: self.release(offset))
+
+    def region_of(self, layout, layers) -> int | None:
+        """The offset of the region that ``layers`` fill in the canonical order (as
+        ``source`` hands them out), checked against ``layout``; None if they do not."""
+        if not isinstance(layers, (list, tuple)) or len(layers) != layout.num_layers:
+            return None
+        dtype, shape, step = TORCH_DTYPES[layout.dtype], layout.tensor_shape, layout.tensor_nbytes
+        first = layers[0][0]
+        if not self.holds(first) or not self.holds(layers[-1][1]):
+            return None
+        expected = first.data_ptr()
+        for pair in layers:
+            for t in pair:
+                if t.data_ptr() != expected or t.dtype != dtype or t.shape != shape or not t.is_contiguous():
+                    return None
+                expected += step
+        return first.data_ptr() - self.memory.data_ptr()

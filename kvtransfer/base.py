@@ -7,6 +7,12 @@ router hands to prefill, and tracks each transfer by id:
 ``PENDING -> RECEIVING -> DONE | FAILED | ABORTED``. The sender pushes the KV
 layer by layer (``layers`` may be a generator that yields while prefill still
 computes), so transports can overlap transfer with compute.
+
+A sender whose data must sit in memory it owns (registered with a NIC, an
+MLX array, a GPU send buffer) offers that memory through ``alloc``: the
+producer (the prefill engine's KV cache) writes each layer straight into the
+returned ``SourceKV`` and ``send`` moves it from there without a staging
+copy. Tensors from anywhere else are still accepted (and staged).
 """
 from __future__ import annotations
 
@@ -74,8 +80,30 @@ class ReceivedKV:
             self.on_release()
 
 
+@dataclass
+class SourceKV:
+    """Sender-owned memory for one KV: ``layers`` are ``(k, v)`` views shaped
+    ``layout.tensor_shape``; ``release()`` (idempotent) returns the memory."""
+
+    layout: KVLayout
+    layers: list
+    on_release: Callable[[], None]
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.on_release()
+
+
 class KVSender(ABC):
     name: str = "?"
+    staged_bytes: int = 0
+
+    def alloc(self, layout: KVLayout, device: str = "cpu") -> SourceKV | None:
+        """Memory on ``device`` that ``send`` can move without a copy, or None when this
+        transport has none to offer (or none left)."""
+        return None
 
     @abstractmethod
     def send(self, dest: str, transfer_id: str, layout: KVLayout, layers: Iterable, meta: dict | None = None) -> PhaseTimes:

@@ -7,7 +7,11 @@ travels over the socket framing of ``sockets``: BEGIN, then the receiver,
 holding its one-at-a-time data lock, answers GRANT ``{rank}`` and posts
 ``recv`` for each layer's K and V bytes while the sender ``send``s them;
 END and ACK close the transfer. Data moves as uint8 so every dtype is
-bit-exact. Every MLX call of a process runs on one dedicated thread: MLX
+bit-exact. ``alloc`` hands out regions of one MLX array allocated once
+(``mlx_pool_bytes``, on first use) that the producer writes through a torch
+view, so such layers are sent as slices of it (a KV that fills one region in
+the canonical order is checked once and its slices posted in one go); other
+tensors are copied into new MLX arrays first (``staged_bytes``). Every MLX call of a process runs on one dedicated thread: MLX
 streams and the ring's connections are not safe to drive from the many
 connection threads of the socket layer. Options: ``mlx_backend`` (ring | jaccl | any), ``mlx_hostfile``,
 ``mlx_rank`` (else MLX's own ``MLX_HOSTFILE``/``MLX_RANK`` environment)."""
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from . import frames
+from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import TORCH_DTYPES, check_layer, to_host
@@ -33,6 +38,7 @@ _group_lock = threading.Lock()
 _data_lock = threading.Lock()
 _send_lock = threading.Lock()
 _jobs: queue.Queue = queue.Queue()
+DEFAULT_POOL_BYTES = 512 << 20
 
 
 def _mlx_loop():
@@ -75,16 +81,56 @@ class MlxSender(SocketSender):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self.group = group(self.cfg)
+        self._slab = self._arena = None
+        self._slab_lock = threading.Lock()
+
+    def _pool(self) -> Arena:
+        with self._slab_lock:
+            if self._arena is None:
+                nbytes = int(self.cfg.options.get("mlx_pool_bytes", DEFAULT_POOL_BYTES))
+                self._slab = on_mlx_thread(_slab, nbytes)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._arena = Arena(torch.from_numpy(np.asarray(self._slab)))
+            return self._arena
+
+    def alloc(self, layout, device="cpu"):
+        return self._pool().source(layout) if device == "cpu" else None
 
     def send(self, dest, transfer_id, layout, layers, meta=None):
         """One transfer at a time per process: concurrent MLX sends on one world can stall."""
         with _send_lock:
             return super().send(dest, transfer_id, layout, layers, meta)
 
-    def _send_body(self, sock, layout, layers, phases) -> float:
+    def _prepare(self, layout, layers, phases):
+        with phases.measure("serialize"):
+            start = self._arena.region_of(layout, layers) if self._arena is not None else None
+        return layers if start is None else slice(start, start + layout.total_nbytes)
+
+    def _send_body(self, sock, layout, payload, phases) -> float:
         grant = read_grant(sock, {"rank": int})
         with _data_lock:
-            return on_mlx_thread(self._send_layers, layout, layers, phases, grant["rank"])
+            if isinstance(payload, slice):
+                return on_mlx_thread(self._send_placed, layout, payload.start, phases, grant["rank"])
+            return on_mlx_thread(self._send_layers, layout, payload, phases, grant["rank"])
+
+    def _send_placed(self, layout, start, phases, dst) -> float:
+        n = layout.tensor_nbytes
+        with phases.measure("wire"):
+            try:
+                mx.eval(send_in_order([self._slab[off:off + n] for off in range(start, start + layout.total_nbytes, n)],
+                                      dst, self.group))
+            except RuntimeError as e:
+                raise TransferError(f"mlx send to rank {dst} failed: {e}") from e
+        return (phases.d2h + phases.serialize) / 1e3
+
+    def _arrays(self, k, v) -> list:
+        arena = self._arena
+        if arena is not None and arena.holds(k) and arena.holds(v):
+            base, n = arena.memory.data_ptr(), k.numel() * k.element_size()
+            return [self._slab[t.data_ptr() - base:t.data_ptr() - base + n] for t in (k, v)]
+        self.staged_bytes += 2 * k.numel() * k.element_size()
+        return [mx.array(t.reshape(-1).view(torch.uint8).numpy()) for t in (k, v)]
 
     def _send_layers(self, layout, layers, phases, dst) -> float:
         waited = [0.0]
@@ -93,13 +139,27 @@ class MlxSender(SocketSender):
                 k, v = to_host(k), to_host(v)
             with phases.measure("serialize"):
                 check_layer(layout, k, v)
-                arrays = [mx.array(t.reshape(-1).view(torch.uint8).numpy()) for t in (k, v)]
+                arrays = self._arrays(k, v)
             with phases.measure("wire"):
                 try:
-                    mx.eval([mx.distributed.send(a, dst, group=self.group) for a in arrays])
+                    mx.eval(send_in_order(arrays, dst, self.group))
                 except RuntimeError as e:
                     raise TransferError(f"mlx send to rank {dst} failed: {e}") from e
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+
+def send_in_order(arrays: list, dst: int, group):
+    """Sends chained so they run in list order (MLX orders independent outputs as it likes)."""
+    last = None
+    for a in arrays:
+        last = mx.distributed.send(a if last is None else mx.depends(a, last), dst, group=group)
+    return last
+
+
+def _slab(nbytes: int):
+    slab = mx.zeros((nbytes,), dtype=mx.uint8)
+    mx.eval(slab)
+    return slab
 
 
 class MlxReceiver(SocketReceiver):
@@ -112,7 +172,9 @@ class MlxReceiver(SocketReceiver):
     def _recv_layers(self, layout, src) -> list:
         arrays = []
         for _ in range(layout.num_layers):
-            pair = [mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group) for _ in range(2)]
+            k = mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group)
+            v = mx.distributed.recv((layout.tensor_nbytes,), mx.uint8, src, group=self.group)
+            pair = [k, mx.depends(v, k)]
             mx.eval(pair)
             arrays.append(pair)
         return arrays

@@ -5,25 +5,31 @@ Like ``mlx``, NCCL ranks form a fixed world (``nccl_init`` = a
 ``tcp://host:port`` rendezvous, ``nccl_rank``, world size 2), so metadata
 travels over the socket framing of ``sockets``: BEGIN, GRANT (the receiver
 posts one ``recv`` into a pooled buffer on its GPU, one transfer at a time),
-the sender gathers the layers into a pooled staging buffer on its GPU in the
-canonical layout (device copy, reported as serialize) and ``send``s it in one
-operation, END, ACK. Options:
-``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``)."""
+the sender ``send``s the KV in one operation, END, ACK. A KV the prefill
+engine wrote into ``alloc``'s region of the sender's GPU slab
+(``nccl_pool_bytes``, allocated on first use) goes straight from there; other
+layers are first gathered into a pooled staging buffer in the canonical
+layout (device copy, reported as serialize; ``staged_bytes``). The receiver's
+record ends when its ``recv`` has completed: the bytes are in place then.
+Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import frames
+from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .pool import BufferPool
-from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
+from .sockets import SocketReceiver, SocketSender, phases_from, read_grant, timed_layers
 from .tensors import check_layer
 
 _lock = threading.Lock()
+DEFAULT_POOL_BYTES = 1 << 30
 
 
 def init(cfg) -> torch.device:
@@ -48,11 +54,31 @@ class NcclSender(SocketSender):
         self.device = init(self.cfg)
         self.pool = BufferPool(self.cfg.pool_bytes, device=self.device)
         self._data_lock = threading.Lock()
+        self._arena: Arena | None = None
+
+    def alloc(self, layout, device="cpu"):
+        if torch.device(device) != self.device:
+            return None
+        with _lock:
+            if self._arena is None:
+                nbytes = int(self.cfg.options.get("nccl_pool_bytes", DEFAULT_POOL_BYTES))
+                self._arena = Arena(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return self._arena.source(layout)
+
+    def _prepare(self, layout, layers, phases):
+        with phases.measure("serialize"):
+            start = self._arena.region_of(layout, layers) if self._arena is not None else None
+        return layers if start is None else self._arena.memory[start:start + layout.total_nbytes]
 
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"rank": int})
         dst, waited = grant["rank"], [0.0]
         torch.cuda.set_device(self.device)
+        if isinstance(layers, torch.Tensor):
+            with self._data_lock, phases.measure("wire"):
+                dist.send(layers, dst)
+                torch.cuda.synchronize(self.device)
+            return phases.serialize / 1e3
         parts = []
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):
@@ -66,6 +92,7 @@ class NcclSender(SocketSender):
                 with phases.measure("serialize"):
                     torch.cat(parts, out=staging[:layout.total_nbytes])
                     torch.cuda.synchronize(self.device)
+                    self.staged_bytes += layout.total_nbytes
                 with phases.measure("wire"):
                     dist.send(staging[:layout.total_nbytes], dst)
                     torch.cuda.synchronize(self.device)
@@ -92,7 +119,9 @@ class NcclReceiver(SocketReceiver):
                 sock.sendall(frames.meta_frame(frames.GRANT, {"rank": dist.get_rank()}))
                 dist.recv(buf[:layout.total_nbytes], src)
                 torch.cuda.synchronize(self.device)
-            phases = self._finish(sock, layout, start)
+            landed_ms = (time.perf_counter() - start) * 1e3
+            sender = frames.read_meta(sock, frames.read_prefix(sock, frames.END)[1])
+            phases = phases_from(sender, landed_ms, layout.total_nbytes)
         except BaseException:
             self.pool.release(buf)
             raise

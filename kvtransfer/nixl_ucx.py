@@ -7,9 +7,11 @@ per-transfer regions out of it (``Arena``), so no request registers memory
 (``registrations`` counts them, and stays 1) and agent metadata never changes. Metadata goes over the
 socket framing of ``sockets``: BEGIN, then the receiver answers GRANT with
 its agent name, agent metadata (only re-sent when its registrations change)
-and the destination address; the sender copies each layer into its staging
-buffer and posts a one-sided WRITE of it into the destination, tagged with
-the transfer id as notification. END follows once every WRITE is DONE, and
+and the destination address; the sender posts one one-sided WRITE per layer
+into the destination from a staging region it copies the layer into first
+(``staged_bytes``) unless the layer already lies in the registered slab; a KV
+that fills one region of it in the canonical order (what the prefill engine
+writes into ``alloc``'s region) goes as a single WRITE. The (last) WRITE carries the transfer id as notification. END follows once every WRITE is DONE, and
 the receiver confirms the notification before it ACKs."""
 from __future__ import annotations
 
@@ -91,23 +93,36 @@ class NixlSender(SocketSender):
                 self._peers.add(grant["agent"])
         return grant["agent"]
 
+    def alloc(self, layout, device="cpu"):
+        return self.nixl.arena.source(layout) if device == "cpu" else None
+
+    def _prepare(self, layout, layers, phases):
+        with phases.measure("serialize"):
+            start = self.nixl.arena.region_of(layout, layers)
+        return layers if start is None else slice(start, start + layout.total_nbytes)
+
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"agent": str, "meta": bytes, "addr": int, "tag": bytes})
-        peer, agent = self._peer(grant), self.nixl.agent
-        slot, staging = self.nixl.arena.acquire(layout.total_nbytes)
-        handles, waited, n = [], [0.0], layout.tensor_nbytes
+        if isinstance(layers, slice):
+            return self._send_placed(layers, grant, phases)
+        peer, agent, arena = self._peer(grant), self.nixl.agent, self.nixl.arena
+        slot, handles, waited, n = None, [], [0.0], layout.tensor_nbytes
         try:
             for i, (k, v), waited in timed_layers(layers, layout.num_layers):
                 with phases.measure("d2h"):
                     k, v = to_host(k), to_host(v)
                 with phases.measure("serialize"):
                     check_layer(layout, k, v)
-                    off = layout.layer_offset(i)
-                    staging[off:off + n].copy_(k.reshape(-1).view(torch.uint8))
-                    staging[off + n:off + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+                    if not (arena.holds(k) and arena.holds(v)):
+                        if slot is None:
+                            slot, staging = arena.acquire(layout.total_nbytes)
+                        off = layout.layer_offset(i)
+                        k = staging[off:off + n].copy_(k.reshape(-1).view(torch.uint8))
+                        v = staging[off + n:off + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+                        self.staged_bytes += 2 * n
                 with phases.measure("wire"):
                     last = i == layout.num_layers - 1
-                    local = agent.get_xfer_descs(_descs(staging.data_ptr(), layout, i), "DRAM")
+                    local = agent.get_xfer_descs([(k.data_ptr(), n, 0), (v.data_ptr(), n, 0)], "DRAM")
                     remote = agent.get_xfer_descs(_descs(grant["addr"], layout, i), "DRAM")
                     handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"] if last else b"")
                     handles.append(handle)
@@ -118,8 +133,25 @@ class NixlSender(SocketSender):
         finally:
             for h in handles:
                 agent.release_xfer_handle(h)
-            self.nixl.arena.release(slot)
+            if slot is not None:
+                arena.release(slot)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+    def _send_placed(self, span, grant, phases) -> float:
+        """One WRITE of a KV that already fills one region of the registered slab."""
+        agent, n = self.nixl.agent, span.stop - span.start
+        with phases.measure("wire"):
+            peer = self._peer(grant)
+            local = agent.get_xfer_descs([(self.nixl.arena.memory.data_ptr() + span.start, n, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(grant["addr"], n, 0)], "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
+            try:
+                if agent.transfer(handle) == "ERR":
+                    raise TransferError("NIXL WRITE could not be posted")
+                self._wait([handle])
+            finally:
+                agent.release_xfer_handle(handle)
+        return phases.serialize / 1e3
 
     def _wait(self, handles):
         end = time.monotonic() + self.cfg.timeout_s

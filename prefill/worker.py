@@ -4,7 +4,9 @@ For each ``prefill`` request: build the sequence, run the prompt forward,
 send ``first`` (token + text) to the router immediately, then push the KV to
 the decode worker at ``kv_dest`` over the configured transport, in a sender
 thread so the next prompt can start. A failed push answers ``error``; a
-successful one ``kv_sent`` with the sender-side phases.
+successful one ``kv_sent`` with the sender-side phases. Where the transport
+owns memory it can send from without a copy (``alloc``: a registered NIXL
+slab, an MLX array), the forward pass writes the prompt's KV straight there.
 
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
 ``retry_after``); KV waiting to be pushed is held at most ``lease_s`` (then
@@ -21,7 +23,8 @@ from engine import EngineConfig, RequestError
 from engine.requests import first_message, new_sequence, run_prefill
 from engine.runner import ModelRunner
 from kvtransfer import TransferError, TransportConfig, make_sender
-from kvtransfer.tensors import layout_of
+from kvtransfer import KVLayout
+from kvtransfer.tensors import dtype_name, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class PrefillWorker(WorkerLoop):
         self.queued = 0
         self.pushing = 0
         self.held_bytes = 0
+        self.kv_in_place = 0
         self._count_lock = threading.Lock()
         self.senders = ThreadPoolExecutor(send_threads, thread_name_prefix="kv-send")
         self.aborted: set[str] = set()
@@ -49,7 +53,8 @@ class PrefillWorker(WorkerLoop):
     def info(self):
         return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
-                "pushing": self.pushing, "kv_held_bytes": self.held_bytes}
+                "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
+                "kv_staged_bytes": self.sender.staged_bytes}
 
     def idle(self):
         return super().idle() and self.pushing == 0
@@ -90,20 +95,33 @@ class PrefillWorker(WorkerLoop):
         except RequestError as e:
             return self.fail(rid, e.status, str(e))
         queue_ms = (time.perf_counter() - queued_at) * 1e3
-        text, kv, prefill_ms = run_prefill(self.runner, seq)
-        self.emit(rid, "first", **first_message(seq, text, prefill_ms, queue_ms))
-        if seq.finished:
-            self.reply_to.pop(rid, None)
-            return
-        dest = msg.get("kv_dest")
-        if not isinstance(dest, str):
-            return self.fail(rid, 500, "prefill request has no kv_dest")
-        layout = layout_of(kv)
-        self._count("pushing", 1)
-        self._count("held_bytes", layout.total_nbytes)
-        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic())
+        source = self._source(len(seq.prompt_ids))
+        try:
+            text, kv, prefill_ms = run_prefill(self.runner, seq, source.layers if source else None)
+            self.emit(rid, "first", **first_message(seq, text, prefill_ms, queue_ms))
+            if seq.finished:
+                self.reply_to.pop(rid, None)
+                return
+            dest = msg.get("kv_dest")
+            if not isinstance(dest, str):
+                return self.fail(rid, 500, "prefill request has no kv_dest")
+            if source is not None and kv[0][0].data_ptr() == source.layers[0][0].data_ptr():
+                self.kv_in_place += 1
+            layout = layout_of(kv)
+            self._count("pushing", 1)
+            self._count("held_bytes", layout.total_nbytes)
+            self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)
+            source = None
+        finally:
+            if source is not None:
+                source.release()
 
-    def _push(self, rid, dest, layout, kv, created):
+    def _source(self, tokens: int):
+        layers, heads, head_dim = self.runner.kv_shape
+        layout = KVLayout(layers, heads, head_dim, tokens, dtype_name(self.runner.dtype))
+        return self.sender.alloc(layout, str(self.runner.device))
+
+    def _push(self, rid, dest, layout, kv, created, source):
         try:
             if rid in self.aborted:
                 self.aborted.discard(rid)
@@ -119,6 +137,8 @@ class PrefillWorker(WorkerLoop):
             self.emit(rid, "kv_sent", phases=phases.to_dict())
             self.reply_to.pop(rid, None)
         finally:
+            if source is not None:
+                source.release()
             self._count("held_bytes", -layout.total_nbytes)
             self._count("pushing", -1)
 

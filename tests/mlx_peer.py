@@ -8,11 +8,12 @@ import torch
 
 from kvtransfer import KVLayout, TransportConfig, make_sender
 from kvtransfer.tensors import TORCH_DTYPES
+from tests.transports import send_placed
 
 
 def serve(sender, conn):
     with conn:
-        dest, tid, layout_dict, blobs, die_after = conn.recv()
+        dest, tid, layout_dict, blobs, die_after, placed = conn.recv()
         layout = KVLayout.from_dict(layout_dict)
         dtype = TORCH_DTYPES[layout.dtype]
 
@@ -23,6 +24,9 @@ def serve(sender, conn):
                 yield tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(layout.tensor_shape)
                             for b in (k, v))
         try:
+            if placed:
+                conn.send(send_placed(sender, dest, tid, list(layers())))
+                return
             sender.send(dest, tid, layout, layers())
             conn.send(None)
         except Exception as e:

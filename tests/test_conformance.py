@@ -11,9 +11,10 @@ import torch
 
 from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
 from kvtransfer.tensors import layout_of, materialize
-from tests.transports import MlxWorld, ProxySender, available
+from tests.transports import MlxWorld, ProxySender, available, send_placed
 
 LIMIT = 256 << 20
+OWNS_MEMORY = {"nixl", "mlx", "nccl"}
 
 
 @pytest.fixture(scope="session")
@@ -128,6 +129,21 @@ def test_declared_size_over_limit_is_refused(pair):
         sender.send(receiver.address, f"{name}-huge", layout, layers())
     kv = random_kv(1, 1, 2, 2, torch.float32)
     assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"{name}-after-huge")[0])
+
+
+def test_kv_produced_in_sender_memory_moves_without_staging(pair):
+    name, sender, receiver = pair
+    kv = random_kv(6, 2, 37, 8, torch.bfloat16, seed=7)
+    placed, staged = send_placed(sender, receiver.address, f"{name}-placed", kv)
+    assert placed == (name in OWNS_MEMORY)
+    got = receiver.wait(f"{name}-placed", 10)
+    assert_bit_exact(kv, materialize(got, "cpu"))
+    got.release()
+    assert staged == 0
+    if placed and not isinstance(sender, ProxySender):
+        before = sender.staged_bytes
+        assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"{name}-staged")[0])
+        assert sender.staged_bytes - before == layout_of(kv).total_nbytes
 
 
 def test_sender_killed_mid_transfer_fails_within_timeout(pair):

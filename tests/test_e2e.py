@@ -1,6 +1,7 @@
 """End to end through real processes: router, prefill and decode workers."""
 import importlib.util
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -215,8 +216,18 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
             body = complete(cluster.url, prompt=prompt, max_tokens=12, return_token_ids=True)
             assert body["choices"][0]["token_ids"] == want[1] and body["choices"][0]["text"] == want[0]
             assert body["pdserve"]["transport"] == transport and body["pdserve"]["kv_bytes"] > 0
-        if transport == "nixl":
+        in_place = 3 if transport in ("nixl", "mlx") else 0
+        deadline = time.monotonic() + 5
+        while True:  # worker info arrives with heartbeats
             workers = httpx.get(cluster.url + "/health").json()["workers"]
+            prefill = workers["prefill"][0]
+            if prefill["kv_in_place"] == in_place and prefill["kv_staged_bytes"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert prefill["kv_in_place"] == in_place
+        if in_place:
+            assert prefill["kv_staged_bytes"] == 0
+        if transport == "nixl":
             assert [w["kv_registrations"] for role in ("prefill", "decode") for w in workers[role]] == [1, 1]
             assert 'pdserve_kv_memory_registrations{role="decode"' in httpx.get(cluster.url + "/metrics").text
     finally:

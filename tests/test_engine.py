@@ -123,3 +123,27 @@ def test_split_generation_over_tcp_matches_in_process(dtype):
     while not resumed.finished:
         text += resumed.accept(runner.step(resumed.cache, resumed.output_ids[-1]))
     assert (text, resumed.output_ids, resumed.finish_reason) == expected
+
+
+def test_prefill_writes_kv_into_given_memory(runner):
+    ids = [40 + i % 90 for i in range(57)]
+    logits, kv = runner.prefill(ids)
+    layers, heads, head_dim = runner.kv_shape
+    slab = torch.full((layers, 2, heads, len(ids), head_dim), float("nan"), dtype=runner.dtype)
+    into = [tuple(pair.unbind(0)) for pair in slab.unbind(0)]
+    placed_logits, placed = runner.prefill(ids, into)
+    assert torch.equal(logits, placed_logits)
+    for (k, v), (pk, pv), (dk, dv) in zip(kv, placed, into):
+        assert pk.data_ptr() == dk.data_ptr() and pv.data_ptr() == dv.data_ptr()
+        assert torch.equal(k, dk) and torch.equal(v, dv)
+    cache = runner.cache_from(placed)
+    assert torch.equal(runner.step(cache, 65), runner.step(runner.cache_from(kv), 65))
+
+
+def test_prefill_into_memory_of_the_wrong_shape_falls_back(runner):
+    ids = [40 + i % 90 for i in range(9)]
+    layers, heads, head_dim = runner.kv_shape
+    wrong = [(torch.zeros(heads, 8, head_dim, dtype=runner.dtype),) * 2 for _ in range(layers)]
+    logits, kv = runner.prefill(ids, wrong)
+    assert torch.equal(logits, runner.prefill(ids)[0])
+    assert kv[0][0].shape[1] == 9 and all(not t.any() for pair in wrong for t in pair)

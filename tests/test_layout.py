@@ -37,3 +37,23 @@ def test_phase_total_is_sum_of_phases():
     assert p.total == 15
     d = p.to_dict()
     assert d["total"] == 15 and PhaseTimes.from_dict(d) == p
+
+
+def test_arena_recognises_only_its_own_canonical_regions():
+    import torch
+
+    from kvtransfer.arena import Arena
+
+    arena = Arena(torch.empty(1 << 20, dtype=torch.uint8))
+    layout = KVLayout(3, 2, 8, 5, "bfloat16")
+    a, b = arena.source(layout), arena.source(layout)
+    assert arena.region_of(layout, a.layers) == 0 and arena.region_of(layout, b.layers) > 0
+    swapped = a.layers[:-1] + [(a.layers[-1][1], a.layers[-1][0])]
+    mixed = a.layers[:1] + b.layers[1:]
+    copies = [(k.clone(), v.clone()) for k, v in a.layers]
+    wrong = KVLayout(3, 2, 8, 5, "float16")
+    for layers, lay in [(swapped, layout), (mixed, layout), (copies, layout), (a.layers[:2], layout), (a.layers, wrong)]:
+        assert arena.region_of(lay, layers) is None
+    a.release()
+    assert arena.source(KVLayout(1, 1, 1, 1, "float32")) is not None
+    assert arena.source(KVLayout(64, 8, 128, 512, "float32")) is None

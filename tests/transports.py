@@ -60,17 +60,40 @@ class ProxySender:
     def __init__(self, world: MlxWorld):
         self.world = world
 
-    def send(self, dest, tid, layout, layers, meta=None, die_after=-1):
+    def send(self, dest, tid, layout, layers, meta=None, die_after=-1, placed=False):
         import torch
 
         blobs = [tuple(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in pair) for pair in layers]
         with Client(("127.0.0.1", self.world.port), authkey=self.world.key) as conn:
-            conn.send((dest, tid, layout.to_dict(), blobs, die_after))
+            conn.send((dest, tid, layout.to_dict(), blobs, die_after, placed))
             if die_after >= 0:
                 return
-            error = conn.recv()
-        if error:
-            raise TransferError(error)
+            reply = conn.recv()
+        if isinstance(reply, str):
+            raise TransferError(reply)
+        return reply
 
     def close(self):
         pass
+
+
+def send_placed(sender, dest, tid, kv) -> tuple[bool, int]:
+    """Produce ``kv`` in the sender's own memory (as prefill does) and send it from there;
+    returns (whether the sender offered memory, bytes it staged). Plain send when it offers none."""
+    from kvtransfer.tensors import layout_of
+
+    if isinstance(sender, ProxySender):
+        return tuple(sender.send(dest, tid, layout_of(kv), kv, placed=True))
+    layout, before = layout_of(kv), sender.staged_bytes
+    source = sender.alloc(layout)
+    if source is None:
+        sender.send(dest, tid, layout, kv)
+        return False, sender.staged_bytes - before
+    try:
+        for (k, v), (dk, dv) in zip(kv, source.layers):
+            dk.copy_(k)
+            dv.copy_(v)
+        sender.send(dest, tid, layout, source.layers)
+    finally:
+        source.release()
+    return True, sender.staged_bytes - before
