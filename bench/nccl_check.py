@@ -28,7 +28,7 @@ PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16),
             "mistral-7b@871/staged": (32, 8, 871, 128, torch.float16),
             "llama3-8b@4096": (32, 8, 4096, 128, torch.float16),
             "llama3-70b@8192": (80, 8, 8192, 128, torch.bfloat16)}
-REPS = 10
+REPS = 20
 
 
 def kv(shape, dtype, seed, device, strided=False):
@@ -158,7 +158,7 @@ def worker(rank, init, kv_port, results):
                 for (k, v), (dk, dv) in zip(layers, source.layers):
                     dk.copy_(k)
                     dv.copy_(v)
-                layers = source.layers
+                layers = source
             flat = torch.empty(layout_of(layers).total_nbytes, dtype=torch.uint8, device=device)
             for rep in range(REPS + 2):
                 dist.barrier()

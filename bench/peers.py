@@ -102,7 +102,7 @@ def produced(sender, layout, kv):
     for (k, v), (dk, dv) in zip(kv, source.layers):
         dk.copy_(k)
         dv.copy_(v)
-    return source.layers
+    return source
 
 
 if __name__ == "__main__":

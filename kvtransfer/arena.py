@@ -64,11 +64,13 @@ class Arena:
             offset, region = self.acquire(layout.total_nbytes)
         except PoolExhausted:
             return None
-        return SourceKV(layout, unpack(region, layout), lambda: self.release(offset))
+        return SourceKV(layout, unpack(region, layout), lambda: self.release(offset), self, offset)
 
     def region_of(self, layout, layers) -> int | None:
         """The offset of the region that ``layers`` fill in the canonical order (as
         ``source`` hands them out), checked against ``layout``; None if they do not."""
+        if isinstance(layers, SourceKV) and layers.owner is self and not layers.released:
+            return layers.offset if layers.layout == layout else None
         if not isinstance(layers, (list, tuple)) or len(layers) != layout.num_layers:
             return None
         dtype, shape, step = TORCH_DTYPES[layout.dtype], layout.tensor_shape, layout.tensor_nbytes

@@ -83,12 +83,25 @@ class ReceivedKV:
 @dataclass
 class SourceKV:
     """Sender-owned memory for one KV: ``layers`` are ``(k, v)`` views shaped
-    ``layout.tensor_shape``; ``release()`` (idempotent) returns the memory."""
+    ``layout.tensor_shape`` at ``offset`` of its ``owner``'s memory, in the
+    canonical order; ``release()`` (idempotent) returns the memory. Passed to
+    ``send`` itself (it iterates as its layers) it is sent without any checks."""
 
     layout: KVLayout
     layers: list
     on_release: Callable[[], None]
+    owner: object = None
+    offset: int = 0
     released: bool = False
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
 
     def release(self) -> None:
         if not self.released:

@@ -105,9 +105,11 @@ class PrefillWorker(WorkerLoop):
             dest = msg.get("kv_dest")
             if not isinstance(dest, str):
                 return self.fail(rid, 500, "prefill request has no kv_dest")
-            if source is not None and kv[0][0].data_ptr() == source.layers[0][0].data_ptr():
+            if source is not None and all(a.data_ptr() == b.data_ptr() for pair, placed in zip(kv, source.layers)
+                                          for a, b in zip(pair, placed)):
                 self.kv_in_place += 1
-            layout = layout_of(kv)
+                kv = source
+            layout = source.layout if kv is source else layout_of(kv)
             self._count("pushing", 1)
             self._count("held_bytes", layout.total_nbytes)
             self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)

@@ -134,12 +134,13 @@ def test_declared_size_over_limit_is_refused(pair):
 def test_kv_produced_in_sender_memory_moves_without_staging(pair):
     name, sender, receiver = pair
     kv = random_kv(6, 2, 37, 8, torch.bfloat16, seed=7)
-    placed, staged = send_placed(sender, receiver.address, f"{name}-placed", kv)
-    assert placed == (name in OWNS_MEMORY)
-    got = receiver.wait(f"{name}-placed", 10)
-    assert_bit_exact(kv, materialize(got, "cpu"))
-    got.release()
-    assert staged == 0
+    for whole in (False, True):
+        placed, staged = send_placed(sender, receiver.address, f"{name}-placed-{whole}", kv, whole)
+        assert placed == (name in OWNS_MEMORY)
+        got = receiver.wait(f"{name}-placed-{whole}", 10)
+        assert_bit_exact(kv, materialize(got, "cpu"))
+        got.release()
+        assert staged == 0
     if placed and not isinstance(sender, ProxySender):
         before = sender.staged_bytes
         assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"{name}-staged")[0])

@@ -48,6 +48,9 @@ def test_arena_recognises_only_its_own_canonical_regions():
     layout = KVLayout(3, 2, 8, 5, "bfloat16")
     a, b = arena.source(layout), arena.source(layout)
     assert arena.region_of(layout, a.layers) == 0 and arena.region_of(layout, b.layers) > 0
+    assert arena.region_of(layout, b) == b.offset > 0 and arena.region_of(KVLayout(3, 2, 8, 4, "bfloat16"), b) is None
+    other = Arena(torch.empty(1 << 16, dtype=torch.uint8)).source(layout)
+    assert arena.region_of(layout, other) is None
     swapped = a.layers[:-1] + [(a.layers[-1][1], a.layers[-1][0])]
     mixed = a.layers[:1] + b.layers[1:]
     copies = [(k.clone(), v.clone()) for k, v in a.layers]

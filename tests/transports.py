@@ -77,9 +77,10 @@ class ProxySender:
         pass
 
 
-def send_placed(sender, dest, tid, kv) -> tuple[bool, int]:
+def send_placed(sender, dest, tid, kv, whole=False) -> tuple[bool, int]:
     """Produce ``kv`` in the sender's own memory (as prefill does) and send it from there;
-    returns (whether the sender offered memory, bytes it staged). Plain send when it offers none."""
+    returns (whether the sender offered memory, bytes it staged). Plain send when it offers none.
+    ``whole``: pass the ``SourceKV`` itself rather than its layers."""
     from kvtransfer.tensors import layout_of
 
     if isinstance(sender, ProxySender):
@@ -93,7 +94,7 @@ def send_placed(sender, dest, tid, kv) -> tuple[bool, int]:
         for (k, v), (dk, dv) in zip(kv, source.layers):
             dk.copy_(k)
             dv.copy_(v)
-        sender.send(dest, tid, layout, source.layers)
+        sender.send(dest, tid, layout, source if whole else source.layers)
     finally:
         source.release()
     return True, sender.staged_bytes - before
