@@ -11,17 +11,26 @@ and the destination address; the sender posts one one-sided WRITE per layer
 into the destination from a staging region it copies the layer into first
 (``staged_bytes``) unless the layer already lies in the registered slab; a KV
 that fills one region of it in the canonical order (what the prefill engine
-writes into ``alloc``'s region) goes as a single WRITE. The (last) WRITE carries the transfer id as notification. END follows once every WRITE is DONE, and
-the receiver confirms the notification before it ACKs."""
+writes into ``alloc``'s region) goes as a single WRITE. The (last) WRITE
+carries the transfer id as notification; the receiver polls for it (which
+also drives its side of the transfer), then reads END (sent once every WRITE
+is DONE) and ACKs.
+
+NIXL's progress thread is off unless ``nixl_progress_thread`` is set: it spins
+a core per agent even when idle; the sender drives progress while it waits
+for its WRITEs and the receiver while it waits for the notification, from as
+many threads as there are transfers (the agent runs in strict thread-safe mode)."""
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import threading
 import time
 import uuid
 
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from . import frames
 from .base import ReceivedKV, TransferError
@@ -38,9 +47,11 @@ DEFAULT_POOL_BYTES = 1 << 30
 class Agent:
     """A NIXL agent plus one slab of host memory registered with it once."""
 
-    def __init__(self, role: str, pool_bytes: int):
+    def __init__(self, role: str, pool_bytes: int, progress_thread: bool = False):
         self.name = f"pdserve-{role}-{uuid.uuid4().hex[:10]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = nixl_agent(self.name, config)
         slab = torch.zeros(pool_bytes, dtype=torch.uint8)
         self._registration = self.agent.register_memory(slab)
         self.registrations = 1
@@ -49,8 +60,9 @@ class Agent:
         self.notifs: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
-    def wait_notif(self, tag: bytes, timeout: float) -> None:
-        end = time.monotonic() + timeout
+    def wait_notif(self, tag: bytes, timeout: float, sock=None) -> None:
+        """Poll for ``tag`` (driving progress); fail early when ``sock``'s peer hangs up."""
+        end, polls = time.monotonic() + timeout, 0
         while True:
             with self._lock:
                 for msgs in self.agent.get_new_notifs().values():
@@ -61,9 +73,18 @@ class Agent:
                     if not self.notifs[tag]:
                         del self.notifs[tag]
                     return
+            polls += 1
             if time.monotonic() > end:
                 raise TimeoutError(f"no NIXL notification for {tag!r}")
-            time.sleep(0.0002)
+            if sock is not None and polls % 256 == 0 and select.select([sock], [], [], 0)[0]:
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    raise ConnectionError("sender hung up before its WRITEs arrived")
+            time.sleep(0)
+
+
+def agent_for(role: str, cfg) -> Agent:
+    opts = cfg.options
+    return Agent(role, int(opts.get("nixl_pool_bytes", DEFAULT_POOL_BYTES)), bool(opts.get("nixl_progress_thread", False)))
 
 
 def _descs(base: int, layout, layer: int):
@@ -76,7 +97,7 @@ class NixlSender(SocketSender):
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self.nixl = Agent("prefill", int(self.cfg.options.get("nixl_pool_bytes", DEFAULT_POOL_BYTES)))
+        self.nixl = agent_for("prefill", self.cfg)
         self._peers: set[str] = set()
         self._peer_lock = threading.Lock()
 
@@ -171,7 +192,7 @@ class NixlReceiver(SocketReceiver):
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self.nixl = Agent("decode", int(self.cfg.options.get("nixl_pool_bytes", DEFAULT_POOL_BYTES)))
+        self.nixl = agent_for("decode", self.cfg)
 
     @property
     def registrations(self) -> int:
@@ -183,8 +204,8 @@ class NixlReceiver(SocketReceiver):
         try:
             grant = {"agent": self.nixl.name, "meta": self.nixl.metadata, "addr": buf.data_ptr(), "tag": tag}
             sock.sendall(frames.meta_frame(frames.GRANT, grant))
+            self.nixl.wait_notif(tag, self.cfg.timeout_s, sock)
             phases = self._finish(sock, layout, start)
-            self.nixl.wait_notif(tag, self.cfg.timeout_s)
         except TimeoutError as e:
             self.nixl.arena.release(slot)
             raise ConnectionError(str(e)) from None
