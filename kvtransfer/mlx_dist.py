@@ -36,7 +36,6 @@ from .tensors import TORCH_DTYPES, check_layer, to_host
 _group = None
 _group_lock = threading.Lock()
 _data_lock = threading.Lock()
-_send_lock = threading.Lock()
 _jobs: queue.Queue = queue.Queue()
 DEFAULT_POOL_BYTES = 512 << 20
 
@@ -96,11 +95,6 @@ class MlxSender(SocketSender):
 
     def alloc(self, layout, device="cpu"):
         return self._pool().source(layout) if device == "cpu" else None
-
-    def send(self, dest, transfer_id, layout, layers, meta=None):
-        """One transfer at a time per process: concurrent MLX sends on one world can stall."""
-        with _send_lock:
-            return super().send(dest, transfer_id, layout, layers, meta)
 
     def _prepare(self, layout, layers, phases):
         with phases.measure("serialize"):

@@ -34,7 +34,7 @@ def serve(sender, conn):
 
 
 def main():
-    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(os.environ["PDSERVE_TEST_KEY"]))
+    listener = Listener(("127.0.0.1", 0), backlog=64, authkey=bytes.fromhex(os.environ["PDSERVE_TEST_KEY"]))
     print(listener.address[1], flush=True)
     sender = make_sender("mlx", TransportConfig(timeout_s=20))
     while True:

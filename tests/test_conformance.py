@@ -86,8 +86,6 @@ def test_non_contiguous_sources(pair):
 
 def test_eight_transfers_in_flight(pair):
     name, sender, receiver = pair
-    if name == "mlx":
-        pytest.skip("known issue: concurrent transfers over one MLX ring world stall intermittently, even with every MLX call on one thread (see notes)")
     kvs = [random_kv(4, 2, 64 + i, 16, torch.float16, seed=i) for i in range(8)]
     errors = []
 
