@@ -2,7 +2,10 @@
 (colocated) and against disaggregated serving with each chosen transport; the
 clusters are started and stopped here. Prints the table of the experiment
 pdserve grew out of: prefill, serialize, transfer, deserialize, decode,
-transfer overhead, TTFT, e2e, decode tok/s — per configuration."""
+transfer overhead, TTFT, e2e, decode tok/s — per configuration. With
+``--rounds R`` the configurations take turns R times (A B C A B C ...), each
+turn a fresh cluster, so a machine that speeds up or slows down during the
+run does not favour whichever configuration ran first; samples are pooled."""
 from __future__ import annotations
 
 import argparse
@@ -25,10 +28,11 @@ def add_arguments(p):
     p.add_argument("--prompt-len", default="871", help="the experiment's prompt length by default")
     p.add_argument("--max-tokens", default="128")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--rounds", type=int, default=2, help="turns each configuration takes, interleaved")
     p.add_argument("--out", default="bench/out/compare")
 
 
-def measure(config: str, args) -> dict:
+def measure(config: str, args) -> tuple[list, float]:
     from deploy.local import Cluster
 
     extra = ["--colocated"] if config == "colocated" else ["--transport", config]
@@ -40,8 +44,12 @@ def measure(config: str, args) -> dict:
         rows, wall = asyncio.run(run_load(load))
     finally:
         cluster.stop()
-    rows = rows[1:]
-    result = summarize(rows, wall)
+    return rows[1:], wall
+
+
+def pooled(turns: list) -> dict:
+    rows = [r for rs, _ in turns for r in rs]
+    result = summarize(rows, sum(wall for _, wall in turns))
     decode_rates = [(r["output_tokens"] - 1) / (r["pdserve"]["decode"] / 1e3) for r in rows
                     if not r["error"] and r["pdserve"].get("decode")]
     result["decode_tok_per_s"] = sum(decode_rates) / len(decode_rates) if decode_rates else 0.0
@@ -64,11 +72,15 @@ def run(args) -> int:
     from .report import plot_cdfs
     from .transfer import environment
 
+    if args.rounds < 1 or args.requests < 1:
+        raise SystemExit("--rounds and --requests must be at least 1")
     configs = ["colocated", *[t for t in args.transports.split(",") if t]]
-    results = {}
-    for config in configs:
-        print(f"== {config}", file=sys.stderr, flush=True)
-        results[config] = measure(config, args)
+    turns = {c: [] for c in configs}
+    for turn in range(args.rounds):
+        for config in configs:
+            print(f"== {config} (round {turn + 1}/{args.rounds})", file=sys.stderr, flush=True)
+            turns[config].append(measure(config, args))
+    results = {c: pooled(t) for c, t in turns.items()}
     text = table(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     command = " ".join(["pdserve", "bench", "compare", *sys.argv[3:]])
@@ -76,7 +88,8 @@ def run(args) -> int:
         json.dump({"command": command, "env": environment(), "results": results}, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(f"# Colocated vs disaggregated ({args.model}, prompt {args.prompt_len}, output {args.max_tokens})\n\n"
-                f"`{command}`\n\nMedians over {args.requests} requests (one warm-up excluded).\n\n{text}\n")
+                f"`{command}`\n\nMedians over {args.rounds} interleaved rounds of {args.requests} requests per configuration "
+                f"(one warm-up per round excluded).\n\n{text}\n")
     plot_cdfs({c: {"ttft": [r["ttft_ms"] for r in res["samples"] if "ttft_ms" in r],
                    "e2e": [r["e2e_ms"] for r in res["samples"] if "ttft_ms" in r]} for c, res in results.items()},
               args.out + ".png")

@@ -32,10 +32,11 @@ def test_bench_serve_poisson_and_chat(disagg, tmp_path):
 
 def test_bench_compare_small(tmp_path):
     out = tmp_path / "c"
-    assert main(["bench", "compare", "--transports", "tcp", "--requests", "2", "--prompt-len", "16", "--max-tokens",
-                 "4", "--out", str(out)]) == 0
+    assert main(["bench", "compare", "--transports", "tcp", "--requests", "2", "--rounds", "2", "--prompt-len", "16",
+                 "--max-tokens", "4", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "c.json").read_text())
     assert set(report["results"]) == {"colocated", "tcp"}
+    assert [len(r["samples"]) for r in report["results"].values()] == [4, 4]
     assert report["results"]["tcp"]["summary"]["pdserve_ms"]["wire"]["median"] > 0
     assert "| colocated |" in (tmp_path / "c.md").read_text()
 
