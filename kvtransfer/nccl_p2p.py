@@ -46,14 +46,19 @@ def init(cfg) -> torch.device:
     return device
 
 
+def _attach(endpoint) -> None:
+    """The GPU side of either end: joined world, device, buffer pool, one transfer at a time."""
+    endpoint.device = init(endpoint.cfg)
+    endpoint.pool = BufferPool(endpoint.cfg.pool_bytes, device=endpoint.device)
+    endpoint._data_lock = threading.Lock()
+
+
 class NcclSender(SocketSender):
     name = "nccl"
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self.device = init(self.cfg)
-        self.pool = BufferPool(self.cfg.pool_bytes, device=self.device)
-        self._data_lock = threading.Lock()
+        _attach(self)
         self._arena: Arena | None = None
 
     def alloc(self, layout, device="cpu"):
@@ -106,9 +111,7 @@ class NcclReceiver(SocketReceiver):
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
-        self.device = init(self.cfg)
-        self.pool = BufferPool(self.cfg.pool_bytes, device=self.device)
-        self._data_lock = threading.Lock()
+        _attach(self)
 
     def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
         src = 1 - dist.get_rank()

@@ -39,13 +39,23 @@ def slow_model(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("slow"), SLOW)
 
 
-def test_decode_killed_mid_stream_fails_its_streams_fast_and_comes_back():
-    with Fleet() as f:
+def two_decodes() -> Fleet:
+    """A started fleet: one prefill, decode workers d1 and d2, a round-robin router."""
+    f = Fleet()
+    try:
         f.worker("p", "prefill")
         f.worker("d1", "decode")
         f.worker("d2", "decode")
         f.router("--policy", "round_robin")
         f.wait_healthy()
+    except BaseException:
+        f.__exit__(None, None, None)
+        raise
+    return f
+
+
+def test_decode_killed_mid_stream_fails_its_streams_fast_and_comes_back():
+    with two_decodes() as f:
         clients = [StreamClient(f.url, LONG) for _ in range(4)]
         for c in clients:
             c.start()
@@ -176,12 +186,7 @@ def test_router_restart_reconnects_to_running_workers():
 
 
 def test_sigterm_drains_in_flight_work_then_exits():
-    with Fleet() as f:
-        f.worker("p", "prefill")
-        f.worker("d1", "decode")
-        f.worker("d2", "decode")
-        f.router("--policy", "round_robin")
-        f.wait_healthy()
+    with two_decodes() as f:
         c = StreamClient(f.url, LONG)
         c.start()
         c.wait_tokens(3)
