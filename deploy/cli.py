@@ -9,6 +9,19 @@ import sys
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+def kv_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``; the value becomes a bool, an int (sizes like 2G too) or stays a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, byte_size(value)
+    except (argparse.ArgumentTypeError, ValueError):
+        return key, value
+
+
 def byte_size(text: str) -> int:
     """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
@@ -28,6 +41,9 @@ def _add_engine(p: argparse.ArgumentParser):
                    "`up` starts one)")
     p.add_argument("--mlx-backend", default="ring", help="mlx transport: ring (TCP) | jaccl (Thunderbolt RDMA) | any")
     p.add_argument("--mlx-hostfile", default=None, help="mlx transport: MLX hostfile (JSON)")
+    p.add_argument("--kv-option", action="append", default=[], type=kv_option, metavar="KEY=VALUE",
+                   help="a transport option, repeatable: nccl_init=tcp://host:port, nccl_rank=0, device=cuda:1, "
+                        "nixl_pool_bytes=2G, nixl_progress_thread=true, mlx_pool_bytes=1G, ...")
 
 
 def _add_worker(p: argparse.ArgumentParser):
@@ -106,7 +122,7 @@ def _transport_config(args, port=0):
 
     options = {"ray_address": args.ray_address, "mlx_backend": args.mlx_backend, "mlx_hostfile": args.mlx_hostfile,
                "mlx_rank": args.mlx_rank}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = {**{k: v for k, v in options.items() if v is not None}, **dict(args.kv_option)}
     from control.auth import load_token
 
     return TransportConfig(host=args.host, port=port, timeout_s=args.kv_timeout, max_transfer_bytes=args.max_transfer_bytes,

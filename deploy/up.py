@@ -34,6 +34,8 @@ def engine_args(args) -> list[str]:
         out += ["--ray-address", args.ray_address]
     if args.transport == "mlx":
         out += ["--mlx-backend", args.mlx_backend]
+    for key, value in args.kv_option:
+        out += ["--kv-option", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     return out
 
 

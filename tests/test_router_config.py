@@ -37,3 +37,24 @@ def test_policies():
     assert {id(lo.pick(ws)) for _ in range(4)} == {id(ws[1]), id(ws[2])}
     rr = RoundRobin()
     assert [rr.pick(ws) for _ in range(3)] == ws
+
+
+def test_kv_options_reach_the_transport_and_up_forwards_them():
+    import argparse
+
+    from deploy.cli import _parser, _transport_config, kv_option
+    from deploy.up import engine_args
+
+    assert kv_option("nccl_rank=1") == ("nccl_rank", 1) and kv_option("nixl_pool_bytes=64M") == ("nixl_pool_bytes", 64 << 20)
+    assert kv_option("nixl_progress_thread=true") == ("nixl_progress_thread", True)
+    assert kv_option("nccl_init=tcp://127.0.0.1:29500") == ("nccl_init", "tcp://127.0.0.1:29500")
+    for bad in ("no-equals", "=1", "bad key=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            kv_option(bad)
+    opts = ["--kv-option", "nccl_init=tcp://127.0.0.1:29500", "--kv-option", "nccl_rank=1",
+            "--kv-option", "nixl_progress_thread=false"]
+    args = _parser().parse_args(["decode", "--transport", "nccl", *opts])
+    assert _transport_config(args).options == {"mlx_backend": "ring", "nccl_init": "tcp://127.0.0.1:29500",
+                                               "nccl_rank": 1, "nixl_progress_thread": False}
+    up = _parser().parse_args(["up", "--transport", "nixl", *opts])
+    assert engine_args(up)[-6:] == opts
