@@ -39,16 +39,24 @@ def engine_args(args) -> list[str]:
     return out
 
 
-def mlx_hostfile(args, host: str) -> str:
-    """A two-rank MLX world: rank 0 is the prefill worker, rank 1 the decode worker."""
-    if args.colocated or args.prefill != 1 or args.decode != 1:
-        raise RuntimeError("the mlx transport pairs exactly one prefill with one decode worker (--prefill 1 --decode 1)")
-    if args.mlx_hostfile:
-        return args.mlx_hostfile
-    fd, path = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
-    return path
+def rank_args(args, host: str) -> list[list[str]] | None:
+    """Per-rank arguments of a fixed two-rank world (mlx, nccl): rank 0 is the prefill worker, rank 1 decode."""
+    if args.transport not in ("mlx", "nccl") or args.colocated:
+        return None
+    if args.prefill != 1 or args.decode != 1:
+        raise RuntimeError(f"the {args.transport} transport pairs exactly one prefill with one decode worker "
+                           "(--prefill 1 --decode 1)")
+    if args.transport == "mlx":
+        hostfile = args.mlx_hostfile
+        if not hostfile:
+            fd, hostfile = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
+        return [["--mlx-hostfile", hostfile, "--mlx-rank", str(rank)] for rank in (0, 1)]
+    init = f"tcp://{host}:{free_port(host)}"
+    device = args.device in ("auto", "cuda")
+    return [["--kv-option", f"nccl_init={init}", "--kv-option", f"nccl_rank={rank}"]
+            + (["--device", f"cuda:{rank}"] if device else []) for rank in (0, 1)]
 
 
 def plan(args) -> list[list[str]]:
@@ -57,23 +65,21 @@ def plan(args) -> list[list[str]]:
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
     budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
-    ranks = iter(range(args.prefill + args.decode))
-    if args.transport == "mlx" and not args.colocated:
-        eng = eng + ["--mlx-hostfile", mlx_hostfile(args, host)]
+    ranked = rank_args(args, host) or [[]] * (args.prefill + args.decode)
     if args.colocated:
         for _ in range(max(1, args.decode)):
             port = free_port(host)
             cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng + budget)
             roles["colocated"].append(f"tcp://{host}:{port}")
     else:
-        for _ in range(args.prefill):
+        for i in range(args.prefill):
             port = free_port(host)
-            rank = ["--mlx-rank", str(next(ranks))] if args.transport == "mlx" else []
+            rank = ranked[i]
             cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank)
             roles["prefill"].append(f"tcp://{host}:{port}")
-        for _ in range(args.decode):
+        for i in range(args.decode):
             port, kv = free_port(host), free_port(host)
-            rank = ["--mlx-rank", str(next(ranks))] if args.transport == "mlx" else []
+            rank = ranked[args.prefill + i]
             cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget)
             roles["decode"].append(f"tcp://{host}:{port}")
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
