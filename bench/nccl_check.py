@@ -135,10 +135,7 @@ def worker(rank, init, kv_port, results):
         for t in threads:
             t.join()
         want = kv((6, 2, 37, 8), torch.bfloat16, 55, device)
-        source, before = s.alloc(layout_of(want), str(device)), s.staged_bytes
-        for (k, v), (dk, dv) in zip(want, source.layers):
-            dk.copy_(k)
-            dv.copy_(v)
+        source, before = s.alloc(layout_of(want), str(device)).fill(want), s.staged_bytes
         s.send(dest, "placed", layout_of(want), source.layers)
         source.release()
         results["placed_staged_bytes"] = s.staged_bytes - before
@@ -155,10 +152,7 @@ def worker(rank, init, kv_port, results):
             layers = kv((L, H, T, D), dtype, 7, device)
             source = None if name.endswith("/staged") else s.alloc(layout_of(layers), str(device))
             if source is not None:
-                for (k, v), (dk, dv) in zip(layers, source.layers):
-                    dk.copy_(k)
-                    dv.copy_(v)
-                layers = source
+                layers = source.fill(layers)
             flat = torch.empty(layout_of(layers).total_nbytes, dtype=torch.uint8, device=device)
             for rep in range(REPS + 2):
                 dist.barrier()

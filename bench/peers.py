@@ -97,12 +97,7 @@ def send(names: list[str], layout_dict: dict, hostfile: str) -> None:
 
 def produced(sender, layout, kv):
     source = sender.alloc(layout)
-    if source is None:
-        return kv
-    for (k, v), (dk, dv) in zip(kv, source.layers):
-        dk.copy_(k)
-        dv.copy_(v)
-    return source
+    return kv if source is None else source.fill(kv)
 
 
 if __name__ == "__main__":

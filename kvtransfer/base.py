@@ -103,6 +103,13 @@ class SourceKV:
     def __getitem__(self, i):
         return self.layers[i]
 
+    def fill(self, layers) -> "SourceKV":
+        """Copy ``(k, v)`` tensors in (what a producer that did not write here itself does)."""
+        for (k, v), (dk, dv) in zip(layers, self.layers, strict=True):
+            dk.copy_(k)
+            dv.copy_(v)
+        return self
+
     def release(self) -> None:
         if not self.released:
             self.released = True

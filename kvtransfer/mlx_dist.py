@@ -80,26 +80,21 @@ class MlxSender(SocketSender):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self.group = group(self.cfg)
-        self._slab = self._arena = None
+        self._slab = None
         self._slab_lock = threading.Lock()
 
     def _pool(self) -> Arena:
         with self._slab_lock:
-            if self._arena is None:
+            if self.owned is None:
                 nbytes = int(self.cfg.options.get("mlx_pool_bytes", DEFAULT_POOL_BYTES))
                 self._slab = on_mlx_thread(_slab, nbytes)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
-                    self._arena = Arena(torch.from_numpy(np.asarray(self._slab)))
-            return self._arena
+                    self.owned = Arena(torch.from_numpy(np.asarray(self._slab)))
+            return self.owned
 
     def alloc(self, layout, device="cpu"):
         return self._pool().source(layout) if device == "cpu" else None
-
-    def _prepare(self, layout, layers, phases):
-        with phases.measure("serialize"):
-            start = self._arena.region_of(layout, layers) if self._arena is not None else None
-        return layers if start is None else slice(start, start + layout.total_nbytes)
 
     def _send_body(self, sock, layout, payload, phases) -> float:
         grant = read_grant(sock, {"rank": int})
@@ -119,7 +114,7 @@ class MlxSender(SocketSender):
         return (phases.d2h + phases.serialize) / 1e3
 
     def _arrays(self, k, v) -> list:
-        arena = self._arena
+        arena = self.owned
         if arena is not None and arena.holds(k) and arena.holds(v):
             base, n = arena.memory.data_ptr(), k.numel() * k.element_size()
             return [self._slab[t.data_ptr() - base:t.data_ptr() - base + n] for t in (k, v)]

@@ -25,7 +25,7 @@ from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .pool import BufferPool
-from .sockets import SocketReceiver, SocketSender, phases_from, read_grant, timed_layers
+from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer
 
 _lock = threading.Lock()
@@ -59,29 +59,23 @@ class NcclSender(SocketSender):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
-        self._arena: Arena | None = None
 
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
             return None
         with _lock:
-            if self._arena is None:
+            if self.owned is None:
                 nbytes = int(self.cfg.options.get("nccl_pool_bytes", DEFAULT_POOL_BYTES))
-                self._arena = Arena(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
-        return self._arena.source(layout)
-
-    def _prepare(self, layout, layers, phases):
-        with phases.measure("serialize"):
-            start = self._arena.region_of(layout, layers) if self._arena is not None else None
-        return layers if start is None else self._arena.memory[start:start + layout.total_nbytes]
+                self.owned = Arena(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return self.owned.source(layout)
 
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"rank": int})
         dst, waited = grant["rank"], [0.0]
         torch.cuda.set_device(self.device)
-        if isinstance(layers, torch.Tensor):
+        if isinstance(layers, slice):
             with self._data_lock, phases.measure("wire"):
-                dist.send(layers, dst)
+                dist.send(self.owned.memory[layers], dst)
                 torch.cuda.synchronize(self.device)
             return phases.serialize / 1e3
         parts = []
@@ -122,9 +116,7 @@ class NcclReceiver(SocketReceiver):
                 sock.sendall(frames.meta_frame(frames.GRANT, {"rank": dist.get_rank()}))
                 dist.recv(buf[:layout.total_nbytes], src)
                 torch.cuda.synchronize(self.device)
-            landed_ms = (time.perf_counter() - start) * 1e3
-            sender = frames.read_meta(sock, frames.read_prefix(sock, frames.END)[1])
-            phases = phases_from(sender, landed_ms, layout.total_nbytes)
+            phases = self._finish(sock, layout, start, landed=time.perf_counter())
         except BaseException:
             self.pool.release(buf)
             raise

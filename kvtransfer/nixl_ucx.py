@@ -98,6 +98,7 @@ class NixlSender(SocketSender):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self.nixl = agent_for("prefill", self.cfg)
+        self.owned = self.nixl.arena
         self._peers: set[str] = set()
         self._peer_lock = threading.Lock()
 
@@ -116,11 +117,6 @@ class NixlSender(SocketSender):
 
     def alloc(self, layout, device="cpu"):
         return self.nixl.arena.source(layout) if device == "cpu" else None
-
-    def _prepare(self, layout, layers, phases):
-        with phases.measure("serialize"):
-            start = self.nixl.arena.region_of(layout, layers)
-        return layers if start is None else slice(start, start + layout.total_nbytes)
 
     def _send_body(self, sock, layout, layers, phases) -> float:
         grant = read_grant(sock, {"agent": str, "meta": bytes, "addr": int, "tag": bytes})

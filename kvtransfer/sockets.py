@@ -43,6 +43,8 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 class SocketSender(KVSender):
+    owned = None  # the Arena this sender's ``alloc`` hands out, if any
+
     def __init__(self, cfg: TransportConfig | None = None):
         self.cfg = cfg or TransportConfig()
         self._idle: dict[str, list[socket.socket]] = {}
@@ -94,8 +96,14 @@ class SocketSender(KVSender):
                 sock.close()
 
     def _prepare(self, layout, layers, phases):
-        """Work done before the first byte goes out (a non-streaming transport serializes here)."""
-        return layers
+        """Work done before the first byte goes out (a non-streaming transport serializes here).
+        A KV that fills one region of ``owned`` (what ``alloc`` handed out) becomes that region's
+        byte ``slice``, so the body can send it from there at once."""
+        if self.owned is None:
+            return layers
+        with phases.measure("serialize"):
+            start = self.owned.region_of(layout, layers)
+        return layers if start is None else slice(start, start + layout.total_nbytes)
 
     def _send_body(self, sock, layout, payload, phases) -> float:
         """Send the payload; returns the seconds of the sender's own non-wire work after
@@ -259,9 +267,11 @@ class SocketReceiver(TableReceiver):
     def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
         raise NotImplementedError
 
-    def _finish(self, sock, layout, start) -> PhaseTimes:
+    def _finish(self, sock, layout, start, landed: float | None = None) -> PhaseTimes:
+        """Read END; the record runs from BEGIN to ``landed`` (when the bytes were in place), else to now."""
         sender = frames.read_meta(sock, frames.read_prefix(sock, frames.END)[1])
-        return phases_from(sender, (time.perf_counter() - start) * 1e3, layout.total_nbytes)
+        end = time.perf_counter() if landed is None else landed
+        return phases_from(sender, (end - start) * 1e3, layout.total_nbytes)
 
     def close(self):
         self._closing = True

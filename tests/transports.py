@@ -91,9 +91,7 @@ def send_placed(sender, dest, tid, kv, whole=False) -> tuple[bool, int]:
         sender.send(dest, tid, layout, kv)
         return False, sender.staged_bytes - before
     try:
-        for (k, v), (dk, dv) in zip(kv, source.layers):
-            dk.copy_(k)
-            dv.copy_(v)
+        source.fill(kv)
         sender.send(dest, tid, layout, source if whole else source.layers)
     finally:
         source.release()
