@@ -1,11 +1,12 @@
 """Conformance and speed of the nccl transport on a two-GPU machine.
 
-    python -m bench.nccl_check [--out results.json]
+    python -m bench.nccl_check [--out results.json] [--backend gloo]
 
 Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
 and non-contiguous shapes), 8 transfers in flight, abort, the size limit;
-then times the 109 MB Mistral-7B KV (and two larger ones) through the transport against a raw
+then times the 109 MB Mistral-7B KV (and two larger ones) through the transport (wall clock from the
+sender's ``send`` call to the receiver holding the result; one host, one clock) against a raw
 ``dist.send``/``dist.recv`` of the same bytes in the same run: produced in the sender's own
 GPU slab (``alloc``, as the prefill engine does) and, for Mistral, also as separate
 tensors the sender must gather first ("/staged")."""
@@ -29,6 +30,8 @@ PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16),
             "llama3-8b@4096": (32, 8, 4096, 128, torch.float16),
             "llama3-70b@8192": (80, 8, 8192, 128, torch.bfloat16)}
 REPS = 20
+ROUNDS = 4
+CPU_PAYLOADS = {"small": (4, 2, 64, 16, torch.float16), "small/staged": (4, 2, 64, 16, torch.float16)}
 
 
 def kv(shape, dtype, seed, device, strided=False):
@@ -44,19 +47,40 @@ def kv(shape, dtype, seed, device, strided=False):
     return out
 
 
+def same(want, got) -> bool:
+    return all(torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))
+               for pa, pb in zip(want, got) for a, b in zip(pa, pb))
+
+
+def in_flight():
+    """8 senders at once, each sending ROUNDS KVs of its own sizes, placed and staged alternately."""
+    return [(i, j) for j in range(ROUNDS) for i in range(8)]
+
+
+def in_flight_shape(i, j):
+    return (2, 4, 64 + i + 8 * j, 32)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def worker(rank, init, kv_port, results):
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker(rank, init, kv_port, results, backend="nccl"):
     from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
     from kvtransfer.tensors import layout_of, materialize
 
-    device = torch.device(f"cuda:{rank}")
+    device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+    payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
-                          options={"nccl_init": init, "nccl_rank": rank, "nccl_pool_bytes": 3 << 30})
+                          options={"nccl_init": init, "nccl_rank": rank, "nccl_backend": backend,
+                                   "nccl_pool_bytes": (3 << 30) if backend == "nccl" else (64 << 20)})
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
     if rank == 1:
         r = make_receiver("nccl", cfg)
@@ -71,49 +95,51 @@ def worker(rank, init, kv_port, results):
                                          for pa, pb in zip(want, layers) for a, b in zip(pa, pb))
             got.release()
         ok8 = True
-        for i in range(8):
-            got = r.wait(f"c{i}", 60)
-            want = kv((2, 4, 64 + i, 32), torch.float16, 100 + i, device)
-            ok8 &= all(torch.equal(a, b) for pa, pb in zip(want, materialize(got, device)) for a, b in zip(pa, pb))
+        for i, j in in_flight():
+            got = r.wait(f"c{i}-{j}", 60)
+            ok8 &= same(kv(in_flight_shape(i, j), torch.float16, 100 + 8 * j + i, device), materialize(got, device))
             got.release()
         report["checks"]["8_in_flight"] = ok8
         got = r.wait("placed", 60)
-        want = kv((6, 2, 37, 8), torch.bfloat16, 55, device)
-        report["checks"]["placed"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                         for pa, pb in zip(want, materialize(got, device)) for a, b in zip(pa, pb))
+        report["checks"]["placed"] = same(kv((6, 2, 37, 8), torch.bfloat16, 55, device), materialize(got, device))
         got.release()
-        dist.barrier()
         r.abort("aborted")
+        dist.barrier()
+        dist.barrier()
+        got = r.wait("after-abort", 60)
+        report["checks"]["after_abort"] = same(kv((6, 2, 37, 8), torch.bfloat16, 56, device), materialize(got, device))
+        got.release()
         try:
             r.wait("aborted", 5)
             report["checks"]["abort"] = False
         except TransferError:
             report["checks"]["abort"] = True
+        report["drained"] = r.drained
         dist.barrier()
-        for name, (L, H, T, D, dtype) in PAYLOADS.items():
+        for name, (L, H, T, D, dtype) in payloads.items():
             transport, raw = [], []
             nbytes = KVLayout(L, H, D, T, str(dtype).split(".")[1]).total_nbytes
             sink = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            for rep in range(REPS + 2):
+            for rep in range(reps + 2):
                 dist.barrier()
                 got = r.wait(f"{name}-{rep}", 60)
-                torch.cuda.synchronize(device)
+                sync(device)
                 if rep >= 2:
-                    transport.append(got.phases.to_dict())
+                    transport.append({**got.phases.to_dict(), "wall": (got.completed_at - got.meta["sent_at"]) * 1e3})
                 got.release()
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.recv(sink, 0)
-                torch.cuda.synchronize(device)
+                sync(device)
                 dist.barrier()
                 if rep >= 2:
                     raw.append((time.perf_counter() - t0) * 1e3)
-            med, raw_med = statistics.median([p["total"] for p in transport]), statistics.median(raw)
-            phases = {k: statistics.median(p[k] for p in transport) for k in ("d2h", "serialize", "wire", "deserialize", "h2d")}
+            med, raw_med = statistics.median(p["wall"] for p in transport), statistics.median(raw)
+            phases = {k: statistics.median(p[k] for p in transport) for k in ("d2h", "serialize", "wire", "deserialize", "h2d", "total")}
             report["payloads"][name] = {
-                "bytes": nbytes, "transport_total_ms": med, "raw_nccl_ms": raw_med,
+                "bytes": nbytes, "transport_wall_ms": med, "raw_nccl_ms": raw_med,
                 "transport_GBps": nbytes / med / 1e6, "raw_GBps": nbytes / raw_med / 1e6,
-                "pct_of_raw_total": 100 * raw_med / med, "pct_of_raw_wire_phase": 100 * raw_med / phases["wire"],
+                "pct_of_raw": 100 * raw_med / med, "phase_sum_over_wall": phases["total"] / med,
                 "phases_median_ms": phases}
             del sink
         report["pool"] = {"allocations": r.pool.allocations, "reuses": r.pool.reuses}
@@ -126,10 +152,15 @@ def worker(rank, init, kv_port, results):
         for i, (name, shape, dtype, strided) in enumerate(jobs):
             layers = kv(shape, dtype, i, device, strided)
             s.send(dest, name, layout_of(layers), layers)
-        threads = []
-        for i in range(8):
-            layers = kv((2, 4, 64 + i, 32), torch.float16, 100 + i, device)
-            threads.append(threading.Thread(target=s.send, args=(dest, f"c{i}", layout_of(layers), layers)))
+        def stream(i):
+            for j in range(ROUNDS):
+                layers = kv(in_flight_shape(i, j), torch.float16, 100 + 8 * j + i, device)
+                if (i + j) % 2:
+                    layers = s.alloc(layout_of(layers), str(device)).fill(layers)
+                s.send(dest, f"c{i}-{j}", layout_of(layers), layers)
+                getattr(layers, "release", lambda: None)()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
         for t in threads:
@@ -140,6 +171,15 @@ def worker(rank, init, kv_port, results):
         source.release()
         results["placed_staged_bytes"] = s.staged_bytes - before
         dist.barrier()
+        dist.barrier()
+        for name, seed in (("aborted", 55), ("after-abort", 56)):
+            source = s.alloc(layout_of(want), str(device)).fill(kv((6, 2, 37, 8), torch.bfloat16, seed, device))
+            try:
+                s.send(dest, name, source.layout, source)
+                results[f"{name}_sent"] = True
+            except TransferError:
+                results[f"{name}_sent"] = False
+            source.release()
         huge = KVLayout(1024, 64, 256, 8192, "float32")
         try:
             s.send(dest, "huge", huge, iter([]))
@@ -148,22 +188,23 @@ def worker(rank, init, kv_port, results):
             refused = True
         results["size_limit_refused"] = refused
         dist.barrier()
-        for name, (L, H, T, D, dtype) in PAYLOADS.items():
+        for name, (L, H, T, D, dtype) in payloads.items():
             layers = kv((L, H, T, D), dtype, 7, device)
             source = None if name.endswith("/staged") else s.alloc(layout_of(layers), str(device))
             if source is not None:
                 layers = source.fill(layers)
             flat = torch.empty(layout_of(layers).total_nbytes, dtype=torch.uint8, device=device)
-            for rep in range(REPS + 2):
+            for rep in range(reps + 2):
                 dist.barrier()
-                s.send(dest, f"{name}-{rep}", layout_of(layers), layers)
+                s.send(dest, f"{name}-{rep}", layout_of(layers), layers, meta={"sent_at": time.perf_counter()})
                 dist.barrier()
                 dist.send(flat, 1)
-                torch.cuda.synchronize(device)
+                sync(device)
                 dist.barrier()
             if source is not None:
                 source.release()
             del layers, flat
+        results["eager_sends"] = s.eager_sends
         s.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -172,15 +213,19 @@ def worker(rank, init, kv_port, results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="nccl_check.json")
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                    help="gloo: the same protocol between two CPU processes (no GPUs needed; timings mean little)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs two CUDA GPUs")
+    if args.backend == "nccl" and torch.cuda.device_count() < 2:
+        raise SystemExit("needs two CUDA GPUs (or --backend gloo)")
     manager = mp.Manager()
     results = manager.dict()
     init, kv_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    mp.spawn(worker, args=(init, kv_port, results), nprocs=2, join=True)
+    mp.spawn(worker, args=(init, kv_port, results, args.backend), nprocs=2, join=True)
     out = dict(results)
-    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(2)]
+    out["backend"] = args.backend
+    if args.backend == "nccl":
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(2)]
     out["torch"] = torch.__version__
     print(json.dumps(out, indent=1))
     with open(args.out, "w") as f:

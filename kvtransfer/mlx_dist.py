@@ -168,7 +168,8 @@ class MlxReceiver(SocketReceiver):
             arrays.append(pair)
         return arrays
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        meta = header.get("meta") or {}
         src = 1 - self.group.rank() if self.group.size() == 2 else int(meta.get("rank", -1))
         if not 0 <= src < self.group.size():
             raise frames.FrameError("sender rank unknown")

@@ -4,14 +4,28 @@ the decode GPU (NVLink or GPUDirect RDMA), no host copies at all.
 Like ``mlx``, NCCL ranks form a fixed world (``nccl_init`` = a
 ``tcp://host:port`` rendezvous, ``nccl_rank``, world size 2), so metadata
 travels over the socket framing of ``sockets``: BEGIN, GRANT (the receiver
-posts one ``recv`` into a pooled buffer on its GPU, one transfer at a time),
-the sender ``send``s the KV in one operation, END, ACK. A KV the prefill
-engine wrote into ``alloc``'s region of the sender's GPU slab
+posts one ``recv`` into a pooled buffer on its GPU), the sender ``send``s the
+KV in one operation, END, ACK. NCCL pairs sends and receives in the order they
+are posted, and a small ``send`` may complete before its ``recv`` is posted
+(NCCL buffers it), so the sender holds one lock from BEGIN until the ACK: the
+receiver sees transfers one at a time, in the sender's order.
+
+Eager sends: a GRANT also says how large a transfer the receiver takes without
+one (``eager_bytes``, 0 with ``nccl_eager=false``). Later KVs that the sender
+can send at once (in its slab, see below), within that size, on a connection
+that was used recently, go without waiting for a GRANT: BEGIN says
+``eager`` and the ``send`` is posted right behind it. The receiver then must
+post a matching ``recv`` whatever happens: a BEGIN it refuses (aborted,
+duplicate, no buffer) is drained into scratch memory before it is refused.
+
+A KV the prefill engine wrote into ``alloc``'s region of the sender's GPU slab
 (``nccl_pool_bytes``, allocated on first use) goes straight from there; other
-layers are first gathered into a pooled staging buffer in the canonical
-layout (device copy, reported as serialize; ``staged_bytes``). The receiver's
-record ends when its ``recv`` has completed: the bytes are in place then.
-Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``)."""
+layers are first gathered into a pooled staging buffer in the canonical layout
+(device copy, reported as serialize; ``staged_bytes``). The receiver's record
+ends when its ``recv`` has completed: the bytes are in place then.
+Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
+``nccl_pool_bytes``, ``nccl_eager``; ``nccl_backend=gloo`` runs the same protocol
+between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
 import threading
@@ -24,33 +38,45 @@ import torch.distributed as dist
 from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
-from .pool import BufferPool
-from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
+from .pool import BufferPool, PoolExhausted
+from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer
 
 _lock = threading.Lock()
+_order = threading.Lock()
 DEFAULT_POOL_BYTES = 1 << 30
 
 
 def init(cfg) -> torch.device:
     opts = cfg.options
-    rank = int(opts.get("nccl_rank", 0))
-    device = torch.device(opts.get("device", f"cuda:{rank}"))
+    rank, backend = int(opts.get("nccl_rank", 0)), opts.get("nccl_backend", "nccl")
+    device = torch.device(opts.get("device", f"cuda:{rank}" if backend == "nccl" else "cpu"))
     with _lock:
         if not dist.is_initialized():
             if "nccl_init" not in opts:
                 raise TransferError("nccl transport needs options nccl_init (tcp://host:port) and nccl_rank")
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=opts["nccl_init"], rank=rank, world_size=2,
-                                    timeout=timedelta(seconds=cfg.timeout_s * 4), device_id=device)
+            on_gpu = {"device_id": device} if device.type == "cuda" else {}
+            if on_gpu:
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method=opts["nccl_init"], rank=rank, world_size=2,
+                                    timeout=timedelta(seconds=cfg.timeout_s * 4), **on_gpu)
     return device
 
 
+def _use(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _attach(endpoint) -> None:
-    """The GPU side of either end: joined world, device, buffer pool, one transfer at a time."""
+    """The GPU side of either end: joined world, device, buffer pool."""
     endpoint.device = init(endpoint.cfg)
     endpoint.pool = BufferPool(endpoint.cfg.pool_bytes, device=endpoint.device)
-    endpoint._data_lock = threading.Lock()
 
 
 class NcclSender(SocketSender):
@@ -59,6 +85,8 @@ class NcclSender(SocketSender):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
+        self._eager_limits: dict[str, tuple[int, float]] = {}
+        self._eager, self._dest, self.eager_sends = False, "", 0
 
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
@@ -69,16 +97,29 @@ class NcclSender(SocketSender):
                 self.owned = Arena(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         return self.owned.source(layout)
 
+    def _ordered(self):
+        return _order
+
+    def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
+        self._dest = dest
+        limit, fresh_s = self._eager_limits.get(dest, (0, 0.0))
+        self._eager = (isinstance(payload, slice) and layout.total_nbytes <= limit
+                       and idle_for is not None and idle_for < fresh_s)
+        self.eager_sends += self._eager
+        return {"eager": True} if self._eager else {}
+
     def _send_body(self, sock, layout, layers, phases) -> float:
-        grant = read_grant(sock, {"rank": int})
-        dst, waited = grant["rank"], [0.0]
-        torch.cuda.set_device(self.device)
+        if not self._eager:
+            grant = read_grant(sock, {"rank": int, "eager_bytes": int, "eager_idle_s": float})
+            self._eager_limits[self._dest] = (grant["eager_bytes"], grant["eager_idle_s"])
+        dst = 1 - dist.get_rank()
+        _use(self.device)
         if isinstance(layers, slice):
-            with self._data_lock, phases.measure("wire"):
+            with phases.measure("wire"):
                 dist.send(self.owned.memory[layers], dst)
-                torch.cuda.synchronize(self.device)
+                _sync(self.device)
             return phases.serialize / 1e3
-        parts = []
+        parts, waited = [], [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):
                 k, v = (t.to(self.device) for t in (k, v))
@@ -87,14 +128,13 @@ class NcclSender(SocketSender):
                 parts += [t.contiguous().view(-1).view(torch.uint8) for t in (k, v)]
         staging = self.pool.acquire(layout.total_nbytes)
         try:
-            with self._data_lock:
-                with phases.measure("serialize"):
-                    torch.cat(parts, out=staging[:layout.total_nbytes])
-                    torch.cuda.synchronize(self.device)
-                    self.staged_bytes += layout.total_nbytes
-                with phases.measure("wire"):
-                    dist.send(staging[:layout.total_nbytes], dst)
-                    torch.cuda.synchronize(self.device)
+            with phases.measure("serialize"):
+                torch.cat(parts, out=staging[:layout.total_nbytes])
+                _sync(self.device)
+                self.staged_bytes += layout.total_nbytes
+            with phases.measure("wire"):
+                dist.send(staging[:layout.total_nbytes], dst)
+                _sync(self.device)
         finally:
             self.pool.release(staging)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
@@ -106,18 +146,43 @@ class NcclReceiver(SocketReceiver):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
+        self.drained = 0
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
-        src = 1 - dist.get_rank()
-        torch.cuda.set_device(self.device)
-        buf = self.pool.acquire(layout.total_nbytes)
+    @property
+    def eager_bytes(self) -> int:
+        on = str(self.cfg.options.get("nccl_eager", True)).lower() not in ("0", "false", "no", "off")
+        return min(self.cfg.max_transfer_bytes, self.pool.capacity_bytes) if on else 0
+
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        _use(self.device)
+        eager, nbytes = header.get("eager") is True, layout.total_nbytes
         try:
-            with self._data_lock:
-                sock.sendall(frames.meta_frame(frames.GRANT, {"rank": dist.get_rank()}))
-                dist.recv(buf[:layout.total_nbytes], src)
-                torch.cuda.synchronize(self.device)
+            buf = self.pool.acquire(nbytes)
+        except PoolExhausted:
+            if eager:
+                self._drain(nbytes)
+            raise
+        try:
+            if not eager:
+                idle_s = float(self.cfg.options.get("idle_s", IDLE_S))
+                grant = {"rank": dist.get_rank(), "eager_bytes": self.eager_bytes, "eager_idle_s": idle_s / 2}
+                sock.sendall(frames.meta_frame(frames.GRANT, grant))
+            dist.recv(buf[:nbytes], 1 - dist.get_rank())
+            _sync(self.device)
             phases = self._finish(sock, layout, start, landed=time.perf_counter())
         except BaseException:
             self.pool.release(buf)
             raise
-        return ReceivedKV(tid, layout, buf[:layout.total_nbytes], phases, lambda: self.pool.release(buf), meta)
+        return ReceivedKV(tid, layout, buf[:nbytes], phases, lambda: self.pool.release(buf), header.get("meta") or {})
+
+    def _refused(self, sock, header, layout) -> None:
+        if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:
+            self._drain(layout.total_nbytes)
+
+    def _drain(self, nbytes: int) -> None:
+        """Take an eager send this receiver will not keep, so later sends and receives stay paired."""
+        _use(self.device)
+        scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(scratch, 1 - dist.get_rank())
+        _sync(self.device)
+        self.drained += 1

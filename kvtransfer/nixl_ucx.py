@@ -194,7 +194,8 @@ class NixlReceiver(SocketReceiver):
     def registrations(self) -> int:
         return self.nixl.registrations
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        meta = header.get("meta") or {}
         slot, buf = self.nixl.arena.acquire(layout.total_nbytes)
         tag = uuid.uuid4().bytes
         try:

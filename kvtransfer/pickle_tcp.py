@@ -40,7 +40,8 @@ class PickleSender(SocketSender):
 class PickleReceiver(SocketReceiver):
     name = "pickle"
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        meta = header.get("meta") or {}
         index, nbytes = frames.read_prefix(sock, frames.LAYER)
         limit = layout.total_nbytes + PICKLE_OVERHEAD + 512 * layout.num_layers
         if index != 0 or nbytes > limit:

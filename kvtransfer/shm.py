@@ -100,7 +100,8 @@ class ShmReceiver(SocketReceiver):
         self._region, memory = _map(self.path, size)
         self.arena = Arena(memory)
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        meta = header.get("meta") or {}
         offset, view = self.arena.acquire(layout.total_nbytes)
         try:
             sock.sendall(frames.meta_frame(frames.GRANT, {"path": self.path, "offset": offset}))

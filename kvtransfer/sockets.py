@@ -13,6 +13,7 @@ first byte arrived, must keep moving (``timeout_s`` per read); at most
 ``MAX_CONNECTIONS`` connections are served at once."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
@@ -50,13 +51,14 @@ class SocketSender(KVSender):
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def _checkout(self, dest: str) -> socket.socket:
+    def _checkout(self, dest: str) -> tuple[socket.socket, float | None]:
+        """A connection to ``dest`` and how long it sat idle (None: new)."""
         with self._lock:
             pool = self._idle.setdefault(dest, [])
             while pool:
-                sock = pool.pop()
+                sock, since = pool.pop()
                 if not select.select([sock], [], [], 0)[0]:
-                    return sock
+                    return sock, time.monotonic() - since
                 sock.close()
         sock = socket.create_connection(parse_address(dest), timeout=self.cfg.timeout_s)
         try:
@@ -66,22 +68,25 @@ class SocketSender(KVSender):
         except BaseException:
             sock.close()
             raise
-        return sock
+        return sock, None
 
     def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
         phases = PhaseTimes(bytes=layout.total_nbytes)
         sock, ok, t0 = None, False, time.perf_counter()
         try:
-            sock = self._checkout(dest)
+            sock, idle_for = self._checkout(dest)
             payload = self._prepare(layout, layers, phases)
-            sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": transfer_id, "layout": layout.to_dict(), "meta": meta or {}}))
-            setup = (time.perf_counter() - t0) * 1e3 - phases.d2h - phases.serialize
-            overlap = self._send_body(sock, layout, payload, phases)
-            sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3, "setup": setup}
-            with phases.measure("wire"):
-                sock.sendall(frames.meta_frame(frames.END, sender))
-                status, length = frames.read_prefix(sock, frames.ACK)
-                reply = frames.read_meta(sock, length)
+            with self._ordered():
+                extra = self._begin_fields(dest, idle_for, layout, payload)
+                begin = {"tid": transfer_id, "layout": layout.to_dict(), "meta": meta or {}, **extra}
+                sock.sendall(frames.meta_frame(frames.BEGIN, begin))
+                setup = (time.perf_counter() - t0) * 1e3 - phases.d2h - phases.serialize
+                overlap = self._send_body(sock, layout, payload, phases)
+                sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3, "setup": setup}
+                with phases.measure("wire"):
+                    sock.sendall(frames.meta_frame(frames.END, sender))
+                    status, length = frames.read_prefix(sock, frames.ACK)
+                    reply = frames.read_meta(sock, length)
             if status != 0:
                 raise TransferError(f"receiver refused transfer {transfer_id}: {reply.get('error')}")
             ok = True
@@ -91,7 +96,7 @@ class SocketSender(KVSender):
         finally:
             if ok:
                 with self._lock:
-                    self._idle.setdefault(dest, []).append(sock)
+                    self._idle.setdefault(dest, []).append((sock, time.monotonic()))
             elif sock is not None:
                 sock.close()
 
@@ -105,6 +110,15 @@ class SocketSender(KVSender):
             start = self.owned.region_of(layout, layers)
         return layers if start is None else slice(start, start + layout.total_nbytes)
 
+    def _ordered(self):
+        """Held from BEGIN to the receiver's ACK (a transport whose data plane must see
+        transfers in one order on both ends returns a lock: the receiver then sees them one at a time)."""
+        return contextlib.nullcontext()
+
+    def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
+        """Transport-specific fields of the BEGIN header (``idle_for``: see ``_checkout``)."""
+        return {}
+
     def _send_body(self, sock, layout, payload, phases) -> float:
         """Send the payload; returns the seconds of the sender's own non-wire work after
         BEGIN (d2h, serialize, waiting for ``layers``), which the receiver takes out of its
@@ -114,7 +128,7 @@ class SocketSender(KVSender):
     def close(self):
         with self._lock:
             for pool in self._idle.values():
-                for sock in pool:
+                for sock, _ in pool:
                     sock.close()
             self._idle.clear()
 
@@ -250,22 +264,31 @@ class SocketReceiver(TableReceiver):
         length = frames.read_prefix(sock, frames.BEGIN)[1]
         start = time.perf_counter()
         header = frames.read_meta(sock, length)
-        tid = header.get("tid")
-        if not isinstance(tid, str) or not tid or len(tid) > 256:
-            raise frames.FrameError("BEGIN without a valid transfer id")
-        layout = KVLayout.from_dict(header.get("layout"))
-        if layout.total_nbytes > self.cfg.max_transfer_bytes:
-            raise frames.FrameError(f"declared {layout.total_nbytes} bytes over limit {self.cfg.max_transfer_bytes}")
-        if not self.table.begin(tid):
-            raise frames.FrameError(f"transfer {tid} is not expected (duplicate or aborted)")
+        if not isinstance(header, dict):
+            raise frames.FrameError("BEGIN header is not a map")
+        tid, layout = header.get("tid"), None
+        try:
+            layout = KVLayout.from_dict(header.get("layout"))
+            if not isinstance(tid, str) or not tid or len(tid) > 256:
+                raise frames.FrameError("BEGIN without a valid transfer id")
+            if layout.total_nbytes > self.cfg.max_transfer_bytes:
+                raise frames.FrameError(f"declared {layout.total_nbytes} bytes over limit {self.cfg.max_transfer_bytes}")
+            if not self.table.begin(tid):
+                raise frames.FrameError(f"transfer {tid} is not expected (duplicate or aborted)")
+        except (frames.FrameError, LayoutError):
+            self._refused(sock, header, layout)
+            raise
         current[0] = tid
-        result = self._receive_body(sock, tid, layout, header.get("meta") or {}, start)
+        result = self._receive_body(sock, tid, layout, header, start)
         current[0] = None
         self.table.done(tid, result)
         sock.sendall(frames.meta_frame(frames.ACK, {"tid": tid}))
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         raise NotImplementedError
+
+    def _refused(self, sock, header: dict, layout: KVLayout | None) -> None:
+        """Called before a BEGIN is refused (a transport whose sender may already be sending cleans up here)."""
 
     def _finish(self, sock, layout, start, landed: float | None = None) -> PhaseTimes:
         """Read END; the record runs from BEGIN to ``landed`` (when the bytes were in place), else to now."""

@@ -64,7 +64,8 @@ class TcpSender(SocketSender):
 class TcpReceiver(SocketReceiver):
     name = "tcp"
 
-    def _receive_body(self, sock, tid, layout, meta, start) -> ReceivedKV:
+    def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
+        meta = header.get("meta") or {}
         buf = self.pool.acquire(layout.total_nbytes)
         try:
             view = memoryview(buf.numpy()).cast("B")

@@ -1,4 +1,6 @@
-"""The nccl transport's checks run as two ranks on two GPUs (bench/nccl_check.py); here when GPUs exist."""
+"""The nccl transport's checks (bench/nccl_check.py) as two ranks: on two GPUs when they exist, and
+always over gloo between two CPU processes (the same protocol code: GRANT, eager sends, draining,
+ordering of sends and receives; only the backend differs)."""
 import json
 import subprocess
 import sys
@@ -6,12 +8,26 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl transport needs two CUDA GPUs")
 
-
-def test_nccl_conformance_on_two_gpus(tmp_path):
+def run_check(tmp_path, *args) -> dict:
     out = tmp_path / "nccl.json"
-    subprocess.run([sys.executable, "-m", "bench.nccl_check", "--out", str(out)], check=True, timeout=600)
-    report = json.loads(out.read_text())
+    subprocess.run([sys.executable, "-m", "bench.nccl_check", "--out", str(out), *args], check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def assert_conformant(report):
     assert all(report["checks"].values()), report["checks"]
     assert report["size_limit_refused"]
+    assert report["placed_staged_bytes"] == 0
+    assert not report["aborted_sent"] and report["after-abort_sent"]
+    assert report["drained"] == 1
+    assert report["eager_sends"] > 0
+
+
+def test_nccl_protocol_over_gloo(tmp_path):
+    assert_conformant(run_check(tmp_path, "--backend", "gloo"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl transport needs two CUDA GPUs")
+def test_nccl_conformance_on_two_gpus(tmp_path):
+    assert_conformant(run_check(tmp_path))
