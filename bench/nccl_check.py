@@ -1,6 +1,6 @@
 """Conformance and speed of the nccl transport on a two-GPU machine.
 
-    python -m bench.nccl_check [--out results.json] [--backend gloo]
+    python -m bench.nccl_check [--out results.json] [--backend gloo] [--no-eager]
 
 Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
@@ -72,14 +72,14 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def worker(rank, init, kv_port, results, backend="nccl"):
+def worker(rank, init, kv_port, results, backend="nccl", eager=True):
     from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
     from kvtransfer.tensors import layout_of, materialize
 
     device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
     payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
-                          options={"nccl_init": init, "nccl_rank": rank, "nccl_backend": backend,
+                          options={"nccl_init": init, "nccl_rank": rank, "nccl_backend": backend, "nccl_eager": eager,
                                    "nccl_pool_bytes": (3 << 30) if backend == "nccl" else (64 << 20)})
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
     if rank == 1:
@@ -215,15 +215,16 @@ def main():
     ap.add_argument("--out", default="nccl_check.json")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                     help="gloo: the same protocol between two CPU processes (no GPUs needed; timings mean little)")
+    ap.add_argument("--no-eager", dest="eager", action="store_false", help="a GRANT round trip for every transfer")
     args = ap.parse_args()
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
         raise SystemExit("needs two CUDA GPUs (or --backend gloo)")
     manager = mp.Manager()
     results = manager.dict()
     init, kv_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    mp.spawn(worker, args=(init, kv_port, results, args.backend), nprocs=2, join=True)
+    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager), nprocs=2, join=True)
     out = dict(results)
-    out["backend"] = args.backend
+    out["backend"], out["eager"] = args.backend, args.eager
     if args.backend == "nccl":
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(2)]
     out["torch"] = torch.__version__
