@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import threading
@@ -143,6 +144,8 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
                 "phases_median_ms": phases}
             del sink
         report["pool"] = {"allocations": r.pool.allocations, "reuses": r.pool.reuses}
+        dist.barrier()
+        report["hangup"] = hung_up_sender_fails_fast(r)
         results.update(report)
         r.close()
     else:
@@ -206,8 +209,35 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
             del layers, flat
         results["eager_sends"] = s.eager_sends
         s.close()
-    dist.barrier()
-    dist.destroy_process_group()
+        dist.barrier()
+        begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"))
+    # the hang-up left the world unusable (the receiver aborted it): no collective from here on
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+    if backend == "gloo":
+        os._exit(0)  # gloo cannot abort the receive the hang-up left pending; its destructor would terminate()
+
+
+def begin_then_hang_up(dest, layout):
+    """A sender that dies between its eager BEGIN and its send: the receiver has posted a recv
+    that nothing will ever match."""
+    from kvtransfer import frames
+    host, port = dest.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": "hangup", "layout": layout.to_dict(), "meta": {}, "eager": True}))
+        time.sleep(0.5)
+
+
+def hung_up_sender_fails_fast(r) -> dict:
+    from kvtransfer import TransferError
+    from kvtransfer import nccl_p2p
+    start = time.monotonic()
+    try:
+        r.wait("hangup", 30)
+        failed = False
+    except (TransferError, TimeoutError):
+        failed = True
+    return {"reported_error": failed, "seconds": time.monotonic() - start, "world": list(nccl_p2p._broken)}
 
 
 def main():

@@ -28,6 +28,9 @@ Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
 between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
+import logging
+import select
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -42,8 +45,11 @@ from .pool import BufferPool, PoolExhausted
 from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _order = threading.Lock()
+_broken: list[str] = []
+SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
 DEFAULT_POOL_BYTES = 1 << 30
 
 
@@ -71,6 +77,70 @@ def _use(device) -> None:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
+    """Post one ``isend``/``irecv`` and wait for it, watching the control socket: a peer that
+    hung up (or no progress in ``timeout_s``) leaves an operation NCCL can never complete, and
+    every later pair would be mismatched, so the world is aborted and all later transfers fail."""
+    if _broken:
+        raise TransferError(f"nccl world unusable ({_broken[0]}); restart prefill and decode")
+    work = op(tensor, peer)
+    done = work.is_completed if tensor.is_cuda else _waiter(work)
+    start = time.perf_counter()
+    next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
+    while not done():
+        now = time.perf_counter()
+        if now < next_check:
+            continue
+        next_check = now + CHECK_S
+        if _hung_up(sock, POLL_S if now - start > SPIN_S else 0) or time.monotonic() > deadline:
+            _abort("peer hung up mid-transfer" if _hung_up(sock, 0) else f"no progress in {timeout_s:.0f}s")
+            raise TransferError(f"nccl transfer lost: {_broken[0]}")
+    if tensor.is_cuda:
+        work.wait()
+
+
+def _waiter(work):
+    """gloo marks a point-to-point operation complete only inside ``wait``: wait on a helper thread."""
+    finished, failed = threading.Event(), []
+
+    def run():
+        try:
+            work.wait()
+        except Exception as e:
+            failed.append(e)
+        finished.set()
+    threading.Thread(target=run, name="nccl-p2p-wait", daemon=True).start()
+
+    def done() -> bool:
+        if finished.is_set() and failed:
+            raise TransferError(f"transfer failed: {failed[0]}")
+        return finished.is_set()
+    return done
+
+
+def _hung_up(sock, wait_s: float) -> bool:
+    if not select.select([sock], [], [], wait_s)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _abort(reason: str) -> None:
+    with _lock:
+        if _broken:
+            return
+        _broken.append(reason)
+    log.error("aborting the nccl world: %s", reason)
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # a backend without abort (gloo) keeps its stuck operation
+        log.warning("could not abort the process group: %s", e)
 
 
 def _attach(endpoint) -> None:
@@ -116,8 +186,7 @@ class NcclSender(SocketSender):
         _use(self.device)
         if isinstance(layers, slice):
             with phases.measure("wire"):
-                dist.send(self.owned.memory[layers], dst)
-                _sync(self.device)
+                _p2p(dist.isend, self.owned.memory[layers], dst, sock, self.cfg.timeout_s)
             return phases.serialize / 1e3
         parts, waited = [], [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
@@ -133,8 +202,7 @@ class NcclSender(SocketSender):
                 _sync(self.device)
                 self.staged_bytes += layout.total_nbytes
             with phases.measure("wire"):
-                dist.send(staging[:layout.total_nbytes], dst)
-                _sync(self.device)
+                _p2p(dist.isend, staging[:layout.total_nbytes], dst, sock, self.cfg.timeout_s)
         finally:
             self.pool.release(staging)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
@@ -160,15 +228,14 @@ class NcclReceiver(SocketReceiver):
             buf = self.pool.acquire(nbytes)
         except PoolExhausted:
             if eager:
-                self._drain(nbytes)
+                self._drain(sock, nbytes)
             raise
         try:
             if not eager:
                 idle_s = float(self.cfg.options.get("idle_s", IDLE_S))
                 grant = {"rank": dist.get_rank(), "eager_bytes": self.eager_bytes, "eager_idle_s": idle_s / 2}
                 sock.sendall(frames.meta_frame(frames.GRANT, grant))
-            dist.recv(buf[:nbytes], 1 - dist.get_rank())
-            _sync(self.device)
+            _p2p(dist.irecv, buf[:nbytes], 1 - dist.get_rank(), sock, self.cfg.timeout_s)
             phases = self._finish(sock, layout, start, landed=time.perf_counter())
         except BaseException:
             self.pool.release(buf)
@@ -177,12 +244,11 @@ class NcclReceiver(SocketReceiver):
 
     def _refused(self, sock, header, layout) -> None:
         if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:
-            self._drain(layout.total_nbytes)
+            self._drain(sock, layout.total_nbytes)
 
-    def _drain(self, nbytes: int) -> None:
+    def _drain(self, sock, nbytes: int) -> None:
         """Take an eager send this receiver will not keep, so later sends and receives stay paired."""
         _use(self.device)
         scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(scratch, 1 - dist.get_rank())
-        _sync(self.device)
+        _p2p(dist.irecv, scratch, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
         self.drained += 1

@@ -234,7 +234,7 @@ class SocketReceiver(TableReceiver):
                     return
                 sock.settimeout(self.cfg.timeout_s)
                 self._receive_one(sock, current)
-        except (frames.FrameError, LayoutError, PoolExhausted, ValueError) as e:
+        except (frames.FrameError, LayoutError, PoolExhausted, ValueError, TransferError) as e:
             self.dropped_connections += 1
             log.warning("dropping %s connection from %s: %s", self.name, peer, e)
             self._nack(sock, current[0], str(e))

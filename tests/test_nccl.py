@@ -20,6 +20,8 @@ def assert_conformant(report, eager=True):
     assert report["size_limit_refused"]
     assert report["placed_staged_bytes"] == 0
     assert not report["aborted_sent"] and report["after-abort_sent"]
+    hangup = report["hangup"]
+    assert hangup["reported_error"] and hangup["seconds"] < 5 and hangup["world"], hangup
     if eager:
         assert report["drained"] == 1 and report["eager_sends"] > 0
     else:
