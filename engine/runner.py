@@ -20,6 +20,15 @@ class ModelRunner:
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         self.kv_bytes_per_token = c.num_hidden_layers * 2 * kv_heads * head_dim * self.dtype.itemsize
         self.kv_shape = (c.num_hidden_layers, kv_heads, head_dim)
+        suppress = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None)
+        self.suppress = torch.tensor(suppress, device=self.device) if suppress else None
+
+    def _last_logits(self, out) -> torch.Tensor:
+        """Next-token scores; tokens the model's generation config suppresses score -inf."""
+        logits = out.logits[0, -1].float()
+        if self.suppress is not None:
+            logits[self.suppress] = float("-inf")
+        return logits
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], into: list | None = None):
@@ -27,7 +36,7 @@ class ModelRunner:
         cache = placed_cache(into) if into is not None else None
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        return out.logits[0, -1].float(), kv
+        return self._last_logits(out), kv
 
     def cache_from(self, kv):
         from transformers import DynamicCache
@@ -41,4 +50,4 @@ class ModelRunner:
     def step(self, cache, token_id: int) -> torch.Tensor:
         ids = torch.tensor([[token_id]], device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1].float()
+        return self._last_logits(out)

@@ -1,7 +1,8 @@
 """The built-in ``tiny-llama``: Llama architecture from a config dict, weights
 drawn from a fixed-seed generator in a fixed order, so every process that
-builds it gets the same bits without downloading anything. Its output head
-only scores printable ASCII bytes and EOS, so its (random) text is readable."""
+builds it gets the same bits without downloading anything. Its generation
+config suppresses every token but printable ASCII bytes and EOS, so its
+(random) text is readable."""
 from __future__ import annotations
 
 import torch
@@ -42,4 +43,5 @@ def build_tiny_model(overrides: dict | None = None, seed: int = TINY_SEED):
         speakable[BYTE_OFFSET + 32:BYTE_OFFSET + 127] = True
         speakable[config.eos_token_id] = True
         model.lm_head.weight[~speakable] = 0.0
+    model.generation_config.suppress_tokens = (~speakable).nonzero().flatten().tolist()
     return model.eval()

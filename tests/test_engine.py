@@ -147,3 +147,13 @@ def test_prefill_into_memory_of_the_wrong_shape_falls_back(runner):
     logits, kv = runner.prefill(ids, wrong)
     assert torch.equal(logits, runner.prefill(ids)[0])
     assert kv[0][0].shape[1] == 9 and all(not t.any() for pair in wrong for t in pair)
+
+
+def test_tiny_model_writes_printable_text(runner):
+    """Its generation config suppresses every token but printable ASCII and EOS; the runner honours it."""
+    assert runner.suppress is not None
+    for i, prompt in enumerate(["Hello", "x" * 300, "Once upon a time"]):
+        for temperature in (0.0, 1.0):
+            text, ids, _ = generate(runner, prompt, SamplingParams(max_tokens=48, temperature=temperature, seed=i))
+            assert all(32 <= ord(c) < 127 for c in text), repr(text)
+            assert not set(ids) & set(runner.suppress.tolist())
