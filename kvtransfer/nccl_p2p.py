@@ -18,6 +18,12 @@ that was used recently, go without waiting for a GRANT: BEGIN says
 post a matching ``recv`` whatever happens: a BEGIN it refuses (aborted,
 duplicate, no buffer) is drained into scratch memory before it is refused.
 
+A posted operation cannot be cancelled, so each end waits for its own while
+watching the control socket. If the peer hangs up (or nothing moves for
+``timeout_s``) the transfer fails at once and the whole world is aborted:
+a send or receive left behind would pair with the next transfer's. Later
+transfers fail with "restart prefill and decode".
+
 A KV the prefill engine wrote into ``alloc``'s region of the sender's GPU slab
 (``nccl_pool_bytes``, allocated on first use) goes straight from there; other
 layers are first gathered into a pooled staging buffer in the canonical layout
