@@ -2,7 +2,8 @@
 (colocated) and against disaggregated serving with each chosen transport; the
 clusters are started and stopped here. Prints the table of the experiment
 pdserve grew out of: prefill, serialize, transfer, deserialize, decode,
-transfer overhead, TTFT, e2e, decode tok/s — per configuration. With
+transfer overhead, TTFT (as the router timed it, and as the client saw it, with
+its ratio to colocated), e2e, decode tok/s — per configuration. With
 ``--rounds R`` the configurations take turns R times (A B C A B C ...), each
 turn a fresh cluster, so a machine that speeds up or slows down during the
 run does not favour whichever configuration ran first; samples are pooled."""
@@ -16,7 +17,7 @@ import sys
 from .serve import run_load, summarize
 
 COLUMNS = [("prefill", "prefill"), ("serialize", "serialize"), ("transfer", "wire"), ("deserialize", "deserialize"),
-           ("h2d", "h2d"), ("decode", "decode"), ("transfer overhead", "transfer_total"), ("TTFT", "ttft"), ("e2e", "e2e")]
+           ("h2d", "h2d"), ("decode", "decode"), ("transfer overhead", "transfer_total"), ("TTFT router", "ttft"), ("e2e", "e2e")]
 
 
 def add_arguments(p):
@@ -56,13 +57,24 @@ def pooled(turns: list) -> dict:
     return {"summary": result, "samples": rows}
 
 
+def ttfts(summary: dict) -> tuple[float, float]:
+    """Median TTFT as the client saw it (HTTP request to first token) and as the router timed it."""
+    router = summary["pdserve_ms"].get("ttft", {}).get("median", 0.0)
+    return (summary["ttft_ms"] or {}).get("median", 0.0), router
+
+
 def table(results: dict) -> str:
-    head = "| configuration | " + " | ".join(f"{name} ms" for name, _ in COLUMNS) + " | decode tok/s | errors |"
-    rows = [head, "|---" * (len(COLUMNS) + 3) + "|"]
+    head = ("| configuration | " + " | ".join(f"{name} ms" for name, _ in COLUMNS)
+            + " | TTFT client ms | TTFT / colocated (client, router) | decode tok/s | errors |")
+    rows = [head, "|---" * (len(COLUMNS) + 5) + "|"]
+    base = ttfts(results["colocated"]["summary"]) if "colocated" in results else (0.0, 0.0)
     for config, res in results.items():
         s = res["summary"]
         cells = [f"{s['pdserve_ms'][key]['median']:.2f}" if key in s["pdserve_ms"] else "-" for _, key in COLUMNS]
-        rows.append(f"| {config} | " + " | ".join(cells) + f" | {s['decode_tok_per_s']:.1f} | {s['errors']} |")
+        client, router = ttfts(s)
+        ratio = f"{client / base[0]:.3f}x, {router / base[1]:.3f}x" if base[0] and base[1] else "-"
+        rows.append(f"| {config} | " + " | ".join(cells)
+                    + f" | {client:.2f} | {ratio} | {s['decode_tok_per_s']:.1f} | {s['errors']} |")
     return "\n".join(rows)
 
 

@@ -101,12 +101,13 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import compare, serve, soak, transfer
+    from bench import compare, idle, serve, soak, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     soak.add_arguments(bsub.add_parser("soak", help="many streams for a long time: errors and memory growth"))
+    idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))
     return ap
 
 

@@ -38,7 +38,17 @@ def test_bench_compare_small(tmp_path):
     assert set(report["results"]) == {"colocated", "tcp"}
     assert [len(r["samples"]) for r in report["results"].values()] == [4, 4]
     assert report["results"]["tcp"]["summary"]["pdserve_ms"]["wire"]["median"] > 0
-    assert "| colocated |" in (tmp_path / "c.md").read_text()
+    md = (tmp_path / "c.md").read_text()
+    assert "| colocated |" in md and "1.000x, 1.000x" in md and "TTFT client ms" in md
+
+
+def test_bench_idle_small(tmp_path):
+    out = tmp_path / "i"
+    assert main(["bench", "idle", "--prompt-len", "32", "--gap-ms", "5", "--reps", "2", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "i.json").read_text())
+    assert list(report["summary"]) == ["back to back", "after decode", "after spin", "after sleep"]
+    assert all(len(x) == 2 and min(x) > 0 for x in report["samples"].values())
+    assert report["summary"]["after decode"]["vs_after_decode"] == 1.0
 
 
 def test_bench_transfer_over_netns_link(tmp_path):
