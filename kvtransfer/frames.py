@@ -1,13 +1,14 @@
-"""Data-plane framing (wire version 2), used by socket transports.
+"""Data-plane framing (wire version 3), used by socket transports.
 
 Every frame starts with a fixed 20-byte prefix ``!4sHBBIQ``:
 magic ``PDKV``, version, kind, flags, ``a`` (u32), ``b`` (u64).
 
-    BEGIN  a=0      b=len(meta)  then msgpack {"tid", "layout", "meta"}
+    BEGIN  a=0      b=len(meta)  then msgpack {"tid", "layout", "meta"} (nccl: "eager")
     LAYER  a=layer  b=nbytes     then K bytes then V bytes of that layer
     END    a=0      b=len(meta)  then msgpack sender timings (ms)
     ACK    a=0 ok | 1 error, b=len(meta) then msgpack {"tid", "error"}
-    GRANT  a=0      b=len(meta)  then msgpack {"path", "offset"} (shm: where to write)
+    GRANT  a=0      b=len(meta)  then msgpack, per transport (shm: where to write; nccl: rank and
+                                 the eager limit; nixl: agent, memory, tag; mlx: rank)
     HELLO / CHALLENGE / AUTH     then msgpack {"nonce"} / {"nonce", "proof"} / {"proof"}
 
 With a cluster token, a connection opens with HELLO, CHALLENGE, AUTH (the
@@ -24,7 +25,7 @@ import struct
 import msgpack
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 PREFIX = struct.Struct("!4sHBBIQ")
 BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH = 1, 2, 3, 4, 5, 6, 7, 8
 KINDS = {BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH}

@@ -48,7 +48,7 @@ class SocketSender(KVSender):
 
     def __init__(self, cfg: TransportConfig | None = None):
         self.cfg = cfg or TransportConfig()
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
 
     def _checkout(self, dest: str) -> tuple[socket.socket, float | None]:
