@@ -35,8 +35,6 @@ between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
 import logging
-import select
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -48,7 +46,7 @@ from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .pool import BufferPool, PoolExhausted
-from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
+from .sockets import IDLE_S, SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
 from .tensors import check_layer
 
 log = logging.getLogger(__name__)
@@ -100,8 +98,9 @@ def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
         if now < next_check:
             continue
         next_check = now + CHECK_S
-        if _hung_up(sock, POLL_S if now - start > SPIN_S else 0) or time.monotonic() > deadline:
-            _abort("peer hung up mid-transfer" if _hung_up(sock, 0) else f"no progress in {timeout_s:.0f}s")
+        hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
+        if hung_up or time.monotonic() > deadline:
+            _abort("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
             raise TransferError(f"nccl transfer lost: {_broken[0]}")
     if tensor.is_cuda:
         work.wait()
@@ -124,17 +123,6 @@ def _waiter(work):
             raise TransferError(f"transfer failed: {failed[0]}")
         return finished.is_set()
     return done
-
-
-def _hung_up(sock, wait_s: float) -> bool:
-    if not select.select([sock], [], [], wait_s)[0]:
-        return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def _abort(reason: str) -> None:

@@ -23,8 +23,6 @@ many threads as there are transfers (the agent runs in strict thread-safe mode).
 from __future__ import annotations
 
 import logging
-import select
-import socket
 import threading
 import time
 import uuid
@@ -35,7 +33,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from . import frames
 from .base import ReceivedKV, TransferError
 from .arena import Arena
-from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
+from .sockets import SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
 from .tensors import check_layer, to_host
 
 log = logging.getLogger(__name__)
@@ -76,9 +74,8 @@ class Agent:
             polls += 1
             if time.monotonic() > end:
                 raise TimeoutError(f"no NIXL notification for {tag!r}")
-            if sock is not None and polls % 256 == 0 and select.select([sock], [], [], 0)[0]:
-                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                    raise ConnectionError("sender hung up before its WRITEs arrived")
+            if sock is not None and polls % 256 == 0 and peer_hung_up(sock):
+                raise ConnectionError("sender hung up before its WRITEs arrived")
             time.sleep(0)
 
 

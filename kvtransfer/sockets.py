@@ -133,6 +133,18 @@ class SocketSender(KVSender):
             self._idle.clear()
 
 
+def peer_hung_up(sock, wait_s: float = 0.0) -> bool:
+    """Whether the other end closed ``sock`` (looks at most ``wait_s``; pending data is not a hang-up)."""
+    if not select.select([sock], [], [], wait_s)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def read_grant(sock, required: dict) -> dict:
     """The receiver's GRANT (``required`` maps each key to its type), or its refusal as TransferError."""
     kind, _, length = frames.parse_prefix(frames.recv_exact(sock, frames.PREFIX.size))

@@ -22,8 +22,7 @@ from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
 from engine.requests import first_message, new_sequence, run_prefill
 from engine.runner import ModelRunner
-from kvtransfer import TransferError, TransportConfig, make_sender
-from kvtransfer import KVLayout
+from kvtransfer import KVLayout, TransferError, TransportConfig, make_sender
 from kvtransfer.tensors import dtype_name, layout_of
 
 log = logging.getLogger(__name__)
