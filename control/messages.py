@@ -1,17 +1,19 @@
-"""Control messages (version 1): msgpack maps ``{"v": 1, "op": ..., ...}``.
+"""Control messages (version 2): msgpack maps ``{"v": 2, "op": ..., ...}``. Version 2: ``decode`` carries
+the prompt's token ids and the parameters the prefill side resolved; ``first``/``tokens``/``done`` carry logprobs.
 
-router -> prefill   ping | prefill{rid, prompt, params, kv_dest} | abort{rid}
-router -> decode    ping | decode{rid, first_token, prompt_len, emitted, params} | abort{rid}
+router -> prefill   ping | prefill{rid, prompt | messages + chat, params, kv_dest} | abort{rid}
+router -> decode    ping | decode{rid, first_token, prompt_ids, emitted, params (resolved)} | abort{rid}
 router -> colocated ping | generate{rid, prompt, params} | abort{rid}
-worker -> router    pong{info} | first{rid, token, text, prompt_tokens, finish_reason, timing}
-                    | tokens{rid, ids, text} | done{rid, finish_reason, completion_tokens, timing, phases}
+worker -> router    pong{info} | first{rid, token, text, prompt_tokens, prompt_ids, params, finish_reason,
+                          logprobs, timing[, prompt_text, prompt_logprobs]}
+                    | tokens{rid, ids, text, logprobs} | done{rid, finish_reason, completion_tokens, timing, phases, logprobs}
                     | error{rid, status, message}
 """
 from __future__ import annotations
 
 import msgpack
 
-VERSION = 1
+VERSION = 2
 MAX_MESSAGE_BYTES = 8 << 20
 
 

@@ -30,6 +30,7 @@ class ControlServer:
         self.handler = handler
         self.token = token
         self._authed: collections.OrderedDict = collections.OrderedDict()
+        self._warned: set = set()
         self._pending: collections.OrderedDict = collections.OrderedDict()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
@@ -128,7 +129,12 @@ class ControlServer:
         if identity in self._authed:
             return True
         self.bad_messages += 1
-        log.warning("dropping %s from an unauthenticated control peer", op)
+        if identity not in self._warned:
+            if len(self._warned) > 1024:
+                self._warned.clear()
+            self._warned.add(identity)
+            log.warning("dropping %s from an unauthenticated control peer (further drops from it are not logged; "
+                        "a router that queued messages while this worker was down sends such)", op)
         self._reply(identity, "auth_required", reason="send hello first")
         return False
 

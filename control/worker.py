@@ -9,6 +9,7 @@ A second signal exits at once."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -33,12 +34,13 @@ class WorkerLoop:
         self.forced = threading.Event()
         self.drain_s = drain_s
         self.draining_since: float | None = None
+        self.restarts = int(os.environ.get("PDSERVE_RESTARTS", "0") or 0)
 
     def info(self) -> dict:
         return {"role": self.role}
 
     def describe(self) -> dict:
-        return {**self.info(), "draining": self.draining_since is not None}
+        return {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts}
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
         if msg["op"] == "ping":

@@ -1,6 +1,6 @@
 """Decode worker process (and the colocated baseline).
 
-``decode{rid, first_token, prompt_len, emitted, params}`` arrives from the
+``decode{rid, first_token, prompt_ids, emitted, params}`` arrives from the
 router once prefill answered; the KV for ``rid`` arrives independently over
 the transport. Whichever comes second starts the sequence. Every engine tick
 advances each active sequence by one token, so all requests in flight make
@@ -125,8 +125,8 @@ class DecodeWorker(WorkerLoop):
         except (TransferError, TimeoutError) as e:
             return self.fail(rid, 502, f"KV transfer failed: {e}")
         try:
-            params = SamplingParams.from_dict(msg["params"])
-            seq = Sequence.resume(rid, msg["prompt_len"], msg["first_token"], msg["emitted"], params,
+            params = SamplingParams.from_dict(msg["params"], resolved=True)
+            seq = Sequence.resume(rid, msg["prompt_ids"], msg["first_token"], msg["emitted"], params,
                                   self.runner.tokenizer, self.runner.max_len)
         except (KeyError, TypeError, RequestError) as e:
             received.release()
@@ -182,9 +182,10 @@ class DecodeWorker(WorkerLoop):
                 decode_ms = (time.perf_counter() - act.started) * 1e3
                 phases = act.received.phases.to_dict() if act.received else None
                 self.emit(rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
-                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases)
+                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases,
+                          logprobs=seq.take_logprobs())
             else:
-                self.emit(rid, "tokens", ids=[seq.output_ids[-1]], text=text)
+                self.emit(rid, "tokens", ids=[seq.output_ids[-1]], text=text, logprobs=seq.take_logprobs())
 
     def close(self):
         if self.receiver:

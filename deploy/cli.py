@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--ready-timeout", type=float, default=180.0)
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
+    u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     _add_engine(u)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -2,7 +2,10 @@
 
 Workers get free ports, the router is pointed at them, and ``up`` returns
 to the caller's terminal only when the cluster stops: on Ctrl-C/SIGTERM, or
-when any child dies, every child it started is stopped. The children share
+when the router dies. A worker that dies is restarted on its ports
+(``deploy.supervise``) while the router serves with the others; only the
+two-rank transports (mlx, nccl), whose world one rank cannot re-form, stop
+the cluster when a worker dies. The children share
 a cluster token (a fresh one unless PDSERVE_CLUSTER_TOKEN[_FILE] is set),
 passed in their environment, never on a command line."""
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+from deploy.supervise import Child, Supervisor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,7 +65,7 @@ def rank_args(args, host: str) -> list[list[str]] | None:
 
 
 def plan(args) -> list[list[str]]:
-    """The command lines of every child: workers first, the router last."""
+    """The command lines of every child: workers first, the router last (``cmd[5]`` names the role)."""
     base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
@@ -121,7 +126,7 @@ def stop(procs, grace: float = 30.0) -> None:
 def up(args) -> int:
     if args.port == 0:
         args.port = free_port(args.host)
-    procs = []
+    procs, supervisor = [], None
     stopping = False
 
     def on_signal(*_):
@@ -143,8 +148,15 @@ def up(args) -> int:
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
             env.update(ray_cluster.env)
         cmds = plan(args)
+        ranked = rank_args(args, args.host) is not None
+        supervisor = Supervisor(max_restarts=args.max_restarts)
+        counts: dict = {}
         for cmd in cmds:
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env))
+            role = "colocated" if "--colocated" in cmd else cmd[5]
+            counts[role] = counts.get(role, 0) + 1
+            supervisor.add(Child(f"{role} worker {counts[role] - 1}" if role != "router" else "router", cmd, env,
+                                 restartable=role != "router" and not ranked))
+        procs = supervisor.procs
         health = wait_ready(url, procs, args.ready_timeout)
         mode = health.get("mode")
         print(f"pdserve is up ({mode}, transport={args.transport if mode != 'colocated' else 'none'}): {url}", flush=True)
@@ -152,9 +164,10 @@ def up(args) -> int:
               f"-d '{{\"model\":\"{args.model if args.model == 'tiny-llama' else '<model>'}\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}}'",
               flush=True)
         while not stopping:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                print(f"pdserve: a child exited (code {dead[0].returncode}); stopping the cluster", file=sys.stderr)
+            fatal = supervisor.check()
+            if fatal is not None:
+                print(f"pdserve: the {fatal.name} exited (code {fatal.proc.returncode}); stopping the cluster",
+                      file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
@@ -164,6 +177,6 @@ def up(args) -> int:
             return 1
         return 0
     finally:
-        stop(procs)
+        stop(supervisor.procs if supervisor else procs)
         if ray_cluster:
             ray_cluster.stop()

@@ -12,13 +12,16 @@ class Detokenizer:
         self.stop = list(stop)
         self.ids = list(ids)
         self.emitted = emitted
+        self.stop_from = 0
         self.text = tokenizer.decode(self.ids) if self.ids else ""
 
-    def add(self, token: int) -> tuple[str, bool]:
+    def add(self, token: int, check_stop: bool = True) -> tuple[str, bool]:
         """Append a token; returns ``(delta, stopped)``."""
         self.ids.append(token)
         self.text = self.tokenizer.decode(self.ids)
-        hit = self._find_stop()
+        if not check_stop:
+            self.stop_from = len(self.text)
+        hit = self._find_stop() if check_stop else None
         if hit is not None:
             self.text = self.text[:hit]
             return self._release(len(self.text)), True
@@ -34,7 +37,7 @@ class Detokenizer:
         return delta
 
     def _find_stop(self):
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, self.stop_from) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def _safe_end(self) -> int:

@@ -1,22 +1,43 @@
 """Turning a control-plane request into a Sequence and its first token; shared
-by the prefill worker and the colocated worker."""
+by the prefill worker and the colocated worker.
+
+``first_message`` carries what the decode side needs to continue exactly as
+one process would: the prompt's token ids and the fully resolved sampling
+parameters (``max_tokens`` settled against the context limit)."""
 from __future__ import annotations
 
 import time
 
 from .errors import RequestError
 from .runner import ModelRunner
+from .sampler import prompt_logprobs
 from .sampling import SamplingParams
-from .sequence import Sequence
+from .sequence import Sequence, logprob_entry
+
+
+def chat_prompt(tokenizer, messages, options: dict | None) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    options = options or {}
+    add_generation_prompt = bool(options.get("add_generation_prompt", True))
+    continue_final = bool(options.get("continue_final_message", False))
+    if continue_final and add_generation_prompt:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+    if continue_final and messages[-1].get("role") != "assistant":
+        raise RequestError("continue_final_message needs an assistant message last", param="continue_final_message")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final)
+    except RequestError:
+        raise
+    except Exception as e:
+        raise RequestError(f"the chat template could not render these messages: {e}", param="messages") from None
 
 
 def new_sequence(runner: ModelRunner, rid: str, msg: dict) -> Sequence:
     params = SamplingParams.from_dict(msg.get("params") or {})
-    messages = msg.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", param="messages")
-        prompt = runner.tokenizer.apply_chat_template(messages)
+    if msg.get("messages") is not None:
+        prompt = chat_prompt(runner.tokenizer, msg["messages"], msg.get("chat"))
     else:
         prompt = msg.get("prompt")
         if not isinstance(prompt, (str, list)):
@@ -25,19 +46,34 @@ def new_sequence(runner: ModelRunner, rid: str, msg: dict) -> Sequence:
 
 
 def run_prefill(runner: ModelRunner, seq: Sequence, into: list | None = None):
-    """Forward the prompt (KV into ``into`` when given), sample the first token; returns ``(text, kv, ms)``."""
+    """Forward the prompt (KV into ``into`` when given), choose the first token; returns ``(text, kv, ms)``."""
     start = time.perf_counter()
-    logits, kv = runner.prefill(seq.prompt_ids, into)
+    every = seq.params.prompt_logprobs is not None
+    logits, kv = runner.prefill(seq.prompt_ids, into, every=every)
+    if every:
+        seq.prompt_logprob_list = prompt_logprobs(logits, seq.prompt_ids, seq.params.prompt_logprobs)
+        logits = logits[-1]
     text = seq.accept(logits)
     return text, kv, (time.perf_counter() - start) * 1e3
 
 
 def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) -> dict:
-    return {
+    out = {
         "token": seq.output_ids[-1],
         "text": text,
         "emitted": seq.detok.emitted,
         "prompt_tokens": len(seq.prompt_ids),
+        "prompt_ids": seq.prompt_ids,
+        "params": seq.params.to_dict(),
         "finish_reason": seq.finish_reason,
+        "logprobs": seq.take_logprobs(),
         "timing": {"queue": queue_ms, "prefill": prefill_ms},
     }
+    if seq.params.echo:
+        out["prompt_text"] = seq.tokenizer.decode(seq.prompt_ids)
+        plp = seq.prompt_logprob_list
+        if plp is not None:
+            out["prompt_logprobs"] = [
+                logprob_entry(seq.tokenizer, t, e[0], e[1]) if e else logprob_entry(seq.tokenizer, t, None, [])
+                for t, e in zip(seq.prompt_ids, plp)]
+    return out

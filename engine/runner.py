@@ -23,20 +23,23 @@ class ModelRunner:
         suppress = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None)
         self.suppress = torch.tensor(suppress, device=self.device) if suppress else None
 
-    def _last_logits(self, out) -> torch.Tensor:
-        """Next-token scores; tokens the model's generation config suppresses score -inf."""
-        logits = out.logits[0, -1].float()
+    def _logits(self, out, every: bool = False) -> torch.Tensor:
+        """Next-token scores (of the last position, or ``[tokens, vocab]`` of every one); tokens the model's
+        generation config suppresses score -inf."""
+        logits = (out.logits[0] if every else out.logits[0, -1]).float()
         if self.suppress is not None:
-            logits[self.suppress] = float("-inf")
+            logits[..., self.suppress] = float("-inf")
         return logits
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], into: list | None = None):
+    def prefill(self, token_ids: list[int], into: list | None = None, every: bool = False):
+        """``(logits, kv)``; ``every`` gives the logits of every prompt position (for prompt logprobs)."""
         ids = torch.tensor([token_ids], device=self.device)
         cache = placed_cache(into) if into is not None else None
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        kwargs = {} if every else {"logits_to_keep": 1}
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        return self._last_logits(out), kv
+        return self._logits(out, every), kv
 
     def cache_from(self, kv):
         from transformers import DynamicCache
@@ -50,4 +53,4 @@ class ModelRunner:
     def step(self, cache, token_id: int) -> torch.Tensor:
         ids = torch.tensor([[token_id]], device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return self._last_logits(out)
+        return self._logits(out)

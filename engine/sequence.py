@@ -1,11 +1,17 @@
 """One request's generation state, shared by prefill (first token) and decode
 (the rest). ``Sequence.resume`` rebuilds it on the decode side from what the
-prefill side reported, so both ends detokenize and stop identically."""
+prefill side reported (prompt ids, first token, resolved parameters), so both
+ends penalize, detokenize and stop identically.
+
+``append`` takes a ``TokenChoice`` from the sampler and returns the text to
+emit; the logprobs of appended tokens wait in ``pending_logprobs`` until the
+worker sends them with that text."""
 from __future__ import annotations
 
 from .detok import Detokenizer
 from .errors import RequestError
-from .sampling import SamplingParams, sample
+from .sampler import TokenChoice, choose
+from .sampling import SamplingParams
 
 
 class Sequence:
@@ -18,6 +24,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.detok = Detokenizer(tokenizer, params.stop)
         self.finish_reason: str | None = None
+        self.pending_logprobs: list = []
+        self.prompt_logprob_list: list | None = None
         self.cache = None
 
     @classmethod
@@ -36,11 +44,16 @@ class Sequence:
             raise RequestError(
                 f"This model's maximum context length is {max_len} tokens; you requested {len(ids) + params.max_tokens} "
                 f"({len(ids)} in the prompt, {params.max_tokens} for the completion)", param="max_tokens")
+        if params.min_tokens > params.max_tokens:
+            raise RequestError("min_tokens must not exceed max_tokens", param="min_tokens")
         return cls(rid, ids, params, tokenizer, max_len)
 
     @classmethod
-    def resume(cls, rid, prompt_len: int, first_token: int, emitted: int, params: SamplingParams, tokenizer, max_len: int):
-        seq = cls(rid, [0] * prompt_len, params, tokenizer, max_len)
+    def resume(cls, rid, prompt_ids: list[int], first_token: int, emitted: int, params: SamplingParams, tokenizer,
+               max_len: int):
+        if not isinstance(prompt_ids, list) or not prompt_ids or any(type(i) is not int for i in prompt_ids):
+            raise RequestError("prompt_ids must be a non-empty list of token ids", param="prompt_ids")
+        seq = cls(rid, prompt_ids, params, tokenizer, max_len)
         seq.output_ids = [first_token]
         seq.detok = Detokenizer(tokenizer, params.stop, ids=[first_token], emitted=emitted)
         return seq
@@ -50,14 +63,26 @@ class Sequence:
         return len(self.output_ids)
 
     def accept(self, logits) -> str:
-        """Sample the next token from ``logits``, returns the text delta to emit."""
-        token = sample(logits, self.params, self.step_index)
+        """Choose the next token from one row of ``logits``; returns the text delta to emit."""
+        return self.append(choose(logits.reshape(1, -1), [self], self.tokenizer.eos_token_id)[0])
+
+    def _stops_on(self, token: int) -> bool:
+        if len(self.output_ids) <= self.params.min_tokens:
+            return False
+        if token in self.params.stop_token_ids:
+            return True
+        return token == self.tokenizer.eos_token_id and not self.params.ignore_eos
+
+    def append(self, choice: TokenChoice) -> str:
+        token = choice.token
         self.output_ids.append(token)
-        if token == self.tokenizer.eos_token_id and not self.params.ignore_eos:
+        if choice.logprob is not None:
+            self.pending_logprobs.append((token, choice.logprob, choice.top))
+        if self._stops_on(token):
             self.finish_reason = "stop"
             self.detok.ids.append(token)
             return self.detok.flush()
-        delta, stopped = self.detok.add(token)
+        delta, stopped = self.detok.add(token, check_stop=len(self.output_ids) > self.params.min_tokens)
         if stopped:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.params.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
@@ -65,6 +90,24 @@ class Sequence:
             delta += self.detok.flush()
         return delta
 
+    def take_logprobs(self) -> list | None:
+        """Wire entries for the tokens appended since the last call (None when logprobs were not asked for)."""
+        if self.params.logprobs is None:
+            return None
+        out = [logprob_entry(self.tokenizer, *entry) for entry in self.pending_logprobs]
+        self.pending_logprobs = []
+        return out
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def logprob_entry(tokenizer, token: int, logprob: float, top: list) -> dict:
+    """``{"t": text, "b": bytes, "lp": logprob, "top": [[text, bytes, logprob], ...]}`` for the control plane."""
+    def piece(t):
+        raw = tokenizer.token_bytes(t)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    text, raw = piece(token)
+    return {"t": text, "b": raw, "lp": logprob, "top": [[*piece(t), lp] for t, lp in top]}

@@ -21,9 +21,14 @@ class ByteTokenizer:
         data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return turns + "<|assistant|>\n"
+    def token_bytes(self, token: int) -> bytes:
+        if BYTE_OFFSET <= token < BYTE_OFFSET + 256:
+            return bytes([token - BYTE_OFFSET])
+        return b""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message))
 
 
 class HFTokenizer:
@@ -41,7 +46,28 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if getattr(self.tok, "chat_template", None):
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return ByteTokenizer.apply_chat_template(self, messages)
+    def token_bytes(self, token: int) -> bytes:
+        piece = self.tok.convert_ids_to_tokens(token)
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self.tok.decode([token], skip_special_tokens=True).encode("utf-8")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """Rendered and tokenized in one step: whatever special tokens the template writes are not added again."""
+        if not getattr(self.tok, "chat_template", None):
+            return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message))
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, return_dict=False)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def render_plain_chat(messages: list[dict], add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> str:
+    """The template of models that have none: ``<|role|>`` headers, one turn per line."""
+    turns = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    if continue_final_message:
+        turns[-1] = turns[-1][:-1]
+    elif add_generation_prompt:
+        turns.append("<|assistant|>\n")
+    return "".join(turns)

@@ -20,7 +20,7 @@ from .errors import ApiError, error_body
 from .limits import BodyLimit
 from .metrics import Metrics
 from .policy import make_policy
-from .responses import SSE_DONE, Shaper, sse, usage
+from .responses import SSE_DONE, Choice, Shaper, sse, usage_of
 from .schemas import ChatRequest, CompletionRequest
 from .service import Delta, Finished, Service, StreamError, new_rid
 from .workers import WorkerClient, WorkerGroup
@@ -98,73 +98,134 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
+        detail = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{'.'.join(loc) + ': ' if loc else ''}{detail}"
+        log.info("400 for %s: %s", request.url.path, message)
         metrics.errors.labels("http_400").inc()
         return JSONResponse(error_body(400, message, param=".".join(loc) or None), status_code=400)
 
-    async def serve(endpoint: str, kind: str, req, payload: dict):
+    async def serve(endpoint: str, kind: str, req, payloads: list[dict], logprobs: bool):
         service.check_model(req.model)
         rid = new_rid()
-        shaper = Shaper(kind, rid, req.model)
-        events = service.generate(payload, rid)
+        shaper = Shaper(kind, rid, req.model, logprobs)
+        per_prompt = req.choices_per_prompt
+        choices = [Choice(i, prompt_index=i // per_prompt) for i in range(len(payloads))]
+        rids = [rid] if len(payloads) == 1 else [f"{rid}.{i}" for i in range(len(payloads))]
+        streams = [service.generate(p, r) for p, r in zip(payloads, rids)]
         metrics.in_flight.inc()
         t0 = time.perf_counter()
         try:
-            first = await events.__anext__()
-        except StreamError as e:
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+            failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException as e:
             metrics.in_flight.dec()
-            metrics.requests.labels(endpoint, "error").inc()
-            raise ApiError(e.status, e.message, headers=retry_header(e)) from None
-        except BaseException:
-            metrics.in_flight.dec()
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, StreamError):
+                metrics.requests.labels(endpoint, "error").inc()
+                raise ApiError(e.status, e.message, headers=retry_header(e)) from None
             raise
         metrics.ttft.labels(mode).observe(time.perf_counter() - t0)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(endpoint, shaper, first, events, include_usage, t0, req.return_token_ids),
-                                     media_type="text/event-stream")
-        return await collect(endpoint, shaper, first, events, t0, req.return_token_ids)
+            opts = req.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            shaper.running_usage = bool(include_usage and opts.continuous_usage_stats)
+            return StreamingResponse(stream(endpoint, shaper, choices, firsts, streams, include_usage, t0,
+                                            req.return_token_ids), media_type="text/event-stream")
+        return await collect(endpoint, shaper, choices, firsts, streams, t0, req.return_token_ids)
 
-    async def collect(endpoint, shaper, first, events, t0, with_ids):
-        parts, ids, result = [first.text], list(first.ids), None
-        try:
+    def absorb(choice: Choice, ev) -> tuple[str, list]:
+        """Record an event on its choice; returns the text and logprob entries it adds."""
+        if isinstance(ev, Finished):
+            choice.finish_reason, choice.timing = ev.finish_reason, ev.timing
+            choice.prompt_tokens, choice.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+            return "", []
+        if ev.prompt_tokens is not None:
+            choice.prompt_tokens = ev.prompt_tokens
+        choice.completion_tokens += len(ev.ids)
+        text, entries = ev.text, list(ev.logprobs or [])
+        if ev.prompt_text is not None:
+            text, entries = ev.prompt_text + text, list(ev.prompt_logprobs or []) + entries
+        choice.text.append(text)
+        choice.ids.extend(ev.ids)
+        choice.logprobs.extend(entries)
+        return text, entries
+
+    async def collect(endpoint, shaper, choices, firsts, streams, t0, with_ids):
+        async def one(choice, first, events):
+            absorb(choice, first)
             async for ev in events:
-                if isinstance(ev, Delta):
-                    parts.append(ev.text)
-                    ids.extend(ev.ids)
-                else:
-                    result = ev
+                absorb(choice, ev)
+
+        try:
+            await asyncio.gather(*(one(c, f, s) for c, f, s in zip(choices, firsts, streams)))
         except StreamError as e:
             metrics.requests.labels(endpoint, "error").inc()
             raise ApiError(e.status, e.message, headers=retry_header(e)) from None
         finally:
             metrics.in_flight.dec()
-        finish(endpoint, result, t0)
-        body = shaper.full("".join(parts), result.finish_reason, usage(result.prompt_tokens, result.completion_tokens),
-                           result.timing, ids if with_ids else None)
-        return JSONResponse(body)
+            for s in streams:
+                await s.aclose()
+        for c in choices:
+            finish(endpoint, c, t0)
+        return JSONResponse(shaper.full(choices, usage_of(choices), with_ids))
 
-    async def stream(endpoint, shaper, first, events, include_usage, t0, with_ids):
-        last = time.perf_counter()
+    async def stream(endpoint, shaper, choices, firsts, streams, include_usage, t0, with_ids):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice, events):
+            try:
+                async for ev in events:
+                    queue.put_nowait((choice, ev))
+            except StreamError as e:
+                queue.put_nowait((choice, e))
+            except Exception as e:
+                log.exception("stream of choice %d failed", choice.index)
+                queue.put_nowait((choice, StreamError(500, f"internal error: {e}")))
+            finally:
+                queue.put_nowait((choice, None))
+
+        def piece(choice, ev):
+            text, entries = absorb(choice, ev)
+            if not (text or with_ids or (shaper.with_logprobs and entries)):
+                return None
+            out = shaper.chunk(choice, text, ids=ev.ids if with_ids else None,
+                               logprobs=entries if shaper.with_logprobs else None)
+            if shaper.running_usage:
+                out["usage"] = usage_of(choices)
+            return sse(out)
+
+        tasks, last = [], time.perf_counter()
         try:
-            if shaper.chat:
-                yield sse(shaper.chunk(None, role=True))
-            if first.text or with_ids:
-                yield sse(shaper.chunk(first.text, ids=first.ids if with_ids else None))
-            async for ev in events:
-                if isinstance(ev, Delta):
+            for choice, first in zip(choices, firsts):
+                if shaper.chat:
+                    yield sse(shaper.chunk(choice, None, role=True))
+                if (out := piece(choice, first)) is not None:
+                    yield out
+            tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(choices, streams)]
+            remaining = len(tasks)
+            while remaining:
+                choice, ev = await queue.get()
+                if ev is None:
+                    remaining -= 1
+                elif isinstance(ev, StreamError):
+                    raise ev
+                elif isinstance(ev, Delta):
                     now = time.perf_counter()
                     metrics.itl.labels(mode).observe(now - last)
                     last = now
-                    if ev.text or with_ids:
-                        yield sse(shaper.chunk(ev.text, ids=ev.ids if with_ids else None))
+                    if (out := piece(choice, ev)) is not None:
+                        yield out
                 else:
-                    finish(endpoint, ev, t0)
-                    final = shaper.chunk(None, finish_reason=ev.finish_reason)
-                    final["pdserve"] = ev.timing
+                    absorb(choice, ev)
+                    finish(endpoint, choice, t0)
+                    final = shaper.chunk(choice, None, finish_reason=choice.finish_reason)
+                    final["pdserve"] = choice.timing
                     yield sse(final)
-                    if include_usage:
-                        yield sse(shaper.usage_chunk(usage(ev.prompt_tokens, ev.completion_tokens), ev.timing))
+            if include_usage:
+                yield sse(shaper.usage_chunk(usage_of(choices), choices[0].timing))
             yield SSE_DONE
         except StreamError as e:
             metrics.requests.labels(endpoint, "error").inc()
@@ -173,11 +234,15 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
             yield SSE_DONE
         finally:
             metrics.in_flight.dec()
-            await events.aclose()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
 
-    def finish(endpoint, result: Finished, t0):
+    def finish(endpoint, choice: Choice, t0):
         metrics.e2e.labels(mode).observe(time.perf_counter() - t0)
-        metrics.tokens.inc(result.completion_tokens)
+        metrics.tokens.inc(choice.completion_tokens)
         metrics.requests.labels(endpoint, "ok").inc()
 
     async def until_disconnected(request: Request, work):
@@ -204,17 +269,20 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await until_disconnected(request, serve("completions", "completion", req,
-                                                       {"prompt": req.prompt, "params": req.params(16)}))
+        try:
+            payloads = req.fanout()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="n") from None
+        return await until_disconnected(request, serve("completions", "completion", req, payloads,
+                                                       req.logprobs is not None))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         try:
-            messages = req.plain_messages()
+            payloads = req.fanout()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return await until_disconnected(request, serve("chat", "chat", req,
-                                                       {"messages": messages, "params": req.params(None)}))
+        return await until_disconnected(request, serve("chat", "chat", req, payloads, req.logprobs))
 
     @app.get("/v1/models")
     async def models():

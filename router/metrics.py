@@ -14,6 +14,7 @@ WORKER_GAUGES = {
     "kv_budget_bytes": ("pdserve_worker_kv_budget_bytes", "A worker's KV memory budget"),
     "kv_pool_bytes_in_use": ("pdserve_worker_kv_buffer_bytes_in_use", "Transport buffer bytes holding received KV"),
     "kv_held_bytes": ("pdserve_worker_kv_held_bytes", "KV bytes a prefill worker holds until they are sent"),
+    "restarts": ("pdserve_worker_restarts", "Times pdserve up restarted this worker after it died"),
 }
 
 

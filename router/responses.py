@@ -1,52 +1,113 @@
-"""OpenAI response bodies and SSE chunks for completions and chat completions."""
+"""OpenAI response bodies and SSE chunks for completions and chat completions.
+
+Logprobs arrive from workers as ``{"t": text, "b": bytes, "lp": logprob,
+"top": [[text, bytes, logprob], ...]}`` per token and are shaped here:
+completions get ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``,
+chat gets ``content[]`` with ``token``/``logprob``/``bytes``/``top_logprobs``."""
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass, field
+
+FLOOR = -9999.0
+
+
+def _lp(v):
+    return None if v is None else (FLOOR if math.isinf(v) or math.isnan(v) else v)
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int = 0
+    text: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    offset: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timing: dict = field(default_factory=dict)
 
 
 class Shaper:
-    def __init__(self, kind: str, rid: str, model: str):
+    def __init__(self, kind: str, rid: str, model: str, logprobs: bool = False):
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
         self.model = model
         self.created = int(time.time())
+        self.with_logprobs = logprobs
+        self.running_usage = False
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False, ids=None) -> dict:
+    def logprobs(self, entries: list | None, choice: Choice) -> dict | None:
+        """The logprobs object for these tokens, advancing the choice's text offset (completions)."""
+        if not self.with_logprobs:
+            return None
+        entries = entries or []
+        if self.chat:
+            def item(t, b, lp):
+                return {"token": t, "logprob": _lp(lp), "bytes": list(b)}
+
+            return {"content": [{**item(e["t"], e["b"], e["lp"]), "top_logprobs": [item(*x) for x in e["top"]]}
+                                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(choice.offset)
+            choice.offset += len(e["t"])
+        return {"tokens": [e["t"] for e in entries], "token_logprobs": [_lp(e["lp"]) for e in entries],
+                "top_logprobs": [{t: _lp(lp) for t, _, lp in e["top"]} if e["lp"] is not None else None for e in entries],
+                "text_offset": offsets}
+
+    def chunk(self, choice: Choice, text: str | None, finish_reason: str | None = None, role: bool = False,
+              ids=None, logprobs=None) -> dict:
+        lp = self.logprobs(logprobs, choice) if logprobs is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = {"index": choice.index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             obj = "text_completion"
         if ids is not None:
-            choice["token_ids"] = ids
-        return {**self._base(obj), "choices": [choice]}
+            body["token_ids"] = ids
+        return {**self._base(obj), "choices": [body]}
 
     def usage_chunk(self, usage: dict, timing: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage, "pdserve": timing}
 
-    def full(self, text: str, finish_reason: str, usage: dict, timing: dict, ids=None) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            obj = "text_completion"
-        if ids is not None:
-            choice["token_ids"] = ids
-        return {**self._base(obj), "choices": [choice], "usage": usage, "pdserve": timing}
+    def full(self, choices: list[Choice], usage: dict, with_ids: bool) -> dict:
+        out = []
+        for c in choices:
+            lp = self.logprobs(c.logprobs, c)
+            if self.chat:
+                body = {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
+                        "finish_reason": c.finish_reason}
+            else:
+                body = {"index": c.index, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+            if with_ids:
+                body["token_ids"] = c.ids
+            if len(choices) > 1:
+                body["pdserve"] = c.timing
+            out.append(body)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": out, "usage": usage, "pdserve": choices[0].timing}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(choices: list[Choice]) -> dict:
+    """Prompt tokens counted once per prompt, completion tokens for every choice."""
+    prompts = {c.prompt_index: c.prompt_tokens for c in choices}
+    return usage(sum(prompts.values()), sum(c.completion_tokens for c in choices))
 
 
 def sse(obj) -> bytes:

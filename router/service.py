@@ -27,6 +27,10 @@ def new_rid() -> str:
 class Delta:
     text: str
     ids: list
+    logprobs: list | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass
@@ -93,7 +97,7 @@ class Service:
         inbox = self.inboxes[rid] = asyncio.Queue()
         involved, finished, decode_worker = [], False, None
         timing = {}
-        max_new = payload["params"].get("max_tokens") or 1 << 30
+        max_new = payload["params"].get("max_tokens") or 1 << 20
         try:
             if self.colocated:
                 first_worker = await self.admission.acquire(self.groups["colocated"], rid, estimate_prompt_tokens(payload) + max_new)
@@ -111,25 +115,27 @@ class Service:
             ttft = time.perf_counter() - t0
             timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
             prompt_tokens, completion = first["prompt_tokens"], 1
+            max_new = (first.get("params") or {}).get("max_tokens") or max_new
             self.admission.adjust(rid, prompt_tokens + max_new)
-            yield Delta(first["text"], [first["token"]])
+            yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
+                        first.get("prompt_logprobs"), prompt_tokens)
             if first.get("finish_reason"):
                 finished = True
                 yield Finished(first["finish_reason"], prompt_tokens, 1, self._close_timing(timing, t0))
                 return
             if not self.colocated:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
-                                     prompt_len=prompt_tokens, emitted=first["emitted"], params=payload["params"])
+                                     prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"])
             while True:
                 msg = await self._next(inbox, self.token_timeout_s, "the next token")
                 if msg["op"] == "kv_sent":
                     first_worker.owned.discard(rid)
                 elif msg["op"] == "tokens":
                     completion += len(msg["ids"])
-                    yield Delta(msg["text"], msg["ids"])
+                    yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
                 elif msg["op"] == "done":
                     completion = msg.get("completion_tokens", completion + len(msg["ids"]))
-                    yield Delta(msg["text"], msg["ids"])
+                    yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
                     timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
                     if msg.get("phases"):
                         timing["kv"] = msg["phases"]

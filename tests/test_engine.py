@@ -117,7 +117,7 @@ def test_split_generation_over_tcp_matches_in_process(dtype):
         receiver.close()
     for (k, v), (k2, v2) in zip(kv, layers):
         assert torch.equal(k, k2) and torch.equal(v, v2) and k2.dtype == getattr(torch, dtype)
-    resumed = Sequence.resume("r1", len(seq.prompt_ids), seq.output_ids[0], seq.detok.emitted,
+    resumed = Sequence.resume("r1", seq.prompt_ids, seq.output_ids[0], seq.detok.emitted,
                               SamplingParams(**params), runner.tokenizer, runner.max_len)
     resumed.cache = runner.cache_from(layers)
     while not resumed.finished:

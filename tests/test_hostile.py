@@ -211,7 +211,7 @@ def test_fuzz_message_decoder(raw):
                                                        st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=3)), max_size=6))
 def test_fuzz_message_maps(fields):
     try:
-        messages.decode(msgpack.packb({"v": 1, **fields}, use_bin_type=True))
+        messages.decode(msgpack.packb({"v": messages.VERSION, **fields}, use_bin_type=True))
     except messages.MessageError:
         pass
 

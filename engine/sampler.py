@@ -1,0 +1,125 @@
+"""Batched token choice on the logits' device.
+
+Each row is one sequence with its own parameters. Penalties and filters
+(repetition, frequency, presence, min_tokens, top-k, top-p, min-p) shape the
+scores; greedy rows take the argmax, the others the argmax of scores plus
+Gumbel noise, which samples from ``softmax(scores / temperature)``. The noise
+comes from a counter-based hash of ``(seed, step, token id)``: no generator
+state, the same draw on every process and batch position, so a request gives
+the same tokens whether its prefill and decode run in one process or two and
+whoever it is batched with. Logprobs are the model's own (log-softmax of the
+raw scores, before penalties and temperature)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class TokenChoice:
+    token: int
+    logprob: float | None = None
+    top: list | None = None
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: list[int], steps: list[int], vocab: int, device) -> torch.Tensor:
+    """``[rows, vocab]`` uniforms in (0, 1), a pure function of (seed, step, token id)."""
+    seed = torch.tensor(seeds, dtype=torch.int64, device=device)
+    step = torch.tensor(steps, dtype=torch.int64, device=device)
+    key = _mix(_mix((seed & MASK32) ^ _mix(((seed >> 32) & MASK32) + 0x9E3779B9)) ^ (step & MASK32))
+    token = _mix(torch.arange(vocab, dtype=torch.int64, device=device) + 0x632BE5AB)
+    bits = _mix(key[:, None] ^ token[None, :]) >> 8
+    return (bits.to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def _penalize(scores: torch.Tensor, row: int, params, prompt_ids, output_ids) -> None:
+    device, vocab = scores.device, scores.shape[1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long, device=device)] = True
+        s = scores[row]
+        s[seen] = torch.where(s[seen] > 0, s[seen] / params.repetition_penalty, s[seen] * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=device), minlength=vocab)[:vocab]
+        scores[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _filter(scores: torch.Tensor, params) -> torch.Tensor:
+    """Top-k, top-p and min-p on one row of temperature-scaled scores (kept tokens unchanged, others -inf)."""
+    if params.top_k > 0 and params.top_k < scores.shape[0]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        if params.min_p > 0.0:
+            scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
+    return scores
+
+
+def choose(logits: torch.Tensor, seqs, eos_token_id: int | None = None) -> list[TokenChoice]:
+    """One token for each row of ``logits`` ``[rows, vocab]``; ``seqs[i]`` has ``params``, ``prompt_ids``,
+    ``output_ids``."""
+    logits = logits.float()
+    scores = logits.clone()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.penalized:
+            _penalize(scores, i, p, seq.prompt_ids, seq.output_ids)
+        if len(seq.output_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+            banned = [t for t in banned if 0 <= t < scores.shape[1]]
+            if banned:
+                scores[i, banned] = float("-inf")
+    tokens = scores.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        noise = uniform_noise([seqs[i].params.seed for i in sampled], [len(seqs[i].output_ids) for i in sampled],
+                              scores.shape[1], scores.device)
+        for j, i in enumerate(sampled):
+            row = _filter(scores[i] / seqs[i].params.temperature, seqs[i].params)
+            tokens[i] = torch.argmax(row - torch.log(-torch.log(noise[j])))
+    tokens = tokens.tolist()
+    choices = [TokenChoice(t) for t in tokens]
+    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if wanted:
+        logp = torch.log_softmax(logits[wanted], dim=-1)
+        k = max(seqs[i].params.logprobs for i in wanted)
+        top_lp, top_id = torch.topk(logp, k, dim=-1) if k else (None, None)
+        chosen = logp.gather(1, torch.tensor([tokens[i] for i in wanted], device=logp.device)[:, None])[:, 0].tolist()
+        for j, i in enumerate(wanted):
+            n = seqs[i].params.logprobs
+            choices[i].logprob = chosen[j]
+            choices[i].top = list(zip(top_id[j, :n].tolist(), top_lp[j, :n].tolist())) if n else []
+    return choices
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list:
+    """Per prompt position: ``None`` for the first, then ``(logprob, top)`` of each token given the ones before."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(ids[1:], device=logp.device)
+    chosen = logp.gather(1, target[:, None])[:, 0].tolist()
+    if k:
+        top_lp, top_id = torch.topk(logp, k, dim=-1)
+        tops = [list(zip(a, b)) for a, b in zip(top_id.tolist(), top_lp.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [None] + [(lp, top) for lp, top in zip(chosen, tops)]
