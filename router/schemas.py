@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 16
 MAX_BATCH = 64
+MAX_CHOICES = 64
 MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -131,8 +132,8 @@ class CompletionRequest(SamplingFields):
 
     def fanout(self) -> list[dict]:
         """One payload per choice, in choice-index order (prompt-major)."""
-        if len(self.prompts) * self.choices_per_prompt > MAX_N * 8:
-            raise ValueError(f"a request may ask for at most {MAX_N * 8} choices (prompts x n)")
+        if len(self.prompts) * self.choices_per_prompt > MAX_CHOICES:
+            raise ValueError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n)")
         seed, out = self._seed(), []
         max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         for prompt in self.prompts:

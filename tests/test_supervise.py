@@ -1,0 +1,88 @@
+"""``pdserve up`` itself keeps serving when a worker dies: the others serve, the dead one comes back."""
+import os
+import signal
+import time
+
+import httpx
+
+from deploy.local import Cluster, children_of
+from deploy.supervise import Child, Supervisor
+from tests.streams import StreamClient
+
+
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
+def decode_workers(health: dict) -> dict:
+    return {w["address"]: w for w in health["workers"]["decode"]}
+
+
+def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
+    cluster = Cluster("--decode", "2").wait_ready()
+    try:
+        body = {"model": "tiny-llama", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        streams = [StreamClient(cluster.url, {**body, "prompt": f"stream {i}"}) for i in range(6)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.wait_tokens(3)
+        victim = next(pid for pid in children_of(cluster.proc.pid) if "decode" in cmdline(pid))
+        port = cmdline(victim)[cmdline(victim).index("--port") + 1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for s in streams:
+            s.join(60)
+        assert all(s.ended_at is not None for s in streams)
+        failed = [s for s in streams if s.error]
+        assert failed and len(failed) < 6
+        assert all(s.ended_at - killed_at < 5 for s in failed), [s.ended_at - killed_at for s in failed]
+        assert all(s.finished and s.tokens == 300 for s in streams if not s.error)
+        after = httpx.post(cluster.url + "/v1/completions", json={**body, "prompt": "after", "max_tokens": 5}, timeout=30)
+        assert after.status_code == 200, after.text
+        assert cluster.proc.poll() is None
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            w = decode_workers(httpx.get(cluster.url + "/health").json())[f"tcp://127.0.0.1:{port}"]
+            if w["healthy"] and w.get("restarts") == 1:
+                break
+            time.sleep(0.3)
+        assert w["healthy"] and w["restarts"] == 1, w
+        others = [x for a, x in decode_workers(httpx.get(cluster.url + "/health").json()).items() if a != w["address"]]
+        assert [x["restarts"] for x in others] == [0]
+        metrics = httpx.get(cluster.url + "/metrics").text
+        assert f'pdserve_worker_restarts{{role="decode",worker="tcp://127.0.0.1:{port}"}} 1.0' in metrics
+        again = [StreamClient(cluster.url, {**body, "prompt": f"again {i}", "max_tokens": 8}) for i in range(4)]
+        for s in again:
+            s.start()
+        for s in again:
+            s.join(60)
+        assert all(s.finished and not s.error for s in again)
+    finally:
+        kids, survivors = cluster.stop()
+    assert not survivors
+
+
+def test_killing_the_router_stops_the_cluster():
+    cluster = Cluster().wait_ready()
+    try:
+        router = next(pid for pid in children_of(cluster.proc.pid) if "router" in cmdline(pid))
+        os.kill(router, signal.SIGKILL)
+        assert cluster.proc.wait(40) == 1
+    finally:
+        _, survivors = cluster.stop()
+    assert not survivors
+
+
+def test_supervisor_backs_off_and_gives_up(tmp_path):
+    sup = Supervisor(max_restarts=2, backoff_s=0.05, max_backoff_s=1.0)
+    child = sup.add(Child("flaky", ["python3", "-c", "import sys; sys.exit(3)"], dict(os.environ)))
+    end = time.monotonic() + 10
+    while not child.given_up and time.monotonic() < end:
+        assert sup.check() is None
+        time.sleep(0.01)
+    assert child.given_up and child.restarts == 2 and child.failures == 2
+    fatal = sup.add(Child("router", ["python3", "-c", "pass"], dict(os.environ), restartable=False))
+    fatal.proc.wait()
+    assert sup.check() is fatal
