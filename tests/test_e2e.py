@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.generate import generate
+from engine.generate import generate, generate_sequence
 from engine.runner import ModelRunner
 from deploy.local import Cluster
 
@@ -220,7 +220,14 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
             body = complete(cluster.url, prompt=prompt, max_tokens=12, return_token_ids=True)
             assert body["choices"][0]["token_ids"] == want[1] and body["choices"][0]["text"] == want[0]
             assert body["pdserve"]["transport"] == transport and body["pdserve"]["kv_bytes"] > 0
-        in_place = 3 if transport in ("nixl", "mlx") else 0
+        sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=9, frequency_penalty=1.0, logprobs=2)
+        _, seq, entries = generate_sequence(runner, "Hello", sampled)
+        chat = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0).completions.create(
+            model="tiny-llama", prompt="Hello", max_tokens=10, temperature=0.8, seed=9, frequency_penalty=1.0,
+            logprobs=2, extra_body={"return_token_ids": True})
+        assert chat.choices[0].model_extra["token_ids"] == seq.output_ids
+        assert chat.choices[0].logprobs.token_logprobs == pytest.approx([e["lp"] for e in entries], abs=1e-5)
+        in_place = 4 if transport in ("nixl", "mlx") else 0
         deadline = time.monotonic() + 5
         while True:  # worker info arrives with heartbeats
             workers = httpx.get(cluster.url + "/health").json()["workers"]
