@@ -31,24 +31,32 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from engine import EngineConfig
-    from engine.runner import ModelRunner
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.sequence import Sequence
 
-    runner = ModelRunner(EngineConfig(model=args.model, device=args.device, threads=args.threads))
-    vocab = runner.model.config.vocab_size
+    engine = Engine(EngineConfig(model=args.model, device=args.device, threads=args.threads, max_num_seqs=4,
+                                 max_batched_tokens=max(2048, args.prompt_len)))
+    vocab = engine.model.spec.vocab_size
     ids = [3 + i % (vocab - 3) for i in range(args.prompt_len)]
     gap = args.gap_ms / 1e3
 
+    def run_one(prompt, max_tokens, until=None):
+        seq = Sequence.create("idle", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                              engine.tokenizer, engine.max_len)
+        engine.add(seq)
+        while not seq.finished and (until is None or time.perf_counter() < until):
+            engine.step()
+        engine.free(seq)
+
     def forward() -> float:
         start = time.perf_counter()
-        runner.prefill(ids)
+        run_one(ids, 1)
         return (time.perf_counter() - start) * 1e3
 
     def decode():
-        end, (_, kv) = time.perf_counter() + gap, runner.prefill(ids[:64])
-        cache = runner.cache_from(kv)
-        while time.perf_counter() < end:
-            runner.step(cache, ids[0])
+        end = time.perf_counter() + gap
+        run_one(ids[:64], engine.max_len - 64, until=end)
 
     def spin():
         end = time.perf_counter() + gap

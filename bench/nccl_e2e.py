@@ -41,7 +41,7 @@ def main():
     from deploy.up import free_port
     from engine import EngineConfig, SamplingParams
     from engine.generate import generate
-    from engine.runner import ModelRunner
+    from engine.engine import Engine
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -49,7 +49,7 @@ def main():
                              "--port", str(port)])
     try:
         wait_healthy(url, proc)
-        runner = ModelRunner(EngineConfig(device="cuda:0"))
+        runner = Engine(EngineConfig(device="cuda:0", max_num_seqs=4))
         results = []
         for prompt in PROMPTS:
             _, want, _ = generate(runner, prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0))

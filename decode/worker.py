@@ -2,45 +2,44 @@
 
 ``decode{rid, first_token, prompt_ids, emitted, params}`` arrives from the
 router once prefill answered; the KV for ``rid`` arrives independently over
-the transport. Whichever comes second starts the sequence. Every engine tick
-advances each active sequence by one token, so all requests in flight make
-progress together. Tokens go out as ``tokens`` messages, the last as ``done``
-with the transfer phases and decode timing. In colocated mode the worker also
-accepts ``generate``: it runs the prefill itself and keeps the KV in place.
+the transport. Whichever comes second starts the sequence: its KV is
+written into blocks of the engine's paged pool (``h2d`` in the phases) and
+the transport's buffer goes back at once. Every engine step advances all
+running sequences together in one batched forward (continuous batching):
+tokens go out as ``tokens`` messages, the last as ``done`` with the transfer
+phases and decode timing. In colocated mode the worker also accepts
+``generate``: the same engine prefills the prompt (in chunks, mixed with
+the decode steps of the others) and answers ``first`` itself.
 
-Admission: each sequence reserves ``(prompt + max new tokens) x bytes per
-token`` of the KV budget when it is accepted; a request that does not fit is
-refused with 503 and ``retry_after`` (the router queues before that happens,
-from the budget this worker reports). The transport's buffer pool is capped
-by the same budget."""
+Admission: each sequence reserves the blocks of ``prompt + max new tokens``
+when it is accepted; a request that does not fit is refused with 503 and
+``retry_after`` (the router queues before that happens, from the budget this
+worker reports). KV that arrives while the pool is short waits for blocks."""
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections import deque
 
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError, SamplingParams
-from engine.requests import first_message, new_sequence, run_prefill
-from engine.runner import ModelRunner
+from engine.engine import Engine
+from engine.requests import first_message, new_sequence
 from engine.sequence import Sequence
 from kvtransfer import TransferError, TransferStatus, TransportConfig, make_receiver
-from kvtransfer.tensors import materialize
+from kvtransfer.tensors import unpack
 
 log = logging.getLogger(__name__)
 
 
-class Active:
-    __slots__ = ("seq", "started", "received")
+class Live:
+    __slots__ = ("seq", "started", "phases", "colocated")
 
-    def __init__(self, seq, received=None):
+    def __init__(self, seq, phases=None, colocated=False):
         self.seq = seq
         self.started = time.perf_counter()
-        self.received = received
-
-    def release(self):
-        if self.received is not None:
-            self.received.release()
+        self.phases = phases
+        self.colocated = colocated
 
 
 class DecodeWorker(WorkerLoop):
@@ -50,8 +49,10 @@ class DecodeWorker(WorkerLoop):
                  kv_port: int = 0, colocated: bool = False, transport_cfg: TransportConfig | None = None,
                  kv_budget_bytes: int = 0, drain_s: float = 20.0):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
-        self.runner = ModelRunner(engine)
-        self.kv_budget = kv_budget_bytes or default_budget(self.runner.device)
+        if kv_budget_bytes:
+            engine.kv_budget_bytes = kv_budget_bytes
+        self.engine = Engine(engine)
+        self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}
         self.completed = 0
         self.colocated = colocated
@@ -66,26 +67,29 @@ class DecodeWorker(WorkerLoop):
             self.receiver.start()
             self.kv_timeout = cfg.timeout_s
         self.waiting: dict[str, tuple[dict, float]] = {}
-        self.active: dict[str, Active] = {}
+        self.blocked: deque = deque()
+        self.live: dict[str, Live] = {}
 
     def info(self):
-        return {"role": self.role, "model": self.runner.name, "transport": self.transport,
-                "kv_addr": self.receiver.address if self.receiver else None, "max_len": self.runner.max_len,
-                "active": len(self.active), "waiting": len(self.waiting), "completed": self.completed,
+        e = self.engine
+        return {"role": self.role, "model": e.name, "transport": self.transport,
+                "kv_addr": self.receiver.address if self.receiver else None, "max_len": e.max_len,
+                "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
-                "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": self.runner.kv_bytes_per_token,
-                "kv_reserved_bytes": sum(self.reserved.values()),
+                "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
+                "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
+                "kv_reserved_bytes": sum(self.reserved.values()), "preemptions": e.scheduler.preemptions,
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0)}
 
     def busy(self):
-        return bool(self.active)
+        return bool(self.live) or bool(self.blocked)
 
     def idle(self):
         return super().idle() and not self.waiting
 
     def _reserve(self, rid, prompt_len, params) -> bool:
-        max_new = params.max_tokens if params.max_tokens else self.runner.max_len
-        need = min(self.runner.max_len, prompt_len + max_new) * self.runner.kv_bytes_per_token
+        e = self.engine
+        need = e.blocks.blocks_for(min(e.max_len, prompt_len + params.max_tokens)) * e.block_bytes
         used = sum(self.reserved.values())
         if used + need > self.kv_budget:
             self.fail(rid, 503, f"decode KV budget full: {used} of {self.kv_budget} bytes reserved, "
@@ -95,9 +99,9 @@ class DecodeWorker(WorkerLoop):
         return True
 
     def _finish(self, rid):
-        act = self.active.pop(rid, None)
-        if act:
-            act.release()
+        live = self.live.pop(rid, None)
+        if live:
+            self.engine.free(live.seq)
         self.reserved.pop(rid, None)
 
     def handle(self, msg):
@@ -127,34 +131,50 @@ class DecodeWorker(WorkerLoop):
         try:
             params = SamplingParams.from_dict(msg["params"], resolved=True)
             seq = Sequence.resume(rid, msg["prompt_ids"], msg["first_token"], msg["emitted"], params,
-                                  self.runner.tokenizer, self.runner.max_len)
+                                  self.engine.tokenizer, self.engine.max_len)
+            if len(seq.prompt_ids) != received.layout.num_tokens:
+                raise RequestError(f"{len(seq.prompt_ids)} prompt ids but KV for {received.layout.num_tokens} tokens")
         except (KeyError, TypeError, RequestError) as e:
             received.release()
             return self.fail(rid, 400, f"bad decode request: {e}")
         if not self._reserve(rid, len(seq.prompt_ids), params):
             return received.release()
-        seq.cache = self.runner.cache_from(materialize(received, self.runner.device))
-        self.active[rid] = Active(seq, received)
+        self.blocked.append((seq, received))
+        self._admit_blocked()
+
+    def _admit_blocked(self):
+        while self.blocked:
+            seq, received = self.blocked[0]
+            if received.layers is not None:
+                views = received.layers
+            else:
+                with received.phases.measure("deserialize"):
+                    views = unpack(received.buffer, received.layout)
+            with received.phases.measure("h2d"):
+                placed = self.engine.add_prefilled(seq, views)
+            if not placed:
+                return
+            self.blocked.popleft()
+            received.release()
+            self.live[seq.rid] = Live(seq, received.phases)
 
     def _generate(self, msg):
         rid = msg["rid"]
         try:
-            seq = new_sequence(self.runner, rid, msg)
+            seq = new_sequence(self.engine, rid, msg)
         except RequestError as e:
             return self.fail(rid, e.status, str(e))
         if not self._reserve(rid, len(seq.prompt_ids), seq.params):
             return
-        text, kv, prefill_ms = run_prefill(self.runner, seq)
-        self.emit(rid, "first", **first_message(seq, text, prefill_ms, 0.0))
-        if seq.finished:
-            self.reserved.pop(rid, None)
-            self.reply_to.pop(rid, None)
-            return
-        seq.cache = self.runner.cache_from(kv)
-        self.active[rid] = Active(seq)
+        self.engine.add(seq)
+        self.live[rid] = Live(seq, colocated=True)
 
     def _abort(self, rid):
         self.waiting.pop(rid, None)
+        for entry in [b for b in self.blocked if b[0].rid == rid]:
+            self.blocked.remove(entry)
+            entry[1].release()
+            self.reserved.pop(rid, None)
         self._finish(rid)
         self.reply_to.pop(rid, None)
         if self.receiver:
@@ -167,36 +187,48 @@ class DecodeWorker(WorkerLoop):
                 del self.waiting[rid]
                 self.receiver.abort(rid)
                 self.fail(rid, 504, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s")
-        for rid, act in list(self.active.items()):
-            seq = act.seq
-            try:
-                text = seq.accept(self.runner.step(seq.cache, seq.output_ids[-1]))
-            except Exception as e:
-                log.exception("decode step failed for %s", rid)
+        self._admit_blocked()
+        if not self.engine.has_work:
+            return
+        try:
+            out = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            for rid in list(self.live):
                 self._finish(rid)
                 self.fail(rid, 500, f"decode failed: {e}")
-                continue
+            return
+        for seq in out.refused:
+            self._finish(seq.rid)
+            self.fail(seq.rid, 400, f"the request needs more KV blocks than this worker has ({self.engine.num_blocks})")
+        for seq, text in out.tokens:
+            self._emit(seq, text)
+
+    def _emit(self, seq, text):
+        live = self.live.get(seq.rid)
+        if live is None:
+            return
+        if live.colocated and len(seq.output_ids) == 1:
+            now, scheduled = time.perf_counter(), seq.scheduled_at or live.started
+            self.emit(seq.rid, "first", **first_message(seq, text, (now - scheduled) * 1e3,
+                                                         (scheduled - live.started) * 1e3))
+            live.started = time.perf_counter()
             if seq.finished:
-                self._finish(rid)
-                self.completed += 1
-                decode_ms = (time.perf_counter() - act.started) * 1e3
-                phases = act.received.phases.to_dict() if act.received else None
-                self.emit(rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
-                          completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases,
-                          logprobs=seq.take_logprobs())
-            else:
-                self.emit(rid, "tokens", ids=[seq.output_ids[-1]], text=text, logprobs=seq.take_logprobs())
+                self._finish(seq.rid)
+                self.reply_to.pop(seq.rid, None)
+            return
+        if not seq.finished:
+            self.emit(seq.rid, "tokens", ids=[seq.output_ids[-1]], text=text, logprobs=seq.take_logprobs())
+            return
+        self._finish(seq.rid)
+        self.completed += 1
+        decode_ms = (time.perf_counter() - live.started) * 1e3
+        phases = live.phases.to_dict() if live.phases else None
+        self.emit(seq.rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
+                  completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases,
+                  logprobs=seq.take_logprobs())
 
     def close(self):
         if self.receiver:
             self.receiver.close()
         super().close()
-
-
-def default_budget(device) -> int:
-    """Half of the memory free at startup (host RAM, or the GPU's)."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 2
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2

@@ -36,6 +36,10 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the paged pool")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one engine step may batch")
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="tokens one engine step may compute (longer prompts are prefilled in chunks)")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")
@@ -79,13 +83,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prefill", help="prefill worker")
     _add_worker(p)
+    p.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
+                   "--max-num-seqs full-context sequences, at most half the free memory)")
     p.add_argument("--max-queue", type=int, default=64, help="prompts that may wait (then 503)")
 
     d = sub.add_parser("decode", help="decode worker")
     _add_worker(d)
     d.add_argument("--kv-port", type=int, default=0, help="KV transport port (0 = pick a free one)")
     d.add_argument("--colocated", action="store_true", help="also run prefill here; no KV transfer (baseline)")
-    d.add_argument("--kv-budget", type=byte_size, default=0, help="KV memory budget, e.g. 4G (default: half the free memory)")
+    d.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
+                   "--max-num-seqs full-context sequences, at most half the free memory)")
 
     u = sub.add_parser("up", help="router + workers as local processes")
     u.add_argument("--host", default="127.0.0.1")
@@ -102,12 +109,13 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import compare, idle, serve, soak, transfer
+    from bench import compare, engine, idle, serve, soak, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     soak.add_arguments(bsub.add_parser("soak", help="many streams for a long time: errors and memory growth"))
+    engine.add_arguments(bsub.add_parser("engine", help="engine throughput alone: batched decode, offline requests"))
     idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))
     return ap
 
@@ -116,7 +124,8 @@ def _engine_config(args):
     from engine.config import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                        threads=args.threads)
+                        threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0)
 
 
 def _transport_config(args, port=0):

@@ -14,6 +14,11 @@ class EngineConfig:
     max_model_len: int | None = None
     threads: int | None = None
     served_name: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048
+    kv_budget_bytes: int = 0
+    num_blocks: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -24,3 +29,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")
+        for name in ("block_size", "max_num_seqs", "max_batched_tokens"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer")
+        if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):
+            raise ValueError("kv_budget_bytes must be >= 0 and num_blocks positive")

@@ -1,23 +1,34 @@
-"""Plain in-process generation: the reference disaggregated serving must match."""
+"""Plain in-process generation through the engine: the reference that
+disaggregated serving must match."""
 from __future__ import annotations
 
-from .runner import ModelRunner
+from .engine import Engine
 from .sampling import SamplingParams
 from .sequence import Sequence
 
 
-def generate_sequence(runner: ModelRunner, prompt, params: SamplingParams) -> tuple[str, Sequence, list]:
+def generate_many(engine: Engine, prompts: list, params: list[SamplingParams]) -> list[tuple[str, Sequence]]:
+    """Run several prompts batched together until all finish; ``(text, sequence)`` each."""
+    seqs = [Sequence.create(f"local-{i}", p, sp, engine.tokenizer, engine.max_len) for i, (p, sp) in enumerate(zip(prompts, params))]
+    texts = {id(s): "" for s in seqs}
+    for seq in seqs:
+        engine.add(seq)
+    while not all(s.finished for s in seqs):
+        out = engine.step()
+        if out.refused:
+            raise RuntimeError(f"{len(out.refused)} sequences do not fit in the KV pool")
+        for seq, delta in out.tokens:
+            if id(seq) in texts:
+                texts[id(seq)] += delta
+    return [(texts[id(s)], s) for s in seqs]
+
+
+def generate_sequence(engine: Engine, prompt, params: SamplingParams) -> tuple[str, Sequence, list]:
     """``(text, sequence, logprob entries)``; the entries are empty unless ``params.logprobs`` is set."""
-    seq = Sequence.create("local", prompt, params, runner.tokenizer, runner.max_len)
-    logits, kv = runner.prefill(seq.prompt_ids)
-    text = seq.accept(logits)
-    if not seq.finished:
-        seq.cache = runner.cache_from(kv)
-    while not seq.finished:
-        text += seq.accept(runner.step(seq.cache, seq.output_ids[-1]))
+    text, seq = generate_many(engine, [prompt], [params])[0]
     return text, seq, seq.take_logprobs() or []
 
 
-def generate(runner: ModelRunner, prompt, params: SamplingParams) -> tuple[str, list[int], str]:
-    text, seq, _ = generate_sequence(runner, prompt, params)
+def generate(engine: Engine, prompt, params: SamplingParams) -> tuple[str, list[int], str]:
+    text, seq, _ = generate_sequence(engine, prompt, params)
     return text, seq.output_ids, seq.finish_reason

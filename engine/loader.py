@@ -1,13 +1,18 @@
 """Load a model and tokenizer: the built-in tiny model or a local Hugging Face
-checkpoint directory (safetensors)."""
+checkpoint directory (safetensors, sharded too) into pdserve's own model
+modules (``engine.models``). HF transformers supplies configs and
+tokenizers here and serves as the reference in tests, never as the runtime."""
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from .config import EngineConfig
+from .models import build
+from .models.weights import load_state, load_weights
 from .tiny import TINY_NAME, build_tiny_model
 from .tokenizer import ByteTokenizer, HFTokenizer
 
@@ -26,30 +31,64 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device, config=None) -> torch.dtype:
     if name != "auto":
         return TORCH_DTYPES[name]
-    return torch.float32 if device.type == "cpu" else torch.float16
+    if device.type == "cpu":
+        return torch.float32
+    wanted = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return wanted if wanted in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def load(cfg: EngineConfig):
-    """Returns ``(model, tokenizer, served_name, max_len, device, dtype)``."""
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    max_len: int
+    device: torch.device
+    dtype: torch.dtype
+    suppress: list[int] | None
+
+
+def load(cfg: EngineConfig) -> Loaded:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
     if cfg.model == TINY_NAME:
-        model, tokenizer, name = build_tiny_model(), ByteTokenizer(), TINY_NAME
+        hf = build_tiny_model()
+        dtype = pick_dtype(cfg.dtype, device)
+        model = build(hf.config)
+        load_state(model, hf.state_dict())
+        model = model.to(device=device, dtype=dtype)
+        tokenizer, name, suppress = ByteTokenizer(), TINY_NAME, list(hf.generation_config.suppress_tokens or []) or None
+        config = hf.config
     elif os.path.isdir(cfg.model):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, GenerationConfig
 
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).eval()
+        config = AutoConfig.from_pretrained(cfg.model)
+        dtype = pick_dtype(cfg.dtype, device, config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = build(config)
+        finally:
+            torch.set_default_dtype(previous)
+        model = model.to_empty(device=device)
+        model.rotary.reset()
+        model.tie()
+        load_weights(model, cfg.model)
         tokenizer, name = HFTokenizer(cfg.model), os.path.basename(os.path.normpath(cfg.model))
+        try:
+            suppress = list(GenerationConfig.from_pretrained(cfg.model).suppress_tokens or []) or None
+        except OSError:
+            suppress = None
     else:
         raise ValueError(f"model {cfg.model!r} is neither {TINY_NAME!r} nor a local checkpoint directory")
-    model = model.to(device=device, dtype=dtype)
-    max_len = getattr(model.config, "max_position_embeddings", None) or 2048
+    model.eval()
+    max_len = getattr(config, "max_position_embeddings", None) or 2048
     if cfg.max_model_len:
         max_len = min(max_len, cfg.max_model_len)
     log.info("loaded %s on %s as %s (context %d)", name, device, dtype, max_len)
-    return model, tokenizer, cfg.served_name or name, max_len, device, dtype
+    return Loaded(model, tokenizer, cfg.served_name or name, max_len, device, dtype, suppress)

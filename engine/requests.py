@@ -6,11 +6,7 @@ one process would: the prompt's token ids and the fully resolved sampling
 parameters (``max_tokens`` settled against the context limit)."""
 from __future__ import annotations
 
-import time
-
 from .errors import RequestError
-from .runner import ModelRunner
-from .sampler import prompt_logprobs
 from .sampling import SamplingParams
 from .sequence import Sequence, logprob_entry
 
@@ -34,27 +30,15 @@ def chat_prompt(tokenizer, messages, options: dict | None) -> list[int]:
         raise RequestError(f"the chat template could not render these messages: {e}", param="messages") from None
 
 
-def new_sequence(runner: ModelRunner, rid: str, msg: dict) -> Sequence:
+def new_sequence(engine, rid: str, msg: dict) -> Sequence:
     params = SamplingParams.from_dict(msg.get("params") or {})
     if msg.get("messages") is not None:
-        prompt = chat_prompt(runner.tokenizer, msg["messages"], msg.get("chat"))
+        prompt = chat_prompt(engine.tokenizer, msg["messages"], msg.get("chat"))
     else:
         prompt = msg.get("prompt")
         if not isinstance(prompt, (str, list)):
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
-    return Sequence.create(rid, prompt, params, runner.tokenizer, runner.max_len)
-
-
-def run_prefill(runner: ModelRunner, seq: Sequence, into: list | None = None):
-    """Forward the prompt (KV into ``into`` when given), choose the first token; returns ``(text, kv, ms)``."""
-    start = time.perf_counter()
-    every = seq.params.prompt_logprobs is not None
-    logits, kv = runner.prefill(seq.prompt_ids, into, every=every)
-    if every:
-        seq.prompt_logprob_list = prompt_logprobs(logits, seq.prompt_ids, seq.params.prompt_logprobs)
-        logits = logits[-1]
-    text = seq.accept(logits)
-    return text, kv, (time.perf_counter() - start) * 1e3
+    return Sequence.create(rid, prompt, params, engine.tokenizer, engine.max_len)
 
 
 def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) -> dict:

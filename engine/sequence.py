@@ -26,7 +26,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.pending_logprobs: list = []
         self.prompt_logprob_list: list | None = None
-        self.cache = None
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.preemptions = 0
+        self.scheduled_at: float | None = None
 
     @classmethod
     def create(cls, rid, prompt: str | list[int], params: SamplingParams, tokenizer, max_len: int) -> "Sequence":
@@ -61,6 +64,15 @@ class Sequence:
     @property
     def step_index(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        p = len(self.prompt_ids)
+        return (self.prompt_ids[start:end] if start < p else []) + self.output_ids[max(0, start - p):max(0, end - p)]
 
     def accept(self, logits) -> str:
         """Choose the next token from one row of ``logits``; returns the text delta to emit."""

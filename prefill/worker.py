@@ -1,12 +1,14 @@
 """Prefill worker process.
 
-For each ``prefill`` request: build the sequence, run the prompt forward,
-send ``first`` (token + text) to the router immediately, then push the KV to
-the decode worker at ``kv_dest`` over the configured transport, in a sender
-thread so the next prompt can start. A failed push answers ``error``; a
-successful one ``kv_sent`` with the sender-side phases. Where the transport
-owns memory it can send from without a copy (``alloc``: a registered NIXL
-slab, an MLX array), the forward pass writes the prompt's KV straight there.
+Each ``prefill`` request becomes a sequence in the engine, which batches
+queued prompts into one forward pass up to its token budget (longer prompts
+go in chunks). When a sequence's first token is chosen the worker sends
+``first`` (token + text) to the router at once, copies the prompt's KV out
+of the engine's paged pool (into memory the transport owns and sends from
+without staging, where it offers some: a registered NIXL slab, an MLX array,
+an NCCL GPU buffer), frees the blocks and pushes the KV to the decode worker
+at ``kv_dest`` in a sender thread. A failed push answers ``error``; a
+successful one ``kv_sent`` with the sender-side phases.
 
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
 ``retry_after``); KV waiting to be pushed is held at most ``lease_s`` (then
@@ -20,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
-from engine.requests import first_message, new_sequence, run_prefill
-from engine.runner import ModelRunner
+from engine.engine import Engine
+from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, TransferError, TransportConfig, make_sender
 from kvtransfer.tensors import dtype_name, layout_of
 
@@ -36,7 +38,8 @@ class PrefillWorker(WorkerLoop):
                  drain_s: float = 20.0):
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
-        self.runner = ModelRunner(engine)
+        self.engine = Engine(engine, hold_after_first=True)
+        self.live: dict = {}
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
         self.max_queue = max_queue
@@ -50,10 +53,14 @@ class PrefillWorker(WorkerLoop):
         self.received_at: dict[str, float] = {}
 
     def info(self):
-        return {"role": self.role, "model": self.runner.name, "transport": self.transport, "max_len": self.runner.max_len,
+        return {"role": self.role, "model": self.engine.name, "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
-                "kv_staged_bytes": self.sender.staged_bytes}
+                "kv_staged_bytes": self.sender.staged_bytes, "kv_blocks": self.engine.num_blocks,
+                "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live)}
+
+    def busy(self):
+        return bool(self.live)
 
     def idle(self):
         return super().idle() and self.pushing == 0
@@ -77,50 +84,92 @@ class PrefillWorker(WorkerLoop):
 
     def handle(self, msg):
         rid = msg["rid"]
-        queued_at = self.received_at.pop(rid, time.perf_counter())
         if msg["op"] == "abort":
-            if rid not in self.reply_to:
+            live = self.live.pop(rid, None)
+            if live is not None:
+                self.aborted.discard(rid)
+                self.engine.free(live[0])
+                self._count("queued", -1)
+                self.reply_to.pop(rid, None)
+            elif rid not in self.reply_to:
                 self.aborted.discard(rid)
             return
+        queued_at = self.received_at.pop(rid, time.perf_counter())
         if msg["op"] != "prefill":
             return self.fail(rid, 400, f"prefill worker does not handle {msg['op']!r}")
-        self._count("queued", -1)
         if rid in self.aborted:
             self.aborted.discard(rid)
             self.reply_to.pop(rid, None)
+            self._count("queued", -1)
             return
         try:
-            seq = new_sequence(self.runner, rid, msg)
+            seq = new_sequence(self.engine, rid, msg)
         except RequestError as e:
+            self._count("queued", -1)
             return self.fail(rid, e.status, str(e))
-        queue_ms = (time.perf_counter() - queued_at) * 1e3
+        self.engine.add(seq)
+        self.live[rid] = (seq, msg.get("kv_dest"), queued_at)
+
+    def tick(self):
+        if not self.engine.has_work:
+            return
+        try:
+            out = self.engine.step()
+        except Exception as e:
+            log.exception("prefill step failed")
+            for rid, (seq, _, _) in list(self.live.items()):
+                self._drop(rid, seq)
+                self.fail(rid, 500, f"prefill failed: {e}")
+            return
+        for seq in out.refused:
+            self._drop(seq.rid, seq)
+            self.fail(seq.rid, 400, f"the prompt needs more KV blocks than this worker has ({self.engine.num_blocks})")
+        for seq, text in out.tokens:
+            entry = self.live.pop(seq.rid, None)
+            if entry is None:
+                self.engine.free(seq)
+                continue
+            self._count("queued", -1)
+            self._first(seq, text, *entry[1:])
+
+    def _drop(self, rid, seq):
+        self.live.pop(rid, None)
+        self.engine.free(seq)
+        self._count("queued", -1)
+
+    def _first(self, seq, text, dest, queued_at):
+        rid, now = seq.rid, time.perf_counter()
+        scheduled = seq.scheduled_at or queued_at
+        self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3))
+        if seq.finished:
+            self.engine.free(seq)
+            self.reply_to.pop(rid, None)
+            return
+        if not isinstance(dest, str):
+            self.engine.free(seq)
+            return self.fail(rid, 500, "prefill request has no kv_dest")
         source = self._source(len(seq.prompt_ids))
         try:
-            text, kv, prefill_ms = run_prefill(self.runner, seq, source.layers if source else None)
-            self.emit(rid, "first", **first_message(seq, text, prefill_ms, queue_ms))
-            if seq.finished:
-                self.reply_to.pop(rid, None)
-                return
-            dest = msg.get("kv_dest")
-            if not isinstance(dest, str):
-                return self.fail(rid, 500, "prefill request has no kv_dest")
-            if source is not None and all(a.data_ptr() == b.data_ptr() for pair, placed in zip(kv, source.layers)
-                                          for a, b in zip(pair, placed)):
-                self.kv_in_place += 1
-                kv = source
-            layout = source.layout if kv is source else layout_of(kv)
-            self._count("pushing", 1)
-            self._count("held_bytes", layout.total_nbytes)
-            self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)
-            source = None
-        finally:
+            kv = self.engine.gather(seq, source.layers if source is not None else None)
+        except Exception as e:
+            log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:
                 source.release()
+            return self.fail(rid, 500, f"prefill failed: {e}")
+        finally:
+            self.engine.free(seq)
+        if source is not None:
+            self.kv_in_place += 1
+            kv = source
+        layout = source.layout if source is not None else layout_of(kv)
+        self._count("pushing", 1)
+        self._count("held_bytes", layout.total_nbytes)
+        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)
 
     def _source(self, tokens: int):
-        layers, heads, head_dim = self.runner.kv_shape
-        layout = KVLayout(layers, heads, head_dim, tokens, dtype_name(self.runner.dtype))
-        return self.sender.alloc(layout, str(self.runner.device))
+        layers, heads, head_dim = self.engine.kv_shape
+        layout = KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
+        return self.sender.alloc(layout, str(self.engine.device))
 
     def _push(self, rid, dest, layout, kv, created, source):
         try:

@@ -1,5 +1,6 @@
 """Admission control: requests reserve KV memory on a decode (or colocated)
-worker before any work starts, against the budget the worker reports.
+worker before any work starts, against the budget the worker reports, in
+whole blocks of its paged pool.
 
 A reservation starts as an upper-bound estimate (prompt bytes + max tokens)
 and shrinks to the exact count once prefill reports the prompt's tokens.
@@ -36,8 +37,11 @@ class Admission:
 
     @staticmethod
     def cost(worker, tokens: int) -> int:
+        """Bytes of the whole blocks ``tokens`` occupy on ``worker``."""
         max_len = worker.info.get("max_len") or tokens
-        return min(tokens, max_len) * int(worker.info.get("kv_bytes_per_token") or 0)
+        block = int(worker.info.get("kv_block_size") or 1)
+        tokens = -(-min(tokens, max_len) // block) * block
+        return tokens * int(worker.info.get("kv_bytes_per_token") or 0)
 
     def fits(self, worker, tokens: int) -> bool:
         budget = int(worker.info.get("kv_budget_bytes") or 0)

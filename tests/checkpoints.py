@@ -9,10 +9,15 @@ SLOW = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_at
 
 
 def write_checkpoint(path, overrides: dict | None = None) -> str:
+    build_tiny_model(overrides).save_pretrained(path)
+    return write_tokenizer(path)
+
+
+def write_tokenizer(path) -> str:
+    """The byte tokenizer as a Hugging Face tokenizer directory (byte-fallback BPE, no merges)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    build_tiny_model(overrides).save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": i + 3 for i in range(256)}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     tok.decoder = decoders.ByteFallback()

@@ -10,7 +10,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.generate import generate, generate_sequence
-from engine.runner import ModelRunner
+from engine.engine import Engine
 from deploy.local import Cluster
 
 PROMPTS = ["Hello", "The capital of France is", "x" * 300, "Ünïcödé ✓ 🙂", "a b c d e f g"]
@@ -20,7 +20,7 @@ TIMING_KEYS = {"transport", "queue", "prefill", "ttft", "decode", "e2e", "d2h", 
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(EngineConfig(threads=1))
+    return Engine(EngineConfig(threads=1))
 
 
 def complete(url, **body):

@@ -7,7 +7,7 @@ import torch
 from engine import EngineConfig, RequestError, SamplingParams
 from engine.detok import Detokenizer
 from engine.generate import generate
-from engine.runner import ModelRunner
+from engine.engine import Engine
 from engine.sequence import Sequence
 from engine.tokenizer import ByteTokenizer
 from kvtransfer import make_receiver, make_sender
@@ -25,7 +25,7 @@ print(h.hexdigest())
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(EngineConfig(threads=1))
+    return Engine(EngineConfig(threads=1))
 
 
 def test_byte_tokenizer_roundtrip():
@@ -100,13 +100,18 @@ def test_max_tokens_one_finishes_at_prefill(runner):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_split_generation_over_tcp_matches_in_process(dtype):
-    runner = ModelRunner(EngineConfig(dtype=dtype, threads=1))
+    """Prefill in one engine, the KV over the tcp transport into another engine's pool, decode there."""
+    prefill = Engine(EngineConfig(dtype=dtype, threads=1), hold_after_first=True)
+    decode = Engine(EngineConfig(dtype=dtype, threads=1, block_size=8))
     params = dict(max_tokens=20, temperature=0.7, seed=3)
-    expected = generate(runner, "The quick brown fox", SamplingParams(**params))
+    expected = generate(decode, "The quick brown fox", SamplingParams(**params))
 
-    seq = Sequence.create("r1", "The quick brown fox", SamplingParams(**params), runner.tokenizer, runner.max_len)
-    logits, kv = runner.prefill(seq.prompt_ids)
-    text = seq.accept(logits)
+    seq = Sequence.create("r1", "The quick brown fox", SamplingParams(**params), prefill.tokenizer, prefill.max_len)
+    prefill.add(seq)
+    (_, text), = prefill.step().tokens
+    kv = prefill.gather(seq)
+    prefill.free(seq)
+    assert prefill.blocks.num_free == prefill.num_blocks
     receiver, sender = make_receiver("tcp"), make_sender("tcp")
     receiver.start()
     try:
@@ -118,35 +123,28 @@ def test_split_generation_over_tcp_matches_in_process(dtype):
     for (k, v), (k2, v2) in zip(kv, layers):
         assert torch.equal(k, k2) and torch.equal(v, v2) and k2.dtype == getattr(torch, dtype)
     resumed = Sequence.resume("r1", seq.prompt_ids, seq.output_ids[0], seq.detok.emitted,
-                              SamplingParams(**params), runner.tokenizer, runner.max_len)
-    resumed.cache = runner.cache_from(layers)
+                              SamplingParams(**params), decode.tokenizer, decode.max_len)
+    assert decode.add_prefilled(resumed, layers)
     while not resumed.finished:
-        text += resumed.accept(runner.step(resumed.cache, resumed.output_ids[-1]))
+        text += "".join(d for s, d in decode.step().tokens if s is resumed)
     assert (text, resumed.output_ids, resumed.finish_reason) == expected
+    assert decode.blocks.num_free == decode.num_blocks
 
 
-def test_prefill_writes_kv_into_given_memory(runner):
-    ids = [40 + i % 90 for i in range(57)]
-    logits, kv = runner.prefill(ids)
-    layers, heads, head_dim = runner.kv_shape
-    slab = torch.full((layers, 2, heads, len(ids), head_dim), float("nan"), dtype=runner.dtype)
+def test_gather_into_given_memory(runner):
+    seq = Sequence.create("g", [40 + i % 90 for i in range(57)], SamplingParams(max_tokens=1), runner.tokenizer,
+                          runner.max_len)
+    prefill = Engine(EngineConfig(threads=1), hold_after_first=True)
+    prefill.add(seq)
+    prefill.step()
+    fresh = prefill.gather(seq)
+    layers, heads, head_dim = prefill.kv_shape
+    slab = torch.full((layers, 2, heads, 57, head_dim), float("nan"), dtype=prefill.dtype)
     into = [tuple(pair.unbind(0)) for pair in slab.unbind(0)]
-    placed_logits, placed = runner.prefill(ids, into)
-    assert torch.equal(logits, placed_logits)
-    for (k, v), (pk, pv), (dk, dv) in zip(kv, placed, into):
-        assert pk.data_ptr() == dk.data_ptr() and pv.data_ptr() == dv.data_ptr()
-        assert torch.equal(k, dk) and torch.equal(v, dv)
-    cache = runner.cache_from(placed)
-    assert torch.equal(runner.step(cache, 65), runner.step(runner.cache_from(kv), 65))
-
-
-def test_prefill_into_memory_of_the_wrong_shape_falls_back(runner):
-    ids = [40 + i % 90 for i in range(9)]
-    layers, heads, head_dim = runner.kv_shape
-    wrong = [(torch.zeros(heads, 8, head_dim, dtype=runner.dtype),) * 2 for _ in range(layers)]
-    logits, kv = runner.prefill(ids, wrong)
-    assert torch.equal(logits, runner.prefill(ids)[0])
-    assert kv[0][0].shape[1] == 9 and all(not t.any() for pair in wrong for t in pair)
+    placed = prefill.gather(seq, into)
+    for (k, v), (pk, pv), (dk, dv) in zip(fresh, placed, into):
+        assert pk.data_ptr() == dk.data_ptr() and torch.equal(k, dk) and torch.equal(v, dv)
+    prefill.free(seq)
 
 
 def test_tiny_model_writes_printable_text(runner):

@@ -3,7 +3,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.generate import generate
-from engine.runner import ModelRunner
+from engine.engine import Engine
 from engine.tiny import build_tiny_model
 from tests.checkpoints import write_checkpoint
 
@@ -14,8 +14,8 @@ def checkpoint(tmp_path_factory):
 
 
 def test_checkpoint_dir_matches_builtin_model(checkpoint):
-    hf = ModelRunner(EngineConfig(model=checkpoint, threads=1))
-    tiny = ModelRunner(EngineConfig(threads=1))
+    hf = Engine(EngineConfig(model=checkpoint, threads=1))
+    tiny = Engine(EngineConfig(threads=1))
     assert hf.name == "tiny-hf0" and hf.max_len == tiny.max_len
     ids = tiny.tokenizer.encode("Hello there")
     assert hf.tokenizer.encode("Hello there", add_bos=False) == ids[1:]
@@ -26,7 +26,7 @@ def test_checkpoint_dir_matches_builtin_model(checkpoint):
 
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="neither"):
-        ModelRunner(EngineConfig(model=str(tmp_path / "nope")))
+        Engine(EngineConfig(model=str(tmp_path / "nope")))
 
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -42,7 +42,7 @@ def templated(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(path)
-    return ModelRunner(EngineConfig(model=path, threads=1))
+    return Engine(EngineConfig(model=path, threads=1))
 
 
 def test_chat_template_is_tokenized_once(templated):

@@ -7,7 +7,7 @@ import pytest
 from deploy.local import Cluster
 from engine import EngineConfig, SamplingParams
 from engine.generate import generate, generate_sequence
-from engine.runner import ModelRunner
+from engine.engine import Engine
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
@@ -30,7 +30,7 @@ def url(request, disagg, colocated):
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(EngineConfig(threads=1))
+    return Engine(EngineConfig(threads=1))
 
 
 def client(url):

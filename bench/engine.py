@@ -1,0 +1,175 @@
+"""``pdserve bench engine``: the engine alone, in one process, no serving.
+
+* decode: for each batch size, that many sequences of ``--prompt-len`` tokens
+  are prefilled, then ``--decode-steps`` batched steps are timed: output tok/s
+  of the whole batch and per-step latency;
+* offline: ``--requests`` sequences with random prompt and output lengths
+  added at once and run to completion (continuous batching, chunked prefill):
+  output and total tok/s;
+* ``--hf``: Hugging Face eager on the same weights, the same batch sizes
+  (a padded-free batch of equal prompts, DynamicCache): the reference line.
+
+    pdserve bench engine [--model tiny-llama] [--batches 1,8,32,64] [--decode-steps 64] [--hf]"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+
+def add_arguments(p):
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--input-len", default="32:512", help="offline prompt lengths, uniform in MIN:MAX")
+    p.add_argument("--output-len", default="16:256", help="offline output lengths, uniform in MIN:MAX")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face eager batched decode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/out/engine")
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seqs(engine, prompts, max_tokens):
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    return [Sequence.create(f"b{i}", p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), engine.tokenizer,
+                            engine.max_len) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+
+
+def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng) -> dict:
+    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    seqs = _seqs(engine, prompts, [steps + 2] * batch)
+    for s in seqs:
+        engine.add(s)
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    engine.step()
+    _sync(engine.device)
+    start, made = time.perf_counter(), 0
+    for _ in range(steps):
+        made += len(engine.step().tokens)
+    _sync(engine.device)
+    elapsed = time.perf_counter() - start
+    for s in seqs:
+        engine.free(s)
+    return {"batch": batch, "tokens": made, "seconds": elapsed, "tok_per_s": made / elapsed,
+            "step_ms": elapsed / steps * 1e3}
+
+
+def offline(engine, requests: int, input_len, output_len, rng) -> dict:
+    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+    ins = [rng.randint(*input_len) for _ in range(requests)]
+    outs = [min(rng.randint(*output_len), engine.max_len - i - 1) for i in ins]
+    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(n)] for n in ins], outs)
+    _sync(engine.device)
+    start, steps = time.perf_counter(), 0
+    for s in seqs:
+        engine.add(s)
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    _sync(engine.device)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(s.output_ids) for s in seqs)
+    return {"requests": requests, "prompt_tokens": sum(ins), "output_tokens": generated, "seconds": elapsed,
+            "steps": steps, "output_tok_per_s": generated / elapsed, "total_tok_per_s": (generated + sum(ins)) / elapsed,
+            "preemptions": engine.scheduler.preemptions}
+
+
+def hf_decode_rate(engine, batch: int, prompt_len: int, steps: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from engine.tiny import TINY_NAME, build_tiny_model
+
+    if engine.cfg.model == TINY_NAME:
+        model = build_tiny_model().to(engine.device, engine.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(engine.cfg.model, dtype=engine.dtype).to(engine.device)
+    model.eval()
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=engine.device)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        _sync(engine.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            nxt.tolist()
+        _sync(engine.device)
+    elapsed = time.perf_counter() - start
+    del model, cache
+    return {"batch": batch, "tokens": batch * steps, "seconds": elapsed, "tok_per_s": batch * steps / elapsed,
+            "step_ms": elapsed / steps * 1e3}
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def run(args) -> int:
+    import torch
+
+    from engine import EngineConfig
+    from engine.engine import Engine
+
+    rng = random.Random(args.seed)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                                 max_num_seqs=max(args.max_num_seqs, max(batches)),
+                                 max_batched_tokens=args.max_batched_tokens))
+    decode_rate(engine, 2, 16, 4, rng)
+    decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
+    for d in decode:
+        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)", file=sys.stderr)
+    hf = [hf_decode_rate(engine, b, args.prompt_len, args.decode_steps) for b in batches] if args.hf else []
+    for d in hf:
+        print(f"HF eager batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s", file=sys.stderr)
+    off = offline(engine, args.requests, _range(args.input_len), _range(args.output_len), rng)
+    print(f"offline {off['requests']} requests: {off['output_tok_per_s']:.1f} output tok/s, "
+          f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
+    command = " ".join(["pdserve", "bench", "engine", *sys.argv[3:]])
+    base = decode[0]["tok_per_s"]
+    report = {"command": command, "model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None},
+              "kv_blocks": engine.num_blocks, "block_size": engine.block_size, "decode": decode, "hf_eager": hf,
+              "offline": off}
+    lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |" + (" HF eager tok/s | pdserve / HF |" if hf else ""),
+             "|---|---|---|---|" + ("---|---|" if hf else "")]
+    for i, d in enumerate(decode):
+        row = f"| {d['batch']} | {d['tok_per_s']:.1f} | {d['step_ms']:.2f} | {d['tok_per_s'] / base:.1f}x |"
+        if hf:
+            row += f" {hf[i]['tok_per_s']:.1f} | {d['tok_per_s'] / hf[i]['tok_per_s']:.2f}x |"
+        lines.append(row)
+    text = "\n".join(lines) + (f"\n\nOffline: {off['requests']} requests, prompts {args.input_len}, outputs "
+                               f"{args.output_len}: {off['output_tok_per_s']:.1f} output tok/s, "
+                               f"{off['total_tok_per_s']:.1f} total tok/s, {off['preemptions']} preemptions.\n")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# Engine throughput ({engine.name}, {engine.device}, {engine.dtype})\n\n`{command}`\n\n{text}")
+    print(text)
+    return 0

@@ -1,0 +1,53 @@
+"""Block allocation for the paged KV pool: reference-counted blocks, a block
+table per sequence, all blocks free again once every sequence let go."""
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfBlocks(MemoryError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.refs = [0] * num_blocks
+        self.free = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_grow(self, table: list[int], tokens: int) -> bool:
+        return self.blocks_for(tokens) - len(table) <= len(self.free)
+
+    def grow(self, table: list[int], tokens: int) -> None:
+        """Append blocks to ``table`` until it holds ``tokens`` tokens."""
+        need = self.blocks_for(tokens) - len(table)
+        if need > len(self.free):
+            raise OutOfBlocks(f"{need} blocks needed, {len(self.free)} free")
+        for _ in range(need):
+            block = self.free.popleft()
+            self.refs[block] = 1
+            table.append(block)
+
+    def share(self, table: list[int]) -> list[int]:
+        for block in table:
+            self.refs[block] += 1
+        return list(table)
+
+    def release(self, table: list[int]) -> None:
+        for block in table:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+            elif self.refs[block] < 0:
+                raise RuntimeError(f"block {block} released more often than taken")
+        table.clear()

@@ -1,0 +1,146 @@
+"""The engine both worker kinds share: a model, its paged KV pool, a block
+manager and a scheduler, advanced one batched step at a time.
+
+``add`` queues a new prompt; ``add_prefilled`` starts a sequence whose
+prompt KV came from elsewhere (a prefill worker) by writing it into fresh
+blocks; ``step`` runs one batch and returns each sequence's new text.
+With ``hold_after_first`` (prefill workers) a sequence leaves the scheduler
+after its first token with its blocks kept, so its KV can be sent, then
+``free`` returns them."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .blocks import BlockManager
+from .config import EngineConfig
+from .kv_pool import KVPool
+from .loader import load
+from .model_runner import ModelRunner
+from .sampler import choose
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    tokens: list = field(default_factory=list)
+    refused: list = field(default_factory=list)
+    batch_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False):
+        self.cfg = cfg
+        loaded = load(cfg)
+        self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
+        self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
+        spec = self.model.spec
+        self.kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        self.block_size = cfg.block_size
+        self.num_blocks = cfg.num_blocks or self._default_blocks(cfg)
+        self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                           self.dtype, self.device)
+        self.blocks = BlockManager(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress)
+        self.suppress = self.runner.suppress
+        self.hold_after_first = hold_after_first
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * self.block_bytes / 2**20)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def _default_blocks(self, cfg: EngineConfig) -> int:
+        """The budget given, else enough for ``max_num_seqs`` full-context sequences, at most half the free memory."""
+        budget = cfg.kv_budget_bytes
+        if not budget:
+            whole = cfg.max_num_seqs * self.max_len * self.kv_bytes_per_token
+            budget = min(whole, free_memory(self.device) // 2)
+        blocks = budget // self.block_bytes
+        least = -(-self.max_len // self.block_size) + 1
+        if blocks < least:
+            log.warning("KV budget %d bytes holds %d blocks; using %d, one full-context sequence", budget, blocks, least)
+        return max(blocks, least)
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def add_prefilled(self, seq: Sequence, layers) -> bool:
+        """Start ``seq`` from its prompt's KV (canonical layers); False when no blocks are free for it now."""
+        prompt = len(seq.prompt_ids)
+        if not self.blocks.can_grow(seq.block_table, prompt + 1):
+            return False
+        self.blocks.grow(seq.block_table, prompt)
+        self.pool.scatter(seq.block_table, layers)
+        seq.num_computed = prompt
+        self.scheduler.add_running(seq)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the engine and return its blocks (idempotent)."""
+        self.scheduler.remove(seq)
+        self.blocks.release(seq.block_table)
+
+    def gather(self, seq: Sequence, into: list | None = None) -> list:
+        return self.pool.gather(seq.block_table, len(seq.prompt_ids), into)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> StepOutput:
+        batch = self.scheduler.schedule()
+        out = StepOutput(refused=batch.refused, batch_tokens=batch.num_tokens)
+        if not batch.seqs:
+            return out
+        scores, prompt_scores = self.runner.run(batch)
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            if i in prompt_scores:
+                add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
+            seq.num_computed += chunk
+        choices = choose(scores, sampling, self.tokenizer.eos_token_id) if sampling else []
+        for seq, choice in zip(sampling, choices):
+            delta = seq.append(choice)
+            out.tokens.append((seq, delta))
+            if seq.finished and not self.hold_after_first:
+                self.free(seq)
+            elif self.hold_after_first:
+                self.scheduler.remove(seq)
+        return out
+
+
+def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: int) -> None:
+    """Logprobs of prompt tokens ``start+1 .. start+chunk`` (within the prompt) from this chunk's scores."""
+    plist = seq.prompt_logprob_list = seq.prompt_logprob_list or [None]
+    k = seq.params.prompt_logprobs
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    for j in range(chunk):
+        pos = start + j + 1
+        if pos >= len(seq.prompt_ids) or pos != len(plist):
+            continue
+        row = logp[j]
+        top = []
+        if k:
+            values, ids = torch.topk(row, k)
+            top = list(zip(ids.tolist(), values.tolist()))
+        plist.append((float(row[seq.prompt_ids[pos]]), top))
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,59 @@
+"""Runs one scheduled batch: packs the new tokens of every sequence, their
+positions and KV slots, calls the model once over the pool, and returns the
+next-token scores of the sequences that sample this step (plus, for requests
+that asked for prompt logprobs, the scores of every prompt position)."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttnMeta
+from .kv_pool import KVPool
+from .scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, device, suppress: list[int] | None = None):
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.suppress = torch.tensor(suppress, device=device) if suppress else None
+        self.window = model.spec.sliding_window
+
+    def _meta(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+        ids, positions, slots, starts, lens = [], [], [], [0], []
+        bs = self.pool.block_size
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            start, end = seq.num_computed, seq.num_computed + chunk
+            ids += seq.tokens(start, end)
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            starts.append(starts[-1] + chunk)
+            lens.append(end)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
+                              dtype=torch.long, device=self.device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttnMeta(as_tensor(slots), starts, lens, tables, bs, all(c == 1 for c in batch.chunks), self.window)
+        return as_tensor(ids), as_tensor(positions), meta
+
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.logits(hidden).float()
+        if self.suppress is not None:
+            logits[..., self.suppress] = float("-inf")
+        return logits
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``."""
+        ids, positions, meta = self._meta(batch)
+        hidden = self.model(ids, positions, meta, self.pool.layers)
+        rows, prompt_scores = [], {}
+        for i, seq in enumerate(batch.seqs):
+            start, end = meta.query_starts[i], meta.query_starts[i + 1]
+            if seq.params.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
+                prompt_scores[i] = self._scores(hidden[start:end])
+            if batch.samples(i):
+                rows.append(end - 1)
+        scores = self._scores(hidden[rows]) if rows else hidden.new_empty((0, 0))
+        return scores, prompt_scores

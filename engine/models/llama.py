@@ -1,0 +1,144 @@
+"""The Llama family as plain torch modules over the paged KV pool: Llama 2/3,
+Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k per head).
+Parameter names follow the Hugging Face checkpoints, so their tensors load
+by name. ``forward`` takes the packed new tokens of a batch, their positions
+and the attention metadata, and returns hidden states; ``logits`` projects
+the rows asked for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention import AttnMeta, attend
+from .rope import Rotary
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, c, qkv_bias: bool = False, qk_norm: bool = False) -> "ModelSpec":
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or None
+        theta = getattr(c, "rope_theta", None) or (rope or {}).get("rope_theta") or 10000.0
+        window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+        return cls(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=c.rms_norm_eps,
+            rope_theta=float(theta), rope_scaling=dict(rope) if rope else None,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or bool(getattr(c, "attention_bias", False)), qk_norm=qk_norm,
+            sliding_window=window if window and window < c.max_position_embeddings else None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.s, self.rotary = s, rotary
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.scale = s.head_dim ** -0.5
+
+    def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
+        s, n = self.s, x.shape[0]
+        q = self.q_proj(x).view(n, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.self_attn = Attention(s, rotary)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, x, positions, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, s: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.rotary = rotary = Rotary(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+        self.model = Backbone(spec, rotary)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tie(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_cache):
+            x = layer(x, positions, meta, k_cache, v_cache)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

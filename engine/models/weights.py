@@ -1,0 +1,53 @@
+"""Weights from a local Hugging Face checkpoint: one ``model.safetensors`` or
+shards listed in ``model.safetensors.index.json``, loaded tensor by tensor
+into parameters of the same name (``lm_head`` is skipped when tied)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise ValueError(f"{path} has no model.safetensors nor model.safetensors.index.json")
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    tied = getattr(model.spec, "tie_word_embeddings", False)
+    missing = set(params) - ({"lm_head.weight"} if tied else set())
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name not in params:
+                    continue
+                if tied and name == "lm_head.weight":
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+def load_state(model: torch.nn.Module, state: dict) -> None:
+    """Copy an in-memory state dict (the built-in tiny model) by name."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                continue
+            p.copy_(state[name])

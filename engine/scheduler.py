@@ -1,0 +1,112 @@
+"""Continuous batching over the paged KV pool.
+
+Each step takes, within a token budget: one token for every running
+sequence that decodes, the next chunk of every running sequence that is
+still prefilling (prompts longer than the budget go in chunks), then new
+sequences from the waiting queue while blocks and the sequence limit allow.
+When a running sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are freed and it waits at the head of the
+queue to be recomputed (its prompt and the tokens generated so far). A
+sequence that cannot fit even alone is refused."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .blocks import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+    refused: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, chunk: int) -> None:
+        self.seqs.append(seq)
+        self.chunks.append(chunk)
+
+    def samples(self, i: int) -> bool:
+        return self.seqs[i].num_computed + self.chunks[i] == self.seqs[i].num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (received from prefill)."""
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, aborted or failed), keeping its blocks (the caller releases them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> Batch:
+        batch, budget = Batch(), self.max_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:
+                continue
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, seq.num_computed + chunk, batch):
+                continue
+            self.blocks.grow(seq.block_table, seq.num_computed + chunk)
+            batch.add(seq, chunk)
+            budget -= chunk
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_blocks:
+                self.waiting.popleft()
+                batch.refused.append(seq)
+                continue
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed + chunk):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.scheduled_at = seq.scheduled_at or time.perf_counter()
+            self.blocks.grow(seq.block_table, seq.num_computed + chunk)
+            batch.add(seq, chunk)
+            budget -= chunk
+        return batch
+
+    def _make_room(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
+        while not self.blocks.can_grow(seq.block_table, tokens):
+            victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs]
+            if victims:
+                self.preempt(victims[0])
+            else:
+                self.preempt(seq)
+                return False
+        return True
