@@ -72,8 +72,11 @@ class Engine:
         blocks = budget // self.block_bytes
         least = -(-self.max_len // self.block_size) + 1
         if blocks < least:
-            log.warning("KV budget %d bytes holds %d blocks; using %d, one full-context sequence", budget, blocks, least)
-        return max(blocks, least)
+            fits = max(2, (blocks - 1) * self.block_size)
+            log.warning("KV budget %d bytes holds %d blocks: context limited to %d tokens (of %d); give a larger "
+                        "--kv-budget or a smaller --max-model-len", budget, blocks, fits, self.max_len)
+            self.max_len = fits
+        return max(blocks, 2)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

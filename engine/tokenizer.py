@@ -44,9 +44,11 @@ class HFTokenizer:
         return list(self.tok.encode(text, add_special_tokens=add_bos))
 
     def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes:
+        if not 0 <= token < self.vocab_size:
+            return b""
         piece = self.tok.convert_ids_to_tokens(token)
         if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
@@ -71,3 +73,16 @@ def render_plain_chat(messages: list[dict], add_generation_prompt: bool = True,
     elif add_generation_prompt:
         turns.append("<|assistant|>\n")
     return "".join(turns)
+
+
+def save_byte_tokenizer(path) -> str:
+    """The byte tokenizer as a Hugging Face tokenizer directory (byte-fallback BPE, no merges), for checkpoints
+    built from configs."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"<0x{i:02X}>": i + BYTE_OFFSET for i in range(256)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.ByteFallback()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(path)
+    return str(path)
