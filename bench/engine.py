@@ -53,15 +53,17 @@ def _seqs(engine, prompts, max_tokens):
                             engine.max_len) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 
-def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng) -> dict:
+def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: int = 8) -> dict:
+    """Output tok/s of ``steps`` batched decode steps, timed after ``warmup`` untimed ones at the same size."""
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    seqs = _seqs(engine, prompts, [steps + 2] * batch)
+    seqs = _seqs(engine, prompts, [steps + warmup + 4] * batch)
     for s in seqs:
         engine.add(s)
-    while any(not s.output_ids for s in seqs):
+    while any(len(s.output_ids) < 2 for s in seqs):
         engine.step()
-    engine.step()
+    for _ in range(warmup):
+        engine.step()
     _sync(engine.device)
     start, made = time.perf_counter(), 0
     for _ in range(steps):
@@ -110,6 +112,8 @@ def hf_decode_rate(engine, batch: int, prompt_len: int, steps: int) -> dict:
         cache = DynamicCache()
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
         nxt = logits.argmax(-1, keepdim=True)
+        for _ in range(8):
+            nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(engine.device)
         start = time.perf_counter()
         for _ in range(steps):
@@ -139,7 +143,6 @@ def run(args) -> int:
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                  max_num_seqs=max(args.max_num_seqs, max(batches)),
                                  max_batched_tokens=args.max_batched_tokens))
-    decode_rate(engine, 2, 16, 4, rng)
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
     for d in decode:
         print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)", file=sys.stderr)

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     flush()
     with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    save_byte_tokenizer(args.out)
+    save_byte_tokenizer(args.out, config.vocab_size)
     print(f"wrote {args.shape} ({len(weight_map)} tensors, {len(shards)} shards) to {args.out} "
           f"in {time.perf_counter() - start:.0f}s")
     return 0

@@ -109,14 +109,15 @@ def _progress(done, total, start):
 
 
 def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None) -> dict:
-    ok = [r for r in rows if not r["error"] and "ttft_ms" in r]
-    good = [r for r in ok if (slo_ttft is None or r["ttft_ms"] <= slo_ttft) and (slo_tpot is None or r["tpot_ms"] <= slo_tpot)]
+    ok = [r for r in rows if not r["error"]]
+    timed = [r for r in ok if "ttft_ms" in r]
+    good = [r for r in timed if (slo_ttft is None or r["ttft_ms"] <= slo_ttft) and (slo_tpot is None or r["tpot_ms"] <= slo_tpot)]
     out = {"requests": len(rows), "errors": len(rows) - len(ok), "wall_s": wall_s,
            "request_per_s": len(ok) / wall_s if wall_s else 0.0,
            "output_tok_per_s": sum(r["output_tokens"] for r in ok) / wall_s if wall_s else 0.0,
            "goodput_req_per_s": len(good) / wall_s if wall_s else 0.0, "goodput_fraction": len(good) / max(1, len(rows)),
-           "ttft_ms": summary(r["ttft_ms"] for r in ok), "tpot_ms": summary(r["tpot_ms"] for r in ok),
-           "itl_ms": summary(x for r in ok for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok)}
+           "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed),
+           "itl_ms": summary(x for r in timed for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok)}
     phases = {p: summary(r["pdserve"][p] for r in ok if isinstance(r["pdserve"].get(p), (int, float))) for p in PHASES}
     out["pdserve_ms"] = {p: s for p, s in phases.items() if s}
     return out

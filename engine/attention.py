@@ -2,20 +2,24 @@
 
 The pool holds, per layer, ``k_cache``/``v_cache`` shaped ``[num_blocks,
 block_size, kv_heads, head_dim]``. A batch is the new tokens of several
-sequences packed one after another; ``AttnMeta`` says where each sequence's
-tokens start, how long its context is once they are written, which blocks
-hold it, and the flat slot (``block * block_size + offset``) of every new
-token. Each layer first writes the new K/V into their slots, then attends:
-decode-only batches in one padded, masked SDPA call over the gathered
-blocks; batches with prompt chunks sequence by sequence (causal, offset by
-the cached prefix). This is the portable backend (CPU, and correct on CUDA);
-faster kernels plug in behind ``attend``."""
+sequences packed one after another. ``AttnMeta`` is built once per step
+(``build_meta``): the flat slot (``block * block_size + offset``) of every
+new token, the rotary tables of their positions, and how each sequence
+attends: decode-only batches gather every sequence's context slots into one
+padded ``[batch, context]`` index with a validity mask and attend with two
+grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
+one by one with SDPA, causal, offset by any cached prefix. Each layer first
+writes the new K/V into their slots. This is the portable backend (CPU, and
+correct on CUDA); faster kernels plug in behind ``attend``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
 
 
 @dataclass
@@ -23,25 +27,52 @@ class AttnMeta:
     slot_mapping: torch.Tensor
     query_starts: list[int]
     context_lens: list[int]
-    block_tables: torch.Tensor
-    block_size: int
     decode_only: bool
-    sliding_window: int | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    segments: list = field(default_factory=list)
 
-    def context_slots(self, i: int) -> torch.Tensor:
-        table = self.block_tables[i, : -(-self.context_lens[i] // self.block_size)]
-        offsets = torch.arange(self.block_size, device=table.device)
-        return (table[:, None] * self.block_size + offsets).flatten()[: self.context_lens[i]]
+
+def _slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[..., :blocks, None] * block_size + offsets).flatten(-2)[..., :length]
+
+
+def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_size, window, cos, sin) -> AttnMeta:
+    """``tables`` ``[batch, blocks]`` and ``lens`` ``[batch]`` on the device; the rest as described above."""
+    decode_only = all(e - s == 1 for s, e in zip(query_starts, query_starts[1:]))
+    meta = AttnMeta(slot_mapping, query_starts, context_lens, decode_only, cos, sin)
+    device = slot_mapping.device
+    if decode_only:
+        longest = max(context_lens)
+        meta.decode_slots = _slots(tables, block_size, longest)
+        k_pos = torch.arange(longest, device=device)
+        mask = k_pos[None, :] < lens[:, None]
+        if window:
+            mask &= k_pos[None, :] > (lens[:, None] - 1 - window)
+        meta.decode_mask = mask
+        return meta
+    for i, ctx in enumerate(context_lens):
+        n = query_starts[i + 1] - query_starts[i]
+        if n == ctx and not window:
+            meta.segments.append(None)
+            continue
+        q_pos = torch.arange(ctx - n, ctx, device=device)
+        k_pos = torch.arange(ctx, device=device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        meta.segments.append((_slots(tables[i], block_size, ctx), mask))
+    return meta
 
 
 def write_kv(k_cache, v_cache, k, v, slots) -> None:
     heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, heads, dim).index_copy_(0, slots, k)
     v_cache.view(-1, heads, dim).index_copy_(0, slots, v)
-
-
-def _window(mask, q_pos, k_pos, window):
-    return mask & (k_pos[None, :] > q_pos[:, None] - window) if window else mask
 
 
 def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
@@ -52,36 +83,31 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
     heads, dim = k_cache.shape[-2:]
     flat_k, flat_v = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     out = torch.empty_like(q)
-    for i, ctx in enumerate(meta.context_lens):
+    for i, segment in enumerate(meta.segments):
         s, e = meta.query_starts[i], meta.query_starts[i + 1]
-        n = e - s
-        if n == ctx and not meta.sliding_window:
-            keys, values, mask, causal = k[s:e], v[s:e], None, True
+        if segment is None:
+            keys, values, mask = k[s:e], v[s:e], None
         else:
-            slots = meta.context_slots(i)
-            keys, values, causal = flat_k[slots], flat_v[slots], False
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            k_pos = torch.arange(ctx, device=q.device)
-            mask = _window(k_pos[None, :] <= q_pos[:, None], q_pos, k_pos, meta.sliding_window)
+            slots, mask = segment
+            keys, values = flat_k[slots], flat_v[slots]
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                           attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[s:e] = o.transpose(0, 1)
     return out
 
 
 def _decode(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
-    heads, dim = k_cache.shape[-2:]
-    longest = max(meta.context_lens)
-    blocks = -(-longest // meta.block_size)
-    table = meta.block_tables[:, :blocks]
-    slots = (table[:, :, None] * meta.block_size + torch.arange(meta.block_size, device=q.device)).flatten(1)[:, :longest]
-    keys = k_cache.view(-1, heads, dim)[slots].transpose(1, 2)
-    values = v_cache.view(-1, heads, dim)[slots].transpose(1, 2)
-    lens = torch.tensor(meta.context_lens, device=q.device)
-    k_pos = torch.arange(longest, device=q.device)
-    mask = k_pos[None, :] < lens[:, None]
-    if meta.sliding_window:
-        mask &= k_pos[None, :] > (lens[:, None] - 1 - meta.sliding_window)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
-                                         enable_gqa=True)
-    return out.squeeze(2)
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    flat = meta.decode_slots.flatten()
+    keys = k_cache.view(-1, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    values = v_cache.view(-1, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    if (FORCE_DECODE or ("sdpa" if q.device.type == "cpu" else "matmul")) == "sdpa":
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=meta.decode_mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+    keys, values = keys.permute(0, 2, 3, 1), values.transpose(1, 2)
+    scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim), keys).float() * scale
+    scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(batch, heads, dim)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class StepOutput:
     tokens: list = field(default_factory=list)
     refused: list = field(default_factory=list)
+    scheduled: list = field(default_factory=list)
     batch_tokens: int = 0
 
 
@@ -106,7 +107,7 @@ class Engine:
 
     def step(self) -> StepOutput:
         batch = self.scheduler.schedule()
-        out = StepOutput(refused=batch.refused, batch_tokens=batch.num_tokens)
+        out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
         if not batch.seqs:
             return out
         scores, prompt_scores = self.runner.run(batch)

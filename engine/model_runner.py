@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttnMeta
+from .attention import AttnMeta, build_meta
 from .kv_pool import KVPool
 from .scheduler import Batch
 
@@ -20,22 +20,25 @@ class ModelRunner:
         self.window = model.spec.sliding_window
 
     def _meta(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
-        ids, positions, slots, starts, lens = [], [], [], [0], []
         bs = self.pool.block_size
+        ids, positions, slots, starts, lens = [], [], [], [0], []
         for seq, chunk in zip(batch.seqs, batch.chunks):
             start, end = seq.num_computed, seq.num_computed + chunk
             ids += seq.tokens(start, end)
-            positions += range(start, end)
+            pos = range(start, end)
+            positions += pos
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [table[p // bs] * bs + p % bs for p in pos]
             starts.append(starts[-1] + chunk)
             lens.append(end)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
-                              dtype=torch.long, device=self.device)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttnMeta(as_tensor(slots), starts, lens, tables, bs, all(c == 1 for c in batch.chunks), self.window)
-        return as_tensor(ids), as_tensor(positions), meta
+        tables = [s.block_table + [0] * (width - len(s.block_table)) + [n] for s, n in zip(batch.seqs, lens)]
+        packed = torch.tensor([ids, positions, slots], dtype=torch.long).to(self.device, non_blocking=True)
+        tables = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
+        rotary = self.model.rotary
+        cos, sin = rotary.cos[packed[1]], rotary.sin[packed[1]]
+        meta = build_meta(packed[2], starts, lens, tables[:, :-1], tables[:, -1], bs, self.window, cos, sin)
+        return packed[0], packed[1], meta
 
     def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.logits(hidden).float()

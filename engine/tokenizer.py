@@ -75,13 +75,15 @@ def render_plain_chat(messages: list[dict], add_generation_prompt: bool = True,
     return "".join(turns)
 
 
-def save_byte_tokenizer(path) -> str:
+def save_byte_tokenizer(path, vocab_size: int | None = None) -> str:
     """The byte tokenizer as a Hugging Face tokenizer directory (byte-fallback BPE, no merges), for checkpoints
-    built from configs."""
+    built from configs. With ``vocab_size`` the ids past the bytes decode to ``[id]`` (never produced by encoding),
+    so a random model's output is text."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{f"<0x{i:02X}>": i + BYTE_OFFSET for i in range(256)}}
+    vocab.update({f"[{i}]": i for i in range(len(vocab), vocab_size or 0)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     tok.decoder = decoders.ByteFallback()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(path)

@@ -89,7 +89,7 @@ class PrefillWorker(WorkerLoop):
             if live is not None:
                 self.aborted.discard(rid)
                 self.engine.free(live[0])
-                self._count("queued", -1)
+                self._unqueue(live)
                 self.reply_to.pop(rid, None)
             elif rid not in self.reply_to:
                 self.aborted.discard(rid)
@@ -108,7 +108,7 @@ class PrefillWorker(WorkerLoop):
             self._count("queued", -1)
             return self.fail(rid, e.status, str(e))
         self.engine.add(seq)
-        self.live[rid] = (seq, msg.get("kv_dest"), queued_at)
+        self.live[rid] = [seq, msg.get("kv_dest"), queued_at, True]
 
     def tick(self):
         if not self.engine.has_work:
@@ -117,10 +117,13 @@ class PrefillWorker(WorkerLoop):
             out = self.engine.step()
         except Exception as e:
             log.exception("prefill step failed")
-            for rid, (seq, _, _) in list(self.live.items()):
-                self._drop(rid, seq)
+            for rid, entry in list(self.live.items()):
+                self._drop(rid, entry[0])
                 self.fail(rid, 500, f"prefill failed: {e}")
             return
+        for seq in out.scheduled:
+            if seq.rid in self.live:
+                self._unqueue(self.live[seq.rid])
         for seq in out.refused:
             self._drop(seq.rid, seq)
             self.fail(seq.rid, 400, f"the prompt needs more KV blocks than this worker has ({self.engine.num_blocks})")
@@ -129,13 +132,19 @@ class PrefillWorker(WorkerLoop):
             if entry is None:
                 self.engine.free(seq)
                 continue
+            self._first(seq, text, entry[1], entry[2])
+
+    def _unqueue(self, entry):
+        """A prompt stops counting against ``max_queue`` once the engine schedules it (or it leaves)."""
+        if entry[3]:
+            entry[3] = False
             self._count("queued", -1)
-            self._first(seq, text, *entry[1:])
 
     def _drop(self, rid, seq):
-        self.live.pop(rid, None)
+        entry = self.live.pop(rid, None)
+        if entry is not None:
+            self._unqueue(entry)
         self.engine.free(seq)
-        self._count("queued", -1)
 
     def _first(self, seq, text, dest, queued_at):
         rid, now = seq.rid, time.perf_counter()

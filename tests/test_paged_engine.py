@@ -72,6 +72,16 @@ def test_one_and_eight_batched_match_hf(family):
     assert engine.blocks.num_free == engine.num_blocks
 
 
+def test_grouped_matmul_decode_matches_hf(family, monkeypatch):
+    """The decode kernel CUDA uses, run on the CPU."""
+    import engine.attention
+
+    monkeypatch.setattr(engine.attention, "FORCE_DECODE", "matmul")
+    path, hf = family
+    engine_ = engine_for(path)
+    check([s for _, s in generate_many(engine_, prompts(4, seed=3), [SamplingParams(max_tokens=8, **GREEDY)] * 4)], hf, 8)
+
+
 def test_joining_mid_run_and_chunked_prefill_match_hf(family):
     path, hf = family
     engine = engine_for(path, max_batched_tokens=16)

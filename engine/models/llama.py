@@ -84,7 +84,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
         return self.o_proj(attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
 
 

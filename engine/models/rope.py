@@ -46,10 +46,11 @@ class Rotary(torch.nn.Module):
             self.cos.copy_(emb.cos())
             self.sin.copy_(emb.sin())
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """``q``/``k``: ``[tokens, heads, head_dim]``; ``positions``: ``[tokens]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos=None, sin=None):
+        """``q``/``k``: ``[tokens, heads, head_dim]``; ``positions``: ``[tokens]`` (or the tables' rows for them,
+        ``cos``/``sin``, gathered once per step)."""
+        cos = (self.cos[positions] if cos is None else cos).unsqueeze(1).to(q.dtype)
+        sin = (self.sin[positions] if sin is None else sin).unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
