@@ -32,7 +32,7 @@ def add_arguments(p):
     p.add_argument("--input-len", default="32:512", help="offline prompt lengths, uniform in MIN:MAX")
     p.add_argument("--output-len", default="16:256", help="offline output lengths, uniform in MIN:MAX")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--hf", action="store_true", help="also time Hugging Face eager batched decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/engine")

@@ -38,8 +38,9 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the paged pool")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one engine step may batch")
-    p.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="tokens one engine step may compute (longer prompts are prefilled in chunks)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="tokens one engine step may compute; longer prompts are prefilled in chunks (default: 8192 "
+                        "on a GPU, 2048 on the CPU)")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")

@@ -90,8 +90,13 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
         else:
             slots, mask = segment
             keys, values = flat_k[slots], flat_v[slots]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        gqa = q.device.type == "cpu"
+        if not gqa and keys.shape[0] != q.shape[1]:
+            group = q.shape[1] // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=gqa)
         out[s:e] = o.transpose(0, 1)
     return out
 

@@ -16,7 +16,7 @@ class EngineConfig:
     served_name: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int | None = None
     kv_budget_bytes: int = 0
     num_blocks: int | None = None
 
@@ -30,6 +30,8 @@ class EngineConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")
         for name in ("block_size", "max_num_seqs", "max_batched_tokens"):
+            if getattr(self, name) is None and name == "max_batched_tokens":
+                continue
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -49,7 +49,8 @@ class Engine:
         self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device)
         self.blocks = BlockManager(self.num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens)
+        budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget)
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress)
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
