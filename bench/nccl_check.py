@@ -42,7 +42,7 @@ def kv(shape, dtype, seed, device, strided=False):
     for _ in range(layers):
         pair = []
         for _ in range(2):
-            t = torch.randn(heads, tokens, dim * (2 if strided else 1), generator=g, device=device).to(dtype)
+            t = torch.randn(tokens, heads, dim * (2 if strided else 1), generator=g, device=device).to(dtype)
             pair.append(t[:, :, ::2] if strided else t)
         out.append(tuple(pair))
     return out

@@ -2,9 +2,11 @@
 
 ``decode{rid, first_token, prompt_ids, emitted, params}`` arrives from the
 router once prefill answered; the KV for ``rid`` arrives independently over
-the transport. Whichever comes second starts the sequence: its KV is
-written into blocks of the engine's paged pool (``h2d`` in the phases) and
-the transport's buffer goes back at once. Every engine step advances all
+the transport. Whichever comes second starts the sequence. A transport that
+lands pieces (tcp, with the pool in host memory) gets blocks of the engine's
+paged pool when the transfer begins and receives the bytes straight into
+them; otherwise the KV is copied from the transport's buffer into blocks
+(``h2d`` in the phases) and the buffer goes back at once. Every engine step advances all
 running sequences together in one batched forward (continuous batching):
 tokens go out as ``tokens`` messages, the last as ``done`` with the transfer
 phases and decode timing. In colocated mode the worker also accepts
@@ -26,8 +28,8 @@ from engine import EngineConfig, RequestError, SamplingParams
 from engine.engine import Engine
 from engine.requests import first_message, new_sequence
 from engine.sequence import Sequence
-from kvtransfer import TransferError, TransferStatus, TransportConfig, make_receiver
-from kvtransfer.tensors import unpack
+from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
+from kvtransfer.tensors import dtype_name, unpack
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,15 @@ class DecodeWorker(WorkerLoop):
             cfg.pool_bytes = min(cfg.pool_bytes, self.kv_budget)
             self.receiver = make_receiver(transport, cfg)
             self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
+            if self.receiver.lands_pieces and self.engine.device.type == "cpu":
+                self.receiver.land = self._land
             self.receiver.start()
             self.kv_timeout = cfg.timeout_s
         self.waiting: dict[str, tuple[dict, float]] = {}
         self.blocked: deque = deque()
         self.live: dict[str, Live] = {}
+        self.landing: dict[str, list] = {}
+        self.kv_landed = 0
 
     def info(self):
         e = self.engine
@@ -79,6 +85,7 @@ class DecodeWorker(WorkerLoop):
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
                 "kv_reserved_bytes": sum(self.reserved.values()), "preemptions": e.scheduler.preemptions,
+                "kv_landed_in_blocks": self.kv_landed,
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0)}
 
     def busy(self):
@@ -119,6 +126,23 @@ class DecodeWorker(WorkerLoop):
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
 
+    def _land(self, tid: str, layout: KVLayout):
+        """(Receiver thread) Blocks for an arriving KV, so its bytes land where decode will read them."""
+        layers, heads, head_dim = self.engine.kv_shape
+        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (layers, heads, head_dim) \
+                or layout.dtype != dtype_name(self.engine.dtype) or tid in self.landing:
+            return None
+        table = self.engine.reserve(layout.num_tokens)
+        if table is None:
+            return None
+        self.landing[tid] = table
+
+        def release():
+            held = self.landing.pop(tid, None)
+            if held is not None:
+                self.engine.release(held)
+        return Landing(PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens)), release)
+
     def _try_start(self, rid):
         status = self.receiver.poll(rid)
         if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
@@ -139,6 +163,15 @@ class DecodeWorker(WorkerLoop):
             return self.fail(rid, 400, f"bad decode request: {e}")
         if not self._reserve(rid, len(seq.prompt_ids), params):
             return received.release()
+        if received.landed is not None:
+            table = self.landing.pop(rid, None)
+            if table is None:
+                self.reserved.pop(rid, None)
+                return self.fail(rid, 502, "KV landed but its blocks were released")
+            self.engine.adopt(seq, table)
+            self.kv_landed += 1
+            self.live[rid] = Live(seq, received.phases)
+            return
         self.blocked.append((seq, received))
         self._admit_blocked()
 

@@ -1,7 +1,11 @@
 """Block allocation for the paged KV pool: reference-counted blocks, a block
-table per sequence, all blocks free again once every sequence let go."""
+table per sequence, all blocks free again once every sequence let go.
+Thread-safe: a transport's receiver thread reserves blocks for KV that is
+arriving while the engine thread schedules (which holds ``lock`` for a
+whole step's planning)."""
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 
@@ -17,6 +21,7 @@ class BlockManager:
         self.block_size = block_size
         self.refs = [0] * num_blocks
         self.free = deque(range(num_blocks))
+        self.lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
@@ -30,24 +35,27 @@ class BlockManager:
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Append blocks to ``table`` until it holds ``tokens`` tokens."""
-        need = self.blocks_for(tokens) - len(table)
-        if need > len(self.free):
-            raise OutOfBlocks(f"{need} blocks needed, {len(self.free)} free")
-        for _ in range(need):
-            block = self.free.popleft()
-            self.refs[block] = 1
-            table.append(block)
+        with self.lock:
+            need = self.blocks_for(tokens) - len(table)
+            if need > len(self.free):
+                raise OutOfBlocks(f"{need} blocks needed, {len(self.free)} free")
+            for _ in range(need):
+                block = self.free.popleft()
+                self.refs[block] = 1
+                table.append(block)
 
     def share(self, table: list[int]) -> list[int]:
-        for block in table:
-            self.refs[block] += 1
-        return list(table)
+        with self.lock:
+            for block in table:
+                self.refs[block] += 1
+            return list(table)
 
     def release(self, table: list[int]) -> None:
-        for block in table:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free.append(block)
-            elif self.refs[block] < 0:
-                raise RuntimeError(f"block {block} released more often than taken")
-        table.clear()
+        with self.lock:
+            for block in table:
+                self.refs[block] -= 1
+                if self.refs[block] == 0:
+                    self.free.append(block)
+                elif self.refs[block] < 0:
+                    raise RuntimeError(f"block {block} released more often than taken")
+            table.clear()

@@ -94,6 +94,28 @@ class Engine:
         self.scheduler.add_running(seq)
         return True
 
+    def reserve(self, tokens: int) -> list[int] | None:
+        """Blocks for ``tokens`` tokens of KV that is about to arrive (any thread), or None when too few are free."""
+        table: list[int] = []
+        with self.blocks.lock:
+            if not self.blocks.can_grow(table, tokens + 1):
+                return None
+            self.blocks.grow(table, tokens)
+        return table
+
+    def pieces(self, table: list[int], tokens: int) -> list:
+        """Per layer ``(k_pieces, v_pieces)``: the canonical KV of ``tokens`` tokens as views of these blocks."""
+        return self.pool.pieces(table, tokens)
+
+    def adopt(self, seq: Sequence, table: list[int]) -> None:
+        """Start ``seq`` whose prompt's KV already sits in ``table`` (received straight into the blocks)."""
+        seq.block_table = table
+        seq.num_computed = len(seq.prompt_ids)
+        self.scheduler.add_running(seq)
+
+    def release(self, table: list[int]) -> None:
+        self.blocks.release(table)
+
     def free(self, seq: Sequence) -> None:
         """Take ``seq`` out of the engine and return its blocks (idempotent)."""
         self.scheduler.remove(seq)

@@ -1,8 +1,9 @@
 """The paged KV pool: per layer one K and one V tensor ``[num_blocks,
 block_size, kv_heads, head_dim]``, allocated once at start-up from the KV
-budget. ``gather``/``scatter`` move one sequence's KV between its blocks and
-the canonical per-layer ``[kv_heads, tokens, head_dim]`` tensors the
-transports carry."""
+budget. A sequence's KV in the canonical layout the transports carry
+(per layer ``[tokens, kv_heads, head_dim]``) is its blocks' rows in order:
+``pieces`` gives them as views (no copy) for transports that send or land
+bytes in place, ``gather``/``scatter`` copy to and from whole tensors."""
 from __future__ import annotations
 
 import torch
@@ -24,27 +25,34 @@ class KVPool:
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()[:tokens]
 
+    def pieces(self, table: list[int], tokens: int) -> list:
+        """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks (the last one cut to its tokens)."""
+        sizes = [min(self.block_size, tokens - i * self.block_size) for i in range(len(table))]
+        sizes = [s for s in sizes if s > 0]
+        return [([kc[b, :n] for b, n in zip(table, sizes)], [vc[b, :n] for b, n in zip(table, sizes)])
+                for kc, vc in self.layers]
+
     def gather(self, table: list[int], tokens: int, into: list | None = None) -> list:
         """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given)."""
         out = []
         slots = self._slots(table, tokens, self.layers[0][0].device)
         for i, (kc, vc) in enumerate(self.layers):
-            k = kc.view(-1, self.kv_heads, self.head_dim)[slots].transpose(0, 1)
-            v = vc.view(-1, self.kv_heads, self.head_dim)[slots].transpose(0, 1)
+            k = kc.view(-1, self.kv_heads, self.head_dim)[slots]
+            v = vc.view(-1, self.kv_heads, self.head_dim)[slots]
             if into is not None:
                 into[i][0].copy_(k)
                 into[i][1].copy_(v)
                 out.append(into[i])
             else:
-                out.append((k.contiguous(), v.contiguous()))
+                out.append((k, v))
         return out
 
     def scatter(self, table: list[int], layers) -> None:
         """Write canonical ``(k, v)`` layers (any device/dtype-compatible tensors) into the sequence's blocks."""
         it = iter(layers)
         first = next(it)
-        tokens = first[0].shape[1]
+        tokens = first[0].shape[0]
         slots = self._slots(table, tokens, self.layers[0][0].device)
         for (kc, vc), (k, v) in zip(self.layers, [first, *it], strict=True):
-            kc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k.transpose(0, 1).to(kc.device, kc.dtype))
-            vc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v.transpose(0, 1).to(vc.device, vc.dtype))
+            kc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k.to(kc.device, kc.dtype))
+            vc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v.to(vc.device, vc.dtype))

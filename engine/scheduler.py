@@ -72,6 +72,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> Batch:
+        with self.blocks.lock:
+            return self._schedule()
+
+    def _schedule(self) -> Batch:
         batch, budget = Batch(), self.max_batched_tokens
         for seq in list(self.running):
             if budget == 0:

@@ -3,9 +3,10 @@ transport interface, and transports loaded lazily by name."""
 from .base import KVReceiver, KVSender, ReceivedKV, SourceKV, TransferError, TransferStatus, TransportConfig
 from .layout import KVLayout, LayoutError
 from .phases import PHASES, PhaseTimes
+from .pieces import Landing, PiecewiseKV
 from .registry import TransportUnavailable, make_receiver, make_sender, names
 
 __all__ = [
     "KVLayout", "LayoutError", "KVReceiver", "KVSender", "ReceivedKV", "SourceKV", "TransferError", "TransferStatus",
-    "TransportConfig", "PHASES", "PhaseTimes", "TransportUnavailable", "make_receiver", "make_sender", "names",
+    "TransportConfig", "PHASES", "PhaseTimes", "Landing", "PiecewiseKV", "TransportUnavailable", "make_receiver", "make_sender", "names",
 ]

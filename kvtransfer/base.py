@@ -73,6 +73,7 @@ class ReceivedKV:
     released: bool = False
     layers: list | None = None
     completed_at: float = 0.0
+    landed: object = None
 
     def release(self) -> None:
         if not self.released:
@@ -119,6 +120,7 @@ class SourceKV:
 class KVSender(ABC):
     name: str = "?"
     staged_bytes: int = 0
+    sends_pieces: bool = False  # ``send`` also takes a ``PiecewiseKV`` (e.g. pool blocks, no copy)
 
     def alloc(self, layout: KVLayout, device: str = "cpu") -> SourceKV | None:
         """Memory on ``device`` that ``send`` can move without a copy, or None when this
@@ -157,3 +159,7 @@ class KVReceiver(ABC):
     def close(self) -> None: ...
 
     on_complete: Callable[[str, TransferStatus], None] | None = None
+    # ``land(transfer_id, layout) -> Landing | None``: memory to receive this transfer into (a receiver that
+    # supports it sets ``lands_pieces``); the ReceivedKV then has ``landed`` set and no buffer
+    land: Callable | None = None
+    lands_pieces: bool = False

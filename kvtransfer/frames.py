@@ -1,4 +1,4 @@
-"""Data-plane framing (wire version 3), used by socket transports.
+"""Data-plane framing (wire version 4), used by socket transports.
 
 Every frame starts with a fixed 20-byte prefix ``!4sHBBIQ``:
 magic ``PDKV``, version, kind, flags, ``a`` (u32), ``b`` (u64).
@@ -25,7 +25,7 @@ import struct
 import msgpack
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 PREFIX = struct.Struct("!4sHBBIQ")
 BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH = 1, 2, 3, 4, 5, 6, 7, 8
 KINDS = {BEGIN, LAYER, END, ACK, GRANT, HELLO, CHALLENGE, AUTH}

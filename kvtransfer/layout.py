@@ -1,8 +1,9 @@
 """Canonical KV-cache description shared by every transport.
 
 A KV cache for one request is ``num_layers`` layers, each holding a K and a V
-tensor of shape ``[num_kv_heads, num_tokens, head_dim]`` in ``dtype``, stored
-contiguously. On the wire and in host buffers the layout is fixed: layer 0 K,
+tensor of shape ``[num_tokens, num_kv_heads, head_dim]`` in ``dtype``, stored
+contiguously (token-major, so a run of whole tokens, e.g. one block of a
+paged pool, is one contiguous piece of it; version 2 of the layout). On the wire and in host buffers the layout is fixed: layer 0 K,
 layer 0 V, layer 1 K, ... so a byte offset is derivable from the layout alone.
 The description is independent of any model library; it travels as a small
 dict (msgpack-friendly) tagged with ``LAYOUT_VERSION``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 DTYPE_SIZES = {
     "float32": 4,
@@ -61,7 +62,7 @@ class KVLayout:
 
     @property
     def tensor_shape(self) -> tuple[int, int, int]:
-        return (self.num_kv_heads, self.num_tokens, self.head_dim)
+        return (self.num_tokens, self.num_kv_heads, self.head_dim)
 
     @property
     def tensor_nbytes(self) -> int:

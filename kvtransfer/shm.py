@@ -17,6 +17,7 @@ import torch
 from . import frames
 from .arena import Arena
 from .base import ReceivedKV
+from .pieces import PiecewiseKV
 from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer, host_layers, to_host
 
@@ -44,6 +45,7 @@ def _copy_layer(segment: torch.Tensor, base: int, n: int, k: torch.Tensor, v: to
 
 class ShmSender(SocketSender):
     name = "shm"
+    sends_pieces = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
@@ -65,6 +67,17 @@ class ShmSender(SocketSender):
         if offset < 0 or offset + layout.total_nbytes > segment.numel():
             raise frames.FrameError("GRANT outside the segment")
         waited, n = [0.0], layout.tensor_nbytes
+        if isinstance(layers, PiecewiseKV):
+            with phases.measure("serialize"):
+                layers.check()
+            with phases.measure("wire"):
+                for i, (k_pieces, v_pieces) in enumerate(layers.layers):
+                    at = offset + layout.layer_offset(i)
+                    for piece in (*k_pieces, *v_pieces):
+                        raw = piece.reshape(-1).view(torch.uint8)
+                        segment[at:at + raw.numel()].copy_(raw)
+                        at += raw.numel()
+            return phases.serialize / 1e3
         if isinstance(layers, (list, tuple)):
             host = host_layers(layout, layers, phases)
             with phases.measure("wire"):

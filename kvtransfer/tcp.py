@@ -7,6 +7,7 @@ import time
 
 from . import frames
 from .base import ReceivedKV, TransferStatus
+from .pieces import PiecewiseKV
 from .sockets import SocketReceiver, SocketSender, parse_address, timed_layers
 from .tensors import as_bytes, check_layer, host_layers, to_host
 
@@ -29,8 +30,11 @@ def send_parts(sock, parts: list) -> None:
 
 class TcpSender(SocketSender):
     name = "tcp"
+    sends_pieces = True
 
     def _send_body(self, sock, layout, layers, phases) -> float:
+        if isinstance(layers, PiecewiseKV):
+            return self._send_pieces(sock, layout, layers, phases)
         if isinstance(layers, (list, tuple)):
             return self._send_all(sock, layout, layers, phases)
         clock, waited = time.perf_counter, [0.0]
@@ -61,11 +65,28 @@ class TcpSender(SocketSender):
         return (phases.d2h + phases.serialize) / 1e3
 
 
+    def _send_pieces(self, sock, layout, kv: PiecewiseKV, phases) -> float:
+        """KV in pieces (pool blocks): every piece is one iov of the ``sendmsg`` stream, nothing is copied."""
+        with phases.measure("serialize"):
+            kv.check()
+            parts = []
+            for i in range(layout.num_layers):
+                parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), *kv.parts(i)]
+        with phases.measure("wire"):
+            for start in range(0, len(parts), IOV_BATCH):
+                send_parts(sock, parts[start:start + IOV_BATCH])
+        return phases.serialize / 1e3
+
+
 class TcpReceiver(SocketReceiver):
     name = "tcp"
+    lands_pieces = True
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         meta = header.get("meta") or {}
+        landing = self.land(tid, layout) if self.land else None
+        if landing is not None:
+            return self._receive_landed(sock, tid, layout, meta, start, landing)
         buf = self.pool.acquire(layout.total_nbytes)
         try:
             view = memoryview(buf.numpy()).cast("B")
@@ -82,3 +103,21 @@ class TcpReceiver(SocketReceiver):
             self.pool.release(buf)
             raise
         return ReceivedKV(tid, layout, buf[:layout.total_nbytes], phases, lambda: self.pool.release(buf), meta)
+
+    def _receive_landed(self, sock, tid, layout, meta, start, landing) -> ReceivedKV:
+        """Each layer's bytes straight into the pieces the ``land`` hook named (the blocks that will hold them)."""
+        try:
+            landing.kv.check()
+            for i in range(layout.num_layers):
+                index, nbytes = frames.read_prefix(sock, frames.LAYER)
+                if index != i or nbytes != layout.layer_nbytes:
+                    raise frames.FrameError(f"layer frame {index}/{nbytes}B, expected {i}/{layout.layer_nbytes}B")
+                for part in landing.kv.parts(i):
+                    frames.recv_into(sock, part)
+                if self.table.status(tid) == TransferStatus.ABORTED:
+                    raise ConnectionError("aborted by receiver")
+            phases = self._finish(sock, layout, start)
+        except BaseException:
+            landing.release()
+            raise
+        return ReceivedKV(tid, layout, None, phases, landing.release, meta, landed=landing.kv)

@@ -28,9 +28,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout_of(layers: list, num_tokens: int | None = None) -> KVLayout:
-    """Describe a list of ``(k, v)`` tensors shaped ``[kv_heads, tokens, head_dim]``."""
+    """Describe a list of ``(k, v)`` tensors shaped ``[tokens, kv_heads, head_dim]``."""
     k = layers[0][0]
-    heads, tokens, head_dim = k.shape[-3:]
+    tokens, heads, head_dim = k.shape[-3:]
     return KVLayout(len(layers), int(heads), int(head_dim), int(num_tokens or tokens), dtype_name(k.dtype))
 
 

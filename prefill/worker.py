@@ -3,11 +3,13 @@
 Each ``prefill`` request becomes a sequence in the engine, which batches
 queued prompts into one forward pass up to its token budget (longer prompts
 go in chunks). When a sequence's first token is chosen the worker sends
-``first`` (token + text) to the router at once, copies the prompt's KV out
-of the engine's paged pool (into memory the transport owns and sends from
-without staging, where it offers some: a registered NIXL slab, an MLX array,
-an NCCL GPU buffer), frees the blocks and pushes the KV to the decode worker
-at ``kv_dest`` in a sender thread. A failed push answers ``error``; a
+``first`` (token + text) to the router at once and pushes the prompt's KV
+to the decode worker at ``kv_dest`` in a sender thread: transports that
+send pieces (tcp, shm) move it straight from the engine's pool blocks,
+which are freed once the push ends; the others get it copied out of the
+pool once (into memory the transport owns and sends from without staging
+where it offers some: a registered NIXL slab, an MLX array, an NCCL GPU
+buffer) and the blocks are freed at once. A failed push answers ``error``; a
 successful one ``kv_sent`` with the sender-side phases.
 
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
@@ -24,8 +26,8 @@ from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
 from engine.engine import Engine
 from engine.requests import first_message, new_sequence
-from kvtransfer import KVLayout, TransferError, TransportConfig, make_sender
-from kvtransfer.tensors import dtype_name, layout_of
+from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
+from kvtransfer.tensors import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class PrefillWorker(WorkerLoop):
         super().__init__(host, port, drain_s, self.cfg.token)
         self.engine = Engine(engine, hold_after_first=True)
         self.live: dict = {}
+        self.sending: dict = {}
+        self.kv_from_blocks = 0
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
         self.max_queue = max_queue
@@ -56,6 +60,7 @@ class PrefillWorker(WorkerLoop):
         return {"role": self.role, "model": self.engine.name, "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
+                "kv_from_blocks": self.kv_from_blocks,
                 "kv_staged_bytes": self.sender.staged_bytes, "kv_blocks": self.engine.num_blocks,
                 "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live)}
 
@@ -63,7 +68,7 @@ class PrefillWorker(WorkerLoop):
         return bool(self.live)
 
     def idle(self):
-        return super().idle() and self.pushing == 0
+        return super().idle() and self.pushing == 0 and not self.sending
 
     def _count(self, name, delta):
         with self._count_lock:
@@ -84,6 +89,11 @@ class PrefillWorker(WorkerLoop):
 
     def handle(self, msg):
         rid = msg["rid"]
+        if msg["op"] == "_sent":
+            seq = self.sending.pop(rid, None)
+            if seq is not None:
+                self.engine.free(seq)
+            return
         if msg["op"] == "abort":
             live = self.live.pop(rid, None)
             if live is not None:
@@ -157,7 +167,16 @@ class PrefillWorker(WorkerLoop):
         if not isinstance(dest, str):
             self.engine.free(seq)
             return self.fail(rid, 500, "prefill request has no kv_dest")
-        source = self._source(len(seq.prompt_ids))
+        layout = self._layout(len(seq.prompt_ids))
+        if self.sender.sends_pieces and self.engine.device.type == "cpu":
+            kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens))
+            self.sending[rid] = seq
+            self.kv_from_blocks += 1
+            self._count("pushing", 1)
+            self._count("held_bytes", layout.total_nbytes)
+            self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), None)
+            return
+        source = self.sender.alloc(layout, str(self.engine.device))
         try:
             kv = self.engine.gather(seq, source.layers if source is not None else None)
         except Exception as e:
@@ -170,15 +189,13 @@ class PrefillWorker(WorkerLoop):
         if source is not None:
             self.kv_in_place += 1
             kv = source
-        layout = source.layout if source is not None else layout_of(kv)
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
         self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)
 
-    def _source(self, tokens: int):
+    def _layout(self, tokens: int) -> KVLayout:
         layers, heads, head_dim = self.engine.kv_shape
-        layout = KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
-        return self.sender.alloc(layout, str(self.engine.device))
+        return KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
 
     def _push(self, rid, dest, layout, kv, created, source):
         try:
@@ -198,6 +215,8 @@ class PrefillWorker(WorkerLoop):
         finally:
             if source is not None:
                 source.release()
+            if rid in self.sending:
+                self.inbox.put({"op": "_sent", "rid": rid})
             self._count("held_bytes", -layout.total_nbytes)
             self._count("pushing", -1)
 

@@ -43,7 +43,7 @@ def pair(request):
 
 def random_kv(layers, heads, tokens, head_dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]
+    return [tuple(torch.randn(tokens, heads, head_dim, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]
 
 
 def roundtrip(sender, receiver, kv, tid):

@@ -63,6 +63,19 @@ def test_non_stream_completion_reports_usage_and_phases(disagg):
     assert timing["transfer_total"] == pytest.approx(sum(timing[p] for p in ("d2h", "serialize", "wire", "deserialize", "h2d")))
 
 
+def test_tcp_kv_moves_from_prefill_blocks_into_decode_blocks(disagg):
+    """No copy out of the prefill pool, none into the decode pool: the bytes leave and land in blocks."""
+    complete(disagg.url, prompt="blocks " * 20, max_tokens=4)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        workers = httpx.get(disagg.url + "/health").json()["workers"]
+        if workers["prefill"][0]["kv_from_blocks"] >= 1 and workers["decode"][0]["kv_landed_in_blocks"] >= 1:
+            break
+        time.sleep(0.2)
+    assert workers["prefill"][0]["kv_from_blocks"] >= 1 and workers["decode"][0]["kv_landed_in_blocks"] >= 1
+    assert workers["prefill"][0]["kv_staged_bytes"] == 0
+
+
 def test_stream_shape_matches_openai(disagg):
     events = stream_events(disagg.url, prompt="Hello", stream_options={"include_usage": True}, max_tokens=8)
     assert events[-1] == "[DONE]"

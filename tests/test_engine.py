@@ -139,7 +139,7 @@ def test_gather_into_given_memory(runner):
     prefill.step()
     fresh = prefill.gather(seq)
     layers, heads, head_dim = prefill.kv_shape
-    slab = torch.full((layers, 2, heads, 57, head_dim), float("nan"), dtype=prefill.dtype)
+    slab = torch.full((layers, 2, 57, heads, head_dim), float("nan"), dtype=prefill.dtype)
     into = [tuple(pair.unbind(0)) for pair in slab.unbind(0)]
     placed = prefill.gather(seq, into)
     for (k, v), (pk, pv), (dk, dv) in zip(fresh, placed, into):

@@ -25,7 +25,7 @@ def pair():
 def random_kv(layers, heads, tokens, head_dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     def one():
-        return torch.randn(heads, tokens, head_dim, generator=g).to(dtype)
+        return torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     return [(one(), one()) for _ in range(layers)]
 
 

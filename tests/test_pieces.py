@@ -1,0 +1,117 @@
+"""KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm) and the tcp receiver's
+landing hook, bit-exact for every dtype, with the reservation undone when a transfer fails or is aborted."""
+import threading
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransportConfig, make_receiver, make_sender
+from kvtransfer.tensors import TORCH_DTYPES, materialize
+
+BLOCK = 16
+
+
+def pool(layout: KVLayout, blocks: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape = (blocks, BLOCK, layout.num_kv_heads, layout.head_dim)
+    dtype = TORCH_DTYPES[layout.dtype]
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+            for _ in range(layout.num_layers)]
+
+
+def pieces_of(layers, table, tokens):
+    sizes = [min(BLOCK, tokens - i * BLOCK) for i in range(len(table))]
+    return [([k[b, :n] for b, n in zip(table, sizes)], [v[b, :n] for b, n in zip(table, sizes)]) for k, v in layers]
+
+
+def expected(layers, table, tokens):
+    return [(torch.cat(ks), torch.cat(vs)) for ks, vs in pieces_of(layers, table, tokens)]
+
+
+@pytest.fixture
+def tcp():
+    receiver = make_receiver("tcp", TransportConfig(timeout_s=3.0))
+    receiver.start()
+    sender = make_sender("tcp", TransportConfig(timeout_s=5.0))
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 16, 37])
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_pieces_sent_from_blocks_arrive_bit_exact(name, tokens, dtype):
+    layout = KVLayout(3, 2, 8, tokens, dtype)
+    source = pool(layout, 8, seed=tokens)
+    table = [5, 1, 6][: -(-tokens // BLOCK)]
+    receiver = make_receiver(name, TransportConfig(timeout_s=3.0, options={"shm_bytes": 16 << 20}))
+    receiver.start()
+    sender = make_sender(name, TransportConfig(timeout_s=5.0))
+    try:
+        assert sender.sends_pieces
+        sender.send(receiver.address, "p", layout, PiecewiseKV(layout, pieces_of(source, table, tokens)))
+        got = materialize(receiver.wait("p", 5), "cpu")
+    finally:
+        sender.close()
+        receiver.close()
+    for (k, v), (ek, ev) in zip(got, expected(source, table, tokens)):
+        assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tcp_lands_bytes_in_the_blocks_the_hook_names(tcp, dtype):
+    sender, receiver = tcp
+    layout = KVLayout(4, 2, 8, 40, dtype)
+    source = pool(layout, 6, seed=1)
+    dest = [tuple(torch.zeros_like(t) for t in pair) for pair in pool(layout, 6, seed=2)]
+    table, released = [4, 0, 3], []
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(dest, table, lay.num_tokens)),
+                                             lambda: released.append(tid))
+    sender.send(receiver.address, "land", layout, PiecewiseKV(layout, pieces_of(source, [1, 2, 5], 40)))
+    received = receiver.wait("land", 5)
+    assert received.landed is not None and received.buffer is None
+    for (k, v), (ek, ev) in zip(expected(dest, table, 40), expected(source, [1, 2, 5], 40)):
+        assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
+    assert not dest[0][0][1].any(), "a block outside the table was written"
+    received.release()
+    assert released == ["land"]
+
+
+def test_landing_is_released_when_the_sender_dies_midway(tcp):
+    sender, receiver = tcp
+    layout = KVLayout(6, 2, 8, 20, "float32")
+    dest = pool(layout, 4, seed=3)
+    released = threading.Event()
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(dest, [0, 1], 20)), released.set)
+    k = torch.ones(20, 2, 8)
+
+    def dying():
+        yield k, k
+        yield k, k
+        raise RuntimeError("prefill died")
+
+    with pytest.raises(Exception):
+        sender.send(receiver.address, "dead", layout, dying())
+    assert released.wait(5)
+    with pytest.raises(TransferError):
+        receiver.wait("dead", 5)
+
+
+def test_no_landing_falls_back_to_the_pool_buffer(tcp):
+    sender, receiver = tcp
+    layout = KVLayout(2, 1, 4, 5, "float16")
+    receiver.land = lambda tid, lay: None
+    kv = [(torch.randn(5, 1, 4).half(), torch.randn(5, 1, 4).half()) for _ in range(2)]
+    sender.send(receiver.address, "fb", layout, kv)
+    received = receiver.wait("fb", 5)
+    assert received.landed is None and received.buffer is not None
+    assert all(torch.equal(a, b) for pair, got in zip(kv, materialize(received, "cpu")) for a, b in zip(pair, got))
+
+
+def test_pieces_that_do_not_fit_the_layout_are_refused(tcp):
+    sender, receiver = tcp
+    layout = KVLayout(1, 2, 8, 20, "float32")
+    short = PiecewiseKV(layout, [([torch.zeros(16, 2, 8)], [torch.zeros(16, 2, 8)])])
+    with pytest.raises(TransferError, match="tokens"):
+        sender.send(receiver.address, "short", layout, short)
