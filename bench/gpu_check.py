@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp32-layers", type=int, default=0,
+                    help="also compare against HF in fp32 on a random Mistral-7B-wide checkpoint of this many layers")
     args = ap.parse_args(argv)
     report = {}
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -75,6 +77,23 @@ def main(argv=None) -> int:
         report["greedy_16_equal"] = seq.output_ids == hf_ids
         report["greedy_16_common_prefix"] = next((i for i, (a, b) in enumerate(zip(seq.output_ids, hf_ids)) if a != b), 16)
         print(json.dumps({k: v for k, v in report.items()}, indent=1), flush=True)
+    if args.fp32_layers:
+        import tempfile
+
+        from bench.random_checkpoint import main as write
+
+        path = tempfile.mkdtemp(prefix="pdserve-fp32-")
+        write(["--shape", "mistral-7b", "--out", path, "--dtype", "float32", "--layers", str(args.fp32_layers)])
+        engine = Engine(EngineConfig(model=path, device="cuda", max_num_seqs=8, kv_budget_bytes=4 << 30))
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(engine.device).eval()
+        ids = [3 + (i * 7919) % 250 for i in range(32)]
+        ours = scores_of(engine, ids)
+        with torch.inference_mode():
+            theirs = hf(input_ids=torch.tensor([ids], device=engine.device)).logits[0].float()
+        report["fp32_layers"] = args.fp32_layers
+        report["fp32_max_abs_diff_first_32_logits"] = float((ours - theirs).abs().max())
+        report["fp32_argmax_agree"] = int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        print({k: v for k, v in report.items() if k.startswith("fp32")}, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

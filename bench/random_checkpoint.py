@@ -37,10 +37,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--std", type=float, default=0.02)
+    ap.add_argument("--layers", type=int, default=0, help="override the number of layers")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     cls, fields = SHAPES[args.shape]
-    config = getattr(transformers, cls)(**fields)
+    config = getattr(transformers, cls)(**{**fields, **({"num_hidden_layers": args.layers} if args.layers else {})})
     config.architectures = [cls.replace("Config", "ForCausalLM")]
     dtype = getattr(torch, args.dtype)
     config.dtype = dtype
