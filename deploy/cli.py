@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prefill", help="prefill worker")
     _add_worker(p)
     p.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
-                   "--max-num-seqs full-context sequences, at most half the free memory)")
+                   "--max-num-seqs full-context sequences, at most half the free memory, 2G on the CPU)")
     p.add_argument("--max-queue", type=int, default=64, help="prompts that may wait (then 503)")
 
     d = sub.add_parser("decode", help="decode worker")
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-port", type=int, default=0, help="KV transport port (0 = pick a free one)")
     d.add_argument("--colocated", action="store_true", help="also run prefill here; no KV transfer (baseline)")
     d.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
-                   "--max-num-seqs full-context sequences, at most half the free memory)")
+                   "--max-num-seqs full-context sequences, at most half the free memory, 2G on the CPU)")
 
     u = sub.add_parser("up", help="router + workers as local processes")
     u.add_argument("--host", default="127.0.0.1")

@@ -26,6 +26,8 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+CPU_DEFAULT_BUDGET = 2 << 30
+
 
 @dataclass
 class StepOutput:
@@ -54,6 +56,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress)
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
+        self.on_schedule = None  # called with the sequences of each batch before its forward runs
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20)
 
@@ -66,11 +69,14 @@ class Engine:
         return self.num_blocks * self.block_bytes
 
     def _default_blocks(self, cfg: EngineConfig) -> int:
-        """The budget given, else enough for ``max_num_seqs`` full-context sequences, at most half the free memory."""
+        """The budget given, else enough for ``max_num_seqs`` full-context sequences, at most half the free memory
+        (and on the CPU at most ``CPU_DEFAULT_BUDGET``)."""
         budget = cfg.kv_budget_bytes
         if not budget:
             whole = cfg.max_num_seqs * self.max_len * self.kv_bytes_per_token
             budget = min(whole, free_memory(self.device) // 2)
+            if self.device.type == "cpu":
+                budget = min(budget, CPU_DEFAULT_BUDGET)
         blocks = budget // self.block_bytes
         least = -(-self.max_len // self.block_size) + 1
         if blocks < least:
@@ -133,6 +139,8 @@ class Engine:
         out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
         if not batch.seqs:
             return out
+        if self.on_schedule is not None:
+            self.on_schedule(batch.seqs)
         scores, prompt_scores = self.runner.run(batch)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):

@@ -41,6 +41,7 @@ class PrefillWorker(WorkerLoop):
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
         self.engine = Engine(engine, hold_after_first=True)
+        self.engine.on_schedule = self._scheduled
         self.live: dict = {}
         self.sending: dict = {}
         self.kv_from_blocks = 0
@@ -131,9 +132,6 @@ class PrefillWorker(WorkerLoop):
                 self._drop(rid, entry[0])
                 self.fail(rid, 500, f"prefill failed: {e}")
             return
-        for seq in out.scheduled:
-            if seq.rid in self.live:
-                self._unqueue(self.live[seq.rid])
         for seq in out.refused:
             self._drop(seq.rid, seq)
             self.fail(seq.rid, 400, f"the prompt needs more KV blocks than this worker has ({self.engine.num_blocks})")
@@ -143,6 +141,12 @@ class PrefillWorker(WorkerLoop):
                 self.engine.free(seq)
                 continue
             self._first(seq, text, entry[1], entry[2])
+
+    def _scheduled(self, seqs):
+        for seq in seqs:
+            entry = self.live.get(seq.rid)
+            if entry is not None:
+                self._unqueue(entry)
 
     def _unqueue(self, entry):
         """A prompt stops counting against ``max_queue`` once the engine schedules it (or it leaves)."""
