@@ -18,13 +18,14 @@ def test_layout_roundtrips_through_msgpack():
 
 
 @pytest.mark.parametrize("bad", [
-    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 1, "layers": 0, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 1, "layers": 1, "kv_heads": -1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "complex64"},
-    {"v": 1, "layers": 1.5, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
-    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1 << 40, "dtype": "float16"},
+    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 2, "layers": 0, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 2, "layers": 1, "kv_heads": -1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "complex64"},
+    {"v": 2, "layers": 1.5, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
+    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1 << 40, "dtype": "float16"},
     [1, 2, 3],
 ])
 def test_layout_rejects_invalid_descriptions(bad):
