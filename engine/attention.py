@@ -91,13 +91,12 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
             slots, mask = segment
             keys, values = flat_k[slots], flat_v[slots]
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-        gqa = q.device.type == "cpu"
-        if not gqa and keys.shape[0] != q.shape[1]:
+        if keys.shape[0] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
             group = q.shape[1] // keys.shape[0]
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=gqa)
-        out[s:e] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                           is_causal=mask is None, scale=scale)  # 4-D: 3-D inputs take the math path
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 
