@@ -53,7 +53,8 @@ class DecodeWorker(WorkerLoop):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
         if kv_budget_bytes:
             engine.kv_budget_bytes = kv_budget_bytes
-        self.engine = Engine(engine)
+        self.shared_pool = None
+        self.engine = Engine(engine, pool_memory=self._shared_pool if transport == "shm" and not colocated else None)
         self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}
         self.completed = 0
@@ -66,6 +67,8 @@ class DecodeWorker(WorkerLoop):
             cfg.pool_bytes = min(cfg.pool_bytes, self.kv_budget)
             self.receiver = make_receiver(transport, cfg)
             self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
+            if self.shared_pool is not None:
+                self.receiver.share(self.shared_pool)
             if self.receiver.lands_pieces and self.engine.device.type == "cpu":
                 self.receiver.land = self._land
             self.receiver.start()
@@ -125,6 +128,15 @@ class DecodeWorker(WorkerLoop):
             self._abort(rid)
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
+
+    def _shared_pool(self, nbytes: int, device):
+        """The KV pool in a shared-memory file (shm transport, host memory), so senders write into its blocks."""
+        if device.type == "cpu":
+            from kvtransfer.shm import SharedMemory
+
+            self.shared_pool = SharedMemory(nbytes)
+            return self.shared_pool.tensor
+        return None
 
     def _land(self, tid: str, layout: KVLayout):
         """(Receiver thread) Blocks for an arriving KV, so its bytes land where decode will read them."""
@@ -264,4 +276,6 @@ class DecodeWorker(WorkerLoop):
     def close(self):
         if self.receiver:
             self.receiver.close()
+        if self.shared_pool is not None:
+            self.shared_pool.close()
         super().close()

@@ -38,7 +38,9 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False):
+    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None):
+        """``pool_memory(nbytes, device)``: where the KV pool lives (a zeroed uint8 tensor on ``device``, or None
+        for memory of its own)."""
         self.cfg = cfg
         loaded = load(cfg)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
@@ -48,8 +50,9 @@ class Engine:
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_blocks or self._default_blocks(cfg)
+        memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
         self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-                           self.dtype, self.device)
+                           self.dtype, self.device, memory)
         self.blocks = BlockManager(self.num_blocks, self.block_size)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget)

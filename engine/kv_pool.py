@@ -10,10 +10,17 @@ import torch
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
+                 memory: torch.Tensor | None = None):
+        """``memory``: zeroed uint8 memory to lay the pool out in (e.g. shared with a transport); else allocated."""
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(num_layers)]
+        if memory is None:
+            self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        else:
+            n = num_blocks * block_size * kv_heads * head_dim * dtype.itemsize
+            views = [memory[i * n:(i + 1) * n].view(dtype).view(shape) for i in range(2 * num_layers)]
+            self.layers = list(zip(views[0::2], views[1::2]))
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
 

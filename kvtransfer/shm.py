@@ -4,7 +4,14 @@ The receiver maps one shared-memory segment at startup and carves a region
 per transfer out of it (``Arena``). Over its socket it answers BEGIN with a
 GRANT ``{path, offset}``; the sender maps the segment once (cached) and copies
 each layer straight into the region, then sends END. The decode side reads
-the region in place: no serialization, one copy in total."""
+the region in place: no serialization, one copy in total.
+
+When the decode worker keeps its KV pool in shared memory (``SharedMemory``,
+handed to the receiver with ``share``) and its ``land`` hook names blocks of
+it, the GRANT says where those blocks are instead: ``{path, bases, rel,
+sizes}``, layer ``i``'s K pieces at ``bases[i][0] + rel[j]`` (``sizes[j]``
+bytes each), V's at ``bases[i][1] + rel[j]``; the sender copies the layers
+(or its own pool blocks) straight into the decode pool."""
 from __future__ import annotations
 
 import mmap
@@ -43,6 +50,85 @@ def _copy_layer(segment: torch.Tensor, base: int, n: int, k: torch.Tensor, v: to
     segment[base + n:base + 2 * n].copy_(v.reshape(-1).view(torch.uint8))
 
 
+class SharedMemory:
+    """A shared-memory file mapped here as a uint8 tensor (the decode worker's KV pool); unlinked by ``close``."""
+
+    def __init__(self, nbytes: int):
+        fd, self.path = tempfile.mkstemp(prefix="pdserve-pool-", dir=_segment_dir())
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._region, self.tensor = _map(self.path, nbytes)
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        return t.data_ptr() - self.tensor.data_ptr()
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def block_grant(shared: SharedMemory, kv: PiecewiseKV) -> dict | None:
+    """The compact GRANT naming ``kv``'s pieces in ``shared``, or None when they are not blocks at one set of
+    offsets in every layer (then the transfer goes through the segment)."""
+    def offsets(pieces):
+        return [shared.offset_of(p) for p in pieces]
+
+    first = kv.layers[0][0]
+    rel = [o - offsets(first)[0] for o in offsets(first)]
+    sizes = [p.numel() * p.element_size() for p in first]
+    bases = []
+    for k_pieces, v_pieces in kv.layers:
+        pair = []
+        for pieces in (k_pieces, v_pieces):
+            offs = offsets(pieces)
+            if [o - offs[0] for o in offs] != rel or [p.numel() * p.element_size() for p in pieces] != sizes:
+                return None
+            pair.append(offs[0])
+        bases.append(pair)
+    if any(b + r < 0 or b + r + s > shared.tensor.numel() for pair in bases for b in pair for r, s in zip(rel, sizes)):
+        return None
+    return {"path": shared.path, "bases": bases, "rel": rel, "sizes": sizes}
+
+
+def _runs(grant: dict, layout, segment_bytes: int) -> list:
+    """Per layer ``(k_runs, v_runs)`` of ``(offset, nbytes)``, checked against the layout and the segment."""
+    bases, rel, sizes = grant.get("bases"), grant.get("rel"), grant.get("sizes")
+    ok = (isinstance(bases, list) and isinstance(rel, list) and isinstance(sizes, list) and len(rel) == len(sizes)
+          and len(bases) == layout.num_layers and sum(s for s in sizes if isinstance(s, int)) == layout.tensor_nbytes)
+    if not ok or any(not isinstance(x, int) for x in rel) or any(not isinstance(x, int) or x < 0 for x in sizes):
+        raise frames.FrameError("block GRANT does not match the layout")
+    out = []
+    for pair in bases:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(b, int) and b >= 0 for b in pair)):
+            raise frames.FrameError("block GRANT with a bad base")
+        runs = tuple([(b + r, s) for r, s in zip(rel, sizes)] for b in pair)
+        if any(off < 0 or off + n > segment_bytes for side in runs for off, n in side):
+            raise frames.FrameError("block GRANT outside the segment")
+        out.append(runs)
+    return out
+
+
+def _copy_runs(segment: torch.Tensor, runs: list, sources: list) -> None:
+    """Copy the bytes of ``sources`` (uint8 tensors, in order) into ``runs`` of ``segment``."""
+    it = iter(sources)
+    src, pos = next(it), 0
+    for off, n in runs:
+        while n:
+            if pos == src.numel():
+                src, pos = next(it), 0
+            take = min(n, src.numel() - pos)
+            segment[off:off + take].copy_(src[pos:pos + take])
+            off, n, pos = off + take, n - take, pos + take
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 class ShmSender(SocketSender):
     name = "shm"
     sends_pieces = True
@@ -61,7 +147,11 @@ class ShmSender(SocketSender):
             return self._maps[path][1]
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        grant = read_grant(sock, {"path": str, "offset": int})
+        grant = read_grant(sock, {"path": str})
+        if "bases" in grant:
+            return self._send_blocks(grant, layout, layers, phases)
+        if not isinstance(grant.get("offset"), int):
+            raise frames.FrameError("GRANT without an offset")
         path, offset = grant["path"], grant["offset"]
         segment = self._segment(path)
         if offset < 0 or offset + layout.total_nbytes > segment.numel():
@@ -93,6 +183,29 @@ class ShmSender(SocketSender):
                 _copy_layer(segment, offset + layout.layer_offset(i), n, k, v)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
 
+    def _send_blocks(self, grant, layout, layers, phases) -> float:
+        """Into the decode pool's blocks: every layer's K and V bytes across the granted runs."""
+        segment = self._segment(grant["path"])
+        runs = _runs(grant, layout, segment.numel())
+        if isinstance(layers, PiecewiseKV):
+            with phases.measure("serialize"):
+                layers.check()
+            with phases.measure("wire"):
+                for (k_runs, v_runs), (ks, vs) in zip(runs, layers.layers):
+                    _copy_runs(segment, k_runs, [_bytes(p) for p in ks])
+                    _copy_runs(segment, v_runs, [_bytes(p) for p in vs])
+            return phases.serialize / 1e3
+        waited = [0.0]
+        for i, (k, v), waited in timed_layers(layers, layout.num_layers):
+            with phases.measure("d2h"):
+                k, v = to_host(k), to_host(v)
+            with phases.measure("serialize"):
+                check_layer(layout, k, v)
+            with phases.measure("wire"):
+                _copy_runs(segment, runs[i][0], [_bytes(k)])
+                _copy_runs(segment, runs[i][1], [_bytes(v)])
+        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
     def close(self):
         super().close()
         with self._maps_lock:
@@ -112,9 +225,27 @@ class ShmReceiver(SocketReceiver):
             os.close(fd)
         self._region, memory = _map(self.path, size)
         self.arena = Arena(memory)
+        self.shared: SharedMemory | None = None
+
+    def share(self, shared: SharedMemory) -> None:
+        """Land transfers in ``shared`` (where the decode pool lives) through the ``land`` hook."""
+        self.shared = shared
+        self.lands_pieces = True
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         meta = header.get("meta") or {}
+        landing = self.land(tid, layout) if self.land and self.shared else None
+        grant = block_grant(self.shared, landing.kv.check()) if landing else None
+        if landing is not None and grant is None:
+            landing.release()
+        elif landing is not None:
+            try:
+                sock.sendall(frames.meta_frame(frames.GRANT, grant))
+                phases = self._finish(sock, layout, start)
+            except BaseException:
+                landing.release()
+                raise
+            return ReceivedKV(tid, layout, None, phases, landing.release, meta, landed=landing.kv)
         offset, view = self.arena.acquire(layout.total_nbytes)
         try:
             sock.sendall(frames.meta_frame(frames.GRANT, {"path": self.path, "offset": offset}))

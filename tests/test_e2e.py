@@ -245,10 +245,15 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
         while True:  # worker info arrives with heartbeats
             workers = httpx.get(cluster.url + "/health").json()["workers"]
             prefill = workers["prefill"][0]
-            if prefill["kv_in_place"] == in_place and prefill["kv_staged_bytes"] == 0 or time.monotonic() > deadline:
+            landed = transport != "shm" or workers["decode"][0]["kv_landed_in_blocks"] == 4
+            if prefill["kv_in_place"] == in_place and prefill["kv_staged_bytes"] == 0 and landed \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert prefill["kv_in_place"] == in_place
+        if transport == "shm":  # from the prefill pool's blocks straight into the decode pool's (shared memory)
+            decode = workers["decode"][0]
+            assert prefill["kv_from_blocks"] == 4 and decode["kv_landed_in_blocks"] == 4, (prefill, decode)
         if in_place:
             assert prefill["kv_staged_bytes"] == 0
         if transport == "nixl":

@@ -31,7 +31,12 @@ def eventually(check, timeout=5.0, every=0.05):
 def decode_is_clean(fleet, name):
     info = fleet.worker_info(name)
     return info["active"] == 0 and info["waiting"] == 0 and info["kv_reserved_bytes"] == 0 \
-        and info["kv_pool_bytes_in_use"] == 0
+        and info["kv_pool_bytes_in_use"] == 0 and info["kv_blocks_free"] == info["kv_blocks"]
+
+
+def prefill_is_clean(fleet, name):
+    info = fleet.worker_info(name)
+    return info["kv_held_bytes"] == 0 and info["prefilling"] == 0 and info["kv_blocks_free"] == info["kv_blocks"]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +133,7 @@ def test_stalled_decode_times_out_and_prefill_frees_the_kv():
         finally:
             f.signal("d", signal.SIGCONT)
         f.wait_healthy(["d"], timeout=10)
-        assert eventually(lambda: f.worker_info("p")["kv_held_bytes"] == 0 and f.worker_info("p")["pushing"] == 0, 10)
+        assert eventually(lambda: prefill_is_clean(f, "p") and f.worker_info("p")["pushing"] == 0, 10)
         assert eventually(lambda: decode_is_clean(f, "d"), 10)
         assert complete(f.url).status_code == 200
 
@@ -169,7 +174,7 @@ def test_client_gone_before_the_first_token_leaves_no_kv_behind(slow_model):
             complete(f.url, {"model": model, "prompt": "x" * 2500, "max_tokens": 50}, timeout=0.3)
         time.sleep(3)
         assert decode_is_clean(f, "d") and f.health()["admission"]["in_flight"] == 0
-        assert f.worker_info("p")["kv_held_bytes"] == 0
+        assert prefill_is_clean(f, "p")
 
 
 def test_router_restart_reconnects_to_running_workers():

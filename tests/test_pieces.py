@@ -115,3 +115,37 @@ def test_pieces_that_do_not_fit_the_layout_are_refused(tcp):
     short = PiecewiseKV(layout, [([torch.zeros(16, 2, 8)], [torch.zeros(16, 2, 8)])])
     with pytest.raises(TransferError, match="tokens"):
         sender.send(receiver.address, "short", layout, short)
+
+
+@pytest.mark.parametrize("source", ["pieces", "tensors"])
+def test_shm_writes_straight_into_a_shared_pool(source):
+    from kvtransfer.shm import SharedMemory
+
+    layout = KVLayout(3, 2, 8, 37, "bfloat16")
+    dtype, shape = torch.bfloat16, (6, BLOCK, 2, 8)
+    shared = SharedMemory(2 * 3 * 6 * BLOCK * 2 * 8 * 2)
+    n = 6 * BLOCK * 2 * 8 * 2
+    views = [shared.tensor[i * n:(i + 1) * n].view(dtype).view(shape) for i in range(6)]
+    dest = list(zip(views[0::2], views[1::2]))
+    table, released = [5, 0, 2], []
+    receiver = make_receiver("shm", TransportConfig(timeout_s=3.0, options={"shm_bytes": 1 << 20}))
+    receiver.share(shared)
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(dest, table, lay.num_tokens)),
+                                             lambda: released.append(tid))
+    receiver.start()
+    sender = make_sender("shm", TransportConfig(timeout_s=5.0))
+    src = pool(layout, 4, seed=9)
+    kv = PiecewiseKV(layout, pieces_of(src, [3, 1, 0], 37)) if source == "pieces" else expected(src, [3, 1, 0], 37)
+    try:
+        sender.send(receiver.address, "s", layout, kv)
+        received = receiver.wait("s", 5)
+    finally:
+        sender.close()
+        receiver.close()
+        shared.close()
+    assert received.landed is not None and received.buffer is None
+    for (k, v), (ek, ev) in zip(expected(dest, table, 37), expected(src, [3, 1, 0], 37)):
+        assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
+    assert not dest[0][0][1].any()
+    received.release()
+    assert released == ["s"]
