@@ -23,6 +23,8 @@ import logging
 import time
 from collections import deque
 
+import torch
+
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError, SamplingParams
 from engine.engine import Engine
@@ -53,14 +55,15 @@ class DecodeWorker(WorkerLoop):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
         if kv_budget_bytes:
             engine.kv_budget_bytes = kv_budget_bytes
-        self.shared_pool = None
-        self.engine = Engine(engine, pool_memory=self._shared_pool if transport == "shm" and not colocated else None)
+        self.shared_pool = self.pool_memory = None
+        self.transport = None if colocated else transport
+        shares = transport in ("shm", "nixl") and not colocated
+        self.engine = Engine(engine, pool_memory=self._transport_pool if shares else None)
         self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}
         self.completed = 0
         self.colocated = colocated
         self.role = "colocated" if colocated else "decode"
-        self.transport = None if colocated else transport
         self.receiver = None
         if not colocated:
             cfg = transport_cfg or TransportConfig(host=host, port=kv_port)
@@ -69,6 +72,8 @@ class DecodeWorker(WorkerLoop):
             self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
             if self.shared_pool is not None:
                 self.receiver.share(self.shared_pool)
+            elif self.pool_memory is not None:
+                self.receiver.share(self.pool_memory)
             if self.receiver.lands_pieces and self.engine.device.type == "cpu":
                 self.receiver.land = self._land
             self.receiver.start()
@@ -129,14 +134,18 @@ class DecodeWorker(WorkerLoop):
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
 
-    def _shared_pool(self, nbytes: int, device):
-        """The KV pool in a shared-memory file (shm transport, host memory), so senders write into its blocks."""
-        if device.type == "cpu":
+    def _transport_pool(self, nbytes: int, device):
+        """The KV pool (host memory) where the transport can write into its blocks: a shared-memory file for shm,
+        memory registered once with the NIXL agent for nixl."""
+        if device.type != "cpu":
+            return None
+        if self.transport == "shm":
             from kvtransfer.shm import SharedMemory
 
             self.shared_pool = SharedMemory(nbytes)
             return self.shared_pool.tensor
-        return None
+        self.pool_memory = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.pool_memory
 
     def _land(self, tid: str, layout: KVLayout):
         """(Receiver thread) Blocks for an arriving KV, so its bytes land where decode will read them."""

@@ -16,6 +16,14 @@ carries the transfer id as notification; the receiver polls for it (which
 also drives its side of the transfer), then reads END (sent once every WRITE
 is DONE) and ACKs.
 
+A decode worker whose KV pool is in host memory hands it to the receiver
+once (``share``: registered with the agent at startup, so still no
+registration per request); its ``land`` hook then names the blocks reserved
+for a transfer and the GRANT carries them as ``blocks`` (``{bases, rel,
+sizes}`` addresses, see ``pieces.block_map``) instead of ``addr``: the
+sender's WRITEs go straight into the decode pool's blocks, each local layer
+split into descriptors that match the blocks' runs.
+
 NIXL's progress thread is off unless ``nixl_progress_thread`` is set: it spins
 a core per agent even when idle; the sender drives progress while it waits
 for its WRITEs and the receiver while it waits for the notification, from as
@@ -33,6 +41,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from . import frames
 from .base import ReceivedKV, TransferError
 from .arena import Arena
+from .pieces import block_map, block_runs
 from .sockets import SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
 from .tensors import check_layer, to_host
 
@@ -55,8 +64,15 @@ class Agent:
         self.registrations = 1
         self.arena = Arena(slab)
         self.metadata = self.agent.get_agent_metadata()
+        self.extra: list = []
         self.notifs: dict[bytes, int] = {}
         self._lock = threading.Lock()
+
+    def register(self, memory: torch.Tensor) -> None:
+        """Register more memory once (before any transfer: the agent's metadata changes)."""
+        self.extra.append(self.agent.register_memory(memory))
+        self.registrations += 1
+        self.metadata = self.agent.get_agent_metadata()
 
     def wait_notif(self, tag: bytes, timeout: float, sock=None) -> None:
         """Poll for ``tag`` (driving progress); fail early when ``sock``'s peer hangs up."""
@@ -89,6 +105,19 @@ def _descs(base: int, layout, layer: int):
     return [(off, n, 0), (off + n, n, 0)]
 
 
+def _split(k_addr: int, v_addr: int, runs) -> tuple[list, list]:
+    """Local descriptors cutting contiguous K and V bytes at ``k_addr``/``v_addr`` into the sizes of the remote
+    ``runs`` (one layer's ``(k_runs, v_runs)``), and the remote descriptors themselves."""
+    local, remote = [], []
+    for base, side in ((k_addr, runs[0]), (v_addr, runs[1])):
+        at = base
+        for off, n in side:
+            local.append((at, n, 0))
+            remote.append((off, n, 0))
+            at += n
+    return local, remote
+
+
 class NixlSender(SocketSender):
     name = "nixl"
 
@@ -116,9 +145,12 @@ class NixlSender(SocketSender):
         return self.nixl.arena.source(layout) if device == "cpu" else None
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        grant = read_grant(sock, {"agent": str, "meta": bytes, "addr": int, "tag": bytes})
+        grant = read_grant(sock, {"agent": str, "meta": bytes, "tag": bytes})
+        blocks = block_runs(grant["blocks"], layout) if isinstance(grant.get("blocks"), dict) else None
+        if blocks is None and not isinstance(grant.get("addr"), int):
+            raise frames.FrameError("GRANT without addr or blocks")
         if isinstance(layers, slice):
-            return self._send_placed(layers, grant, phases)
+            return self._send_placed(layers, grant, phases, layout, blocks)
         peer, agent, arena = self._peer(grant), self.nixl.agent, self.nixl.arena
         slot, handles, waited, n = None, [], [0.0], layout.tensor_nbytes
         try:
@@ -136,8 +168,12 @@ class NixlSender(SocketSender):
                         self.staged_bytes += 2 * n
                 with phases.measure("wire"):
                     last = i == layout.num_layers - 1
-                    local = agent.get_xfer_descs([(k.data_ptr(), n, 0), (v.data_ptr(), n, 0)], "DRAM")
-                    remote = agent.get_xfer_descs(_descs(grant["addr"], layout, i), "DRAM")
+                    if blocks is not None:
+                        local, remote = _split(k.data_ptr(), v.data_ptr(), blocks[i])
+                        local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
+                    else:
+                        local = agent.get_xfer_descs([(k.data_ptr(), n, 0), (v.data_ptr(), n, 0)], "DRAM")
+                        remote = agent.get_xfer_descs(_descs(grant["addr"], layout, i), "DRAM")
                     handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"] if last else b"")
                     handles.append(handle)
                     if agent.transfer(handle) == "ERR":
@@ -151,13 +187,24 @@ class NixlSender(SocketSender):
                 arena.release(slot)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
 
-    def _send_placed(self, span, grant, phases) -> float:
-        """One WRITE of a KV that already fills one region of the registered slab."""
+    def _send_placed(self, span, grant, phases, layout, blocks) -> float:
+        """One WRITE of a KV that already fills one region of the registered slab (into the decode pool's blocks
+        when the GRANT names them)."""
         agent, n = self.nixl.agent, span.stop - span.start
         with phases.measure("wire"):
             peer = self._peer(grant)
-            local = agent.get_xfer_descs([(self.nixl.arena.memory.data_ptr() + span.start, n, 0)], "DRAM")
-            remote = agent.get_xfer_descs([(grant["addr"], n, 0)], "DRAM")
+            start = self.nixl.arena.memory.data_ptr() + span.start
+            if blocks is not None:
+                local, remote = [], []
+                for i, runs in enumerate(blocks):
+                    k_addr = start + layout.layer_offset(i)
+                    l, r = _split(k_addr, k_addr + layout.tensor_nbytes, runs)
+                    local += l
+                    remote += r
+                local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
+            else:
+                local = agent.get_xfer_descs([(start, n, 0)], "DRAM")
+                remote = agent.get_xfer_descs([(grant["addr"], n, 0)], "DRAM")
             handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
             try:
                 if agent.transfer(handle) == "ERR":
@@ -186,6 +233,13 @@ class NixlReceiver(SocketReceiver):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         self.nixl = agent_for("decode", self.cfg)
+        self.pool_memory: torch.Tensor | None = None
+
+    def share(self, memory: torch.Tensor) -> None:
+        """Register the decode KV pool's memory once and land transfers in its blocks (through ``land``)."""
+        self.nixl.register(memory)
+        self.pool_memory = memory
+        self.lands_pieces = True
 
     @property
     def registrations(self) -> int:
@@ -193,6 +247,24 @@ class NixlReceiver(SocketReceiver):
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         meta = header.get("meta") or {}
+        landing = self.land(tid, layout) if self.land and self.pool_memory is not None else None
+        blocks = block_map(landing.kv.check(), self.pool_memory, absolute=True) if landing else None
+        if landing is not None and blocks is None:
+            landing.release()
+        elif landing is not None:
+            tag = uuid.uuid4().bytes
+            try:
+                grant = {"agent": self.nixl.name, "meta": self.nixl.metadata, "blocks": blocks, "tag": tag}
+                sock.sendall(frames.meta_frame(frames.GRANT, grant))
+                self.nixl.wait_notif(tag, self.cfg.timeout_s, sock)
+                phases = self._finish(sock, layout, start)
+            except TimeoutError as e:
+                landing.release()
+                raise ConnectionError(str(e)) from None
+            except BaseException:
+                landing.release()
+                raise
+            return ReceivedKV(tid, layout, None, phases, landing.release, meta, landed=landing.kv)
         slot, buf = self.nixl.arena.acquire(layout.total_nbytes)
         tag = uuid.uuid4().bytes
         try:

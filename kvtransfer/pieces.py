@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from . import frames
 from .layout import KVLayout
 from .tensors import TORCH_DTYPES, as_bytes
 
@@ -55,3 +56,49 @@ class Landing:
     completes or is never used (``release``, idempotent on the caller's side)."""
     kv: PiecewiseKV
     release: Callable[[], None]
+
+
+def block_map(kv: PiecewiseKV, memory: torch.Tensor, absolute: bool = False) -> dict | None:
+    """``{bases, rel, sizes}`` locating ``kv``'s pieces in ``memory`` (offsets into it, or addresses with
+    ``absolute``): layer ``i``'s K pieces at ``bases[i][0] + rel[j]``, ``sizes[j]`` bytes each, V's at
+    ``bases[i][1] + rel[j]``. None when the pieces are not one set of offsets repeated in every layer."""
+    origin = 0 if absolute else memory.data_ptr()
+
+    def offsets(pieces):
+        return [p.data_ptr() - origin for p in pieces]
+
+    first = kv.layers[0][0]
+    rel = [o - offsets(first)[0] for o in offsets(first)]
+    sizes = [p.numel() * p.element_size() for p in first]
+    bases = []
+    for k_pieces, v_pieces in kv.layers:
+        pair = []
+        for pieces in (k_pieces, v_pieces):
+            offs = offsets(pieces)
+            if [o - offs[0] for o in offs] != rel or [p.numel() * p.element_size() for p in pieces] != sizes:
+                return None
+            pair.append(offs[0])
+        bases.append(pair)
+    low, high = (memory.data_ptr(), memory.data_ptr() + memory.numel()) if absolute else (0, memory.numel())
+    if any(b + r < low or b + r + s > high for pair in bases for b in pair for r, s in zip(rel, sizes)):
+        return None
+    return {"bases": bases, "rel": rel, "sizes": sizes}
+
+
+def block_runs(grant: dict, layout, segment_bytes: int | None = None) -> list:
+    """Per layer ``(k_runs, v_runs)`` of ``(offset, nbytes)`` from a ``block_map`` GRANT, checked against the layout
+    (and the segment, when its size is given)."""
+    bases, rel, sizes = grant.get("bases"), grant.get("rel"), grant.get("sizes")
+    ok = (isinstance(bases, list) and isinstance(rel, list) and isinstance(sizes, list) and len(rel) == len(sizes)
+          and len(bases) == layout.num_layers and sum(s for s in sizes if isinstance(s, int)) == layout.tensor_nbytes)
+    if not ok or any(not isinstance(x, int) for x in rel) or any(not isinstance(x, int) or x < 0 for x in sizes):
+        raise frames.FrameError("block GRANT does not match the layout")
+    out = []
+    for pair in bases:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(b, int) and b >= 0 for b in pair)):
+            raise frames.FrameError("block GRANT with a bad base")
+        runs = tuple([(b + r, s) for r, s in zip(rel, sizes)] for b in pair)
+        if segment_bytes is not None and any(off < 0 or off + n > segment_bytes for side in runs for off, n in side):
+            raise frames.FrameError("block GRANT outside the segment")
+        out.append(runs)
+    return out

@@ -24,7 +24,7 @@ import torch
 from . import frames
 from .arena import Arena
 from .base import ReceivedKV
-from .pieces import PiecewiseKV
+from .pieces import PiecewiseKV, block_map, block_runs
 from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
 from .tensors import check_layer, host_layers, to_host
 
@@ -74,42 +74,8 @@ class SharedMemory:
 def block_grant(shared: SharedMemory, kv: PiecewiseKV) -> dict | None:
     """The compact GRANT naming ``kv``'s pieces in ``shared``, or None when they are not blocks at one set of
     offsets in every layer (then the transfer goes through the segment)."""
-    def offsets(pieces):
-        return [shared.offset_of(p) for p in pieces]
-
-    first = kv.layers[0][0]
-    rel = [o - offsets(first)[0] for o in offsets(first)]
-    sizes = [p.numel() * p.element_size() for p in first]
-    bases = []
-    for k_pieces, v_pieces in kv.layers:
-        pair = []
-        for pieces in (k_pieces, v_pieces):
-            offs = offsets(pieces)
-            if [o - offs[0] for o in offs] != rel or [p.numel() * p.element_size() for p in pieces] != sizes:
-                return None
-            pair.append(offs[0])
-        bases.append(pair)
-    if any(b + r < 0 or b + r + s > shared.tensor.numel() for pair in bases for b in pair for r, s in zip(rel, sizes)):
-        return None
-    return {"path": shared.path, "bases": bases, "rel": rel, "sizes": sizes}
-
-
-def _runs(grant: dict, layout, segment_bytes: int) -> list:
-    """Per layer ``(k_runs, v_runs)`` of ``(offset, nbytes)``, checked against the layout and the segment."""
-    bases, rel, sizes = grant.get("bases"), grant.get("rel"), grant.get("sizes")
-    ok = (isinstance(bases, list) and isinstance(rel, list) and isinstance(sizes, list) and len(rel) == len(sizes)
-          and len(bases) == layout.num_layers and sum(s for s in sizes if isinstance(s, int)) == layout.tensor_nbytes)
-    if not ok or any(not isinstance(x, int) for x in rel) or any(not isinstance(x, int) or x < 0 for x in sizes):
-        raise frames.FrameError("block GRANT does not match the layout")
-    out = []
-    for pair in bases:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(b, int) and b >= 0 for b in pair)):
-            raise frames.FrameError("block GRANT with a bad base")
-        runs = tuple([(b + r, s) for r, s in zip(rel, sizes)] for b in pair)
-        if any(off < 0 or off + n > segment_bytes for side in runs for off, n in side):
-            raise frames.FrameError("block GRANT outside the segment")
-        out.append(runs)
-    return out
+    grant = block_map(kv, shared.tensor)
+    return None if grant is None else {"path": shared.path, **grant}
 
 
 def _copy_runs(segment: torch.Tensor, runs: list, sources: list) -> None:
@@ -186,7 +152,7 @@ class ShmSender(SocketSender):
     def _send_blocks(self, grant, layout, layers, phases) -> float:
         """Into the decode pool's blocks: every layer's K and V bytes across the granted runs."""
         segment = self._segment(grant["path"])
-        runs = _runs(grant, layout, segment.numel())
+        runs = block_runs(grant, layout, segment.numel())
         if isinstance(layers, PiecewiseKV):
             with phases.measure("serialize"):
                 layers.check()

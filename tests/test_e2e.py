@@ -245,19 +245,21 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
         while True:  # worker info arrives with heartbeats
             workers = httpx.get(cluster.url + "/health").json()["workers"]
             prefill = workers["prefill"][0]
-            landed = transport != "shm" or workers["decode"][0]["kv_landed_in_blocks"] == 4
+            landed = transport not in ("shm", "nixl") or workers["decode"][0]["kv_landed_in_blocks"] == 4
             if prefill["kv_in_place"] == in_place and prefill["kv_staged_bytes"] == 0 and landed \
                     or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert prefill["kv_in_place"] == in_place
+        decode = workers["decode"][0]
         if transport == "shm":  # from the prefill pool's blocks straight into the decode pool's (shared memory)
-            decode = workers["decode"][0]
             assert prefill["kv_from_blocks"] == 4 and decode["kv_landed_in_blocks"] == 4, (prefill, decode)
+        if transport == "nixl":  # WRITEs from the registered slab straight into the registered decode pool
+            assert decode["kv_landed_in_blocks"] == 4, decode
         if in_place:
             assert prefill["kv_staged_bytes"] == 0
         if transport == "nixl":
-            assert [w["kv_registrations"] for role in ("prefill", "decode") for w in workers[role]] == [1, 1]
+            assert [w["kv_registrations"] for role in ("prefill", "decode") for w in workers[role]] == [1, 2]
             assert 'pdserve_kv_memory_registrations{role="decode"' in httpx.get(cluster.url + "/metrics").text
     finally:
         assert cluster.stop()[1] == []

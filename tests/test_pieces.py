@@ -1,5 +1,6 @@
 """KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm) and the tcp receiver's
 landing hook, bit-exact for every dtype, with the reservation undone when a transfer fails or is aborted."""
+import importlib.util
 import threading
 
 import pytest
@@ -149,3 +150,36 @@ def test_shm_writes_straight_into_a_shared_pool(source):
     assert not dest[0][0][1].any()
     received.release()
     assert released == ["s"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed")
+@pytest.mark.parametrize("placed", [False, True])
+def test_nixl_writes_straight_into_a_registered_pool(placed):
+    layout = KVLayout(3, 2, 8, 37, "float16")
+    memory = torch.zeros(2 * 3 * 6 * BLOCK * 2 * 8 * 2, dtype=torch.uint8)
+    n = 6 * BLOCK * 2 * 8 * 2
+    views = [memory[i * n:(i + 1) * n].view(torch.float16).view(6, BLOCK, 2, 8) for i in range(6)]
+    dest = list(zip(views[0::2], views[1::2]))
+    table, released = [4, 1, 3], []
+    opts = {"nixl_pool_bytes": 8 << 20}
+    receiver = make_receiver("nixl", TransportConfig(timeout_s=5.0, options=opts))
+    receiver.share(memory)
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(dest, table, lay.num_tokens)),
+                                             lambda: released.append(tid))
+    receiver.start()
+    sender = make_sender("nixl", TransportConfig(timeout_s=5.0, options=opts))
+    src = expected(pool(layout, 4, seed=11), [2, 0, 3], 37)
+    try:
+        kv = sender.alloc(layout).fill(src) if placed else src
+        sender.send(receiver.address, "n", layout, kv)
+        received = receiver.wait("n", 5)
+        assert receiver.registrations == 2
+    finally:
+        sender.close()
+        receiver.close()
+    assert received.landed is not None and received.buffer is None
+    for (k, v), (ek, ev) in zip(expected(dest, table, 37), src):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+    assert not dest[0][0][0].any()
+    received.release()
+    assert released == ["n"]
