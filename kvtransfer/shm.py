@@ -95,6 +95,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _stream(layout, layers, phases, write) -> float:
+    """Layers as they come (while prefill may still compute): each to the host, checked, then ``write(i, k, v)``;
+    returns the sender's own seconds (see ``SocketSender._send_body``)."""
+    waited = [0.0]
+    for i, (k, v), waited in timed_layers(layers, layout.num_layers):
+        with phases.measure("d2h"):
+            k, v = to_host(k), to_host(v)
+        with phases.measure("serialize"):
+            check_layer(layout, k, v)
+        with phases.measure("wire"):
+            write(i, k, v)
+    return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+
 class ShmSender(SocketSender):
     name = "shm"
     sends_pieces = True
@@ -122,7 +136,7 @@ class ShmSender(SocketSender):
         segment = self._segment(path)
         if offset < 0 or offset + layout.total_nbytes > segment.numel():
             raise frames.FrameError("GRANT outside the segment")
-        waited, n = [0.0], layout.tensor_nbytes
+        n = layout.tensor_nbytes
         if isinstance(layers, PiecewiseKV):
             with phases.measure("serialize"):
                 layers.check()
@@ -140,14 +154,8 @@ class ShmSender(SocketSender):
                 for i, (k, v) in enumerate(host):
                     _copy_layer(segment, offset + layout.layer_offset(i), n, k, v)
             return (phases.d2h + phases.serialize) / 1e3
-        for i, (k, v), waited in timed_layers(layers, layout.num_layers):
-            with phases.measure("d2h"):
-                k, v = to_host(k), to_host(v)
-            with phases.measure("serialize"):
-                check_layer(layout, k, v)
-            with phases.measure("wire"):
-                _copy_layer(segment, offset + layout.layer_offset(i), n, k, v)
-        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+        return _stream(layout, layers, phases,
+                       lambda i, k, v: _copy_layer(segment, offset + layout.layer_offset(i), n, k, v))
 
     def _send_blocks(self, grant, layout, layers, phases) -> float:
         """Into the decode pool's blocks: every layer's K and V bytes across the granted runs."""
@@ -161,16 +169,11 @@ class ShmSender(SocketSender):
                     _copy_runs(segment, k_runs, [_bytes(p) for p in ks])
                     _copy_runs(segment, v_runs, [_bytes(p) for p in vs])
             return phases.serialize / 1e3
-        waited = [0.0]
-        for i, (k, v), waited in timed_layers(layers, layout.num_layers):
-            with phases.measure("d2h"):
-                k, v = to_host(k), to_host(v)
-            with phases.measure("serialize"):
-                check_layer(layout, k, v)
-            with phases.measure("wire"):
-                _copy_runs(segment, runs[i][0], [_bytes(k)])
-                _copy_runs(segment, runs[i][1], [_bytes(v)])
-        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+
+        def write(i, k, v):
+            _copy_runs(segment, runs[i][0], [_bytes(k)])
+            _copy_runs(segment, runs[i][1], [_bytes(v)])
+        return _stream(layout, layers, phases, write)
 
     def close(self):
         super().close()
