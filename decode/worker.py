@@ -193,17 +193,17 @@ class DecodeWorker(WorkerLoop):
             self.kv_landed += 1
             self.live[rid] = Live(seq, received.phases)
             return
-        self.blocked.append((seq, received))
+        if received.layers is not None:
+            views = received.layers
+        else:
+            with received.phases.measure("deserialize"):
+                views = unpack(received.buffer, received.layout)
+        self.blocked.append((seq, received, views))
         self._admit_blocked()
 
     def _admit_blocked(self):
         while self.blocked:
-            seq, received = self.blocked[0]
-            if received.layers is not None:
-                views = received.layers
-            else:
-                with received.phases.measure("deserialize"):
-                    views = unpack(received.buffer, received.layout)
+            seq, received, views = self.blocked[0]
             with received.phases.measure("h2d"):
                 placed = self.engine.add_prefilled(seq, views)
             if not placed:

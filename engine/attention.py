@@ -35,7 +35,8 @@ class AttnMeta:
     segments: list = field(default_factory=list)
 
 
-def _slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Flat pool slots of the first ``length`` tokens held by ``tables`` (``[..., blocks]``)."""
     blocks = -(-length // block_size)
     offsets = torch.arange(block_size, device=tables.device)
     return (tables[..., :blocks, None] * block_size + offsets).flatten(-2)[..., :length]
@@ -48,7 +49,7 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
     device = slot_mapping.device
     if decode_only:
         longest = max(context_lens)
-        meta.decode_slots = _slots(tables, block_size, longest)
+        meta.decode_slots = block_slots(tables, block_size, longest)
         k_pos = torch.arange(longest, device=device)
         mask = k_pos[None, :] < lens[:, None]
         if window:
@@ -65,7 +66,7 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
         mask = k_pos[None, :] <= q_pos[:, None]
         if window:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        meta.segments.append((_slots(tables[i], block_size, ctx), mask))
+        meta.segments.append((block_slots(tables[i], block_size, ctx), mask))
     return meta
 
 

@@ -94,13 +94,11 @@ class Engine:
 
     def add_prefilled(self, seq: Sequence, layers) -> bool:
         """Start ``seq`` from its prompt's KV (canonical layers); False when no blocks are free for it now."""
-        prompt = len(seq.prompt_ids)
-        if not self.blocks.can_grow(seq.block_table, prompt + 1):
+        table = self.reserve(len(seq.prompt_ids))
+        if table is None:
             return False
-        self.blocks.grow(seq.block_table, prompt)
-        self.pool.scatter(seq.block_table, layers)
-        seq.num_computed = prompt
-        self.scheduler.add_running(seq)
+        self.pool.scatter(table, layers)
+        self.adopt(seq, table)
         return True
 
     def reserve(self, tokens: int) -> list[int] | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import block_slots
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
@@ -24,13 +26,8 @@ class KVPool:
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
-    @staticmethod
-    def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
-
     def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
-        blocks = torch.tensor(table, dtype=torch.long, device=device)
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()[:tokens]
+        return block_slots(torch.tensor(table, dtype=torch.long, device=device), self.block_size, tokens)
 
     def pieces(self, table: list[int], tokens: int) -> list:
         """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks (the last one cut to its tokens)."""

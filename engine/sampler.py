@@ -110,16 +110,3 @@ def choose(logits: torch.Tensor, seqs, eos_token_id: int | None = None) -> list[
             choices[i].logprob = chosen[j]
             choices[i].top = list(zip(top_id[j, :n].tolist(), top_lp[j, :n].tolist())) if n else []
     return choices
-
-
-def prompt_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list:
-    """Per prompt position: ``None`` for the first, then ``(logprob, top)`` of each token given the ones before."""
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    target = torch.tensor(ids[1:], device=logp.device)
-    chosen = logp.gather(1, target[:, None])[:, 0].tolist()
-    if k:
-        top_lp, top_id = torch.topk(logp, k, dim=-1)
-        tops = [list(zip(a, b)) for a, b in zip(top_id.tolist(), top_lp.tolist())]
-    else:
-        tops = [[] for _ in chosen]
-    return [None] + [(lp, top) for lp, top in zip(chosen, tops)]

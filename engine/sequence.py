@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .detok import Detokenizer
 from .errors import RequestError
-from .sampler import TokenChoice, choose
+from .sampler import TokenChoice
 from .sampling import SamplingParams
 
 
@@ -73,10 +73,6 @@ class Sequence:
         """Token ids at positions ``[start, end)`` of prompt + output."""
         p = len(self.prompt_ids)
         return (self.prompt_ids[start:end] if start < p else []) + self.output_ids[max(0, start - p):max(0, end - p)]
-
-    def accept(self, logits) -> str:
-        """Choose the next token from one row of ``logits``; returns the text delta to emit."""
-        return self.append(choose(logits.reshape(1, -1), [self], self.tokenizer.eos_token_id)[0])
 
     def _stops_on(self, token: int) -> bool:
         if len(self.output_ids) <= self.params.min_tokens:
