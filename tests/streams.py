@@ -18,10 +18,11 @@ class StreamClient(threading.Thread):
         self.finished = False
         self.ended_at: float | None = None
         self.first_at: float | None = None
+        self.client = httpx.Client(timeout=timeout)  # built here: building it in the thread can stall behind other streams
 
     def run(self):
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=self.timeout) as r:
+            with self.client.stream("POST", self.url + "/v1/completions", json=self.body) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     self.error = json.loads(r.read()).get("error")
@@ -40,6 +41,7 @@ class StreamClient(threading.Thread):
             self.error = {"message": f"client: {e!r}"}
         finally:
             self.ended_at = time.monotonic()
+            self.client.close()
 
     def wait_tokens(self, n: int, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout

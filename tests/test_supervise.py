@@ -22,7 +22,7 @@ def decode_workers(health: dict) -> dict:
 def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
     cluster = Cluster("--decode", "2").wait_ready()
     try:
-        body = {"model": "tiny-llama", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        body = {"model": "tiny-llama", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
         streams = [StreamClient(cluster.url, {**body, "prompt": f"stream {i}"}) for i in range(6)]
         for s in streams:
             s.start()
@@ -32,13 +32,14 @@ def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
         port = cmdline(victim)[cmdline(victim).index("--port") + 1]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
+        assert all(s.ended_at is None for s in streams), [(s.tokens, s.error) for s in streams if s.ended_at]
         for s in streams:
             s.join(60)
         assert all(s.ended_at is not None for s in streams)
         failed = [s for s in streams if s.error]
         assert failed and len(failed) < 6
         assert all(s.ended_at - killed_at < 5 for s in failed), [s.ended_at - killed_at for s in failed]
-        assert all(s.finished and s.tokens == 300 for s in streams if not s.error)
+        assert all(s.finished and s.tokens == 900 for s in streams if not s.error)
         after = httpx.post(cluster.url + "/v1/completions", json={**body, "prompt": "after", "max_tokens": 5}, timeout=30)
         assert after.status_code == 200, after.text
         assert cluster.proc.poll() is None
