@@ -85,6 +85,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
     if rank == 1:
         r = make_receiver("nccl", cfg)
+        blocks = land_in_blocks(r, device)
         r.start()
         dist.barrier()
         report = {"checks": {}, "payloads": {}}
@@ -104,6 +105,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
         got = r.wait("placed", 60)
         report["checks"]["placed"] = same(kv((6, 2, 37, 8), torch.bfloat16, 55, device), materialize(got, device))
         got.release()
+        report["checks"].update(receive_pieces(r, blocks, device))
         r.abort("aborted")
         dist.barrier()
         dist.barrier()
@@ -173,6 +175,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
         s.send(dest, "placed", layout_of(want), source.layers)
         source.release()
         results["placed_staged_bytes"] = s.staged_bytes - before
+        results["pieces_staged_bytes"] = send_pieces(s, dest, device)
         dist.barrier()
         dist.barrier()
         for name, seed in (("aborted", 55), ("after-abort", 56)):
@@ -216,6 +219,63 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
         dist.distributed_c10d._abort_process_group()
     if backend == "gloo":
         os._exit(0)  # gloo cannot abort the receive the hang-up left pending; its destructor would terminate()
+
+
+PIECES = (6, 2, 100, 8)  # layers, kv heads, tokens, head dim
+SRC_TABLE = [3, 4, 5, 9, 10, 20, 0]  # 16-token blocks of the sender's pool, three runs
+DST_TABLES = {"pieces-into-blocks": [40, 41, 42, 7, 8, 9, 10, 30, 31, 2, 3, 4, 60],  # 8-token blocks
+              "whole-into-blocks": [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]}
+
+
+def send_pieces(s, dest, device) -> int:
+    """KV in the blocks of a paged pool sent as pieces (into blocks of another block size, into a buffer), and
+    whole tensors into blocks; returns the bytes the piece sends staged (none expected)."""
+    from engine.kv_pool import KVPool
+    from kvtransfer import PiecewiseKV
+    from kvtransfer.tensors import layout_of
+
+    L, H, T, D = PIECES
+    want = kv(PIECES, torch.bfloat16, 77, device)
+    pool = KVPool(L, 32, 16, H, D, torch.bfloat16, device)
+    pool.scatter(SRC_TABLE, want)
+    layout, before = layout_of(want), s.staged_bytes
+    pieces = PiecewiseKV(layout, pool.pieces(SRC_TABLE, T))
+    s.send(dest, "pieces-into-blocks", layout, pieces)
+    s.send(dest, "pieces-into-buffer", layout, pieces)
+    staged = s.staged_bytes - before
+    s.send(dest, "whole-into-blocks", layout, want)
+    return staged
+
+
+def land_in_blocks(r, device):
+    """A decode-like pool of 8-token blocks that the transfers named in ``DST_TABLES`` land in."""
+    from engine.kv_pool import KVPool
+    from kvtransfer import Landing, PiecewiseKV
+
+    L, H, T, D = PIECES
+    pool = KVPool(L, 64, 8, H, D, torch.bfloat16, device)
+    r.land = lambda tid, layout: (Landing(PiecewiseKV(layout, pool.pieces(DST_TABLES[tid], T)), lambda: None)
+                                  if tid in DST_TABLES else None)
+    return pool
+
+
+def receive_pieces(r, pool, device) -> dict:
+    T = PIECES[2]
+    want = kv(PIECES, torch.bfloat16, 77, device)
+    checks = {}
+    for name in ("pieces-into-blocks", "pieces-into-buffer", "whole-into-blocks"):
+        got = r.wait(name, 60)
+        if name in DST_TABLES:
+            checks[name] = got.landed is not None and same(want, pool.gather(DST_TABLES[name], T))
+        else:
+            checks[name] = got.landed is None and same(want, [(k.clone(), v.clone()) for k, v in unpack_of(got)])
+        got.release()
+    return checks
+
+
+def unpack_of(got):
+    from kvtransfer.tensors import unpack
+    return unpack(got.buffer, got.layout)
 
 
 def begin_then_hang_up(dest, layout):

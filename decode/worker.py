@@ -3,8 +3,8 @@
 ``decode{rid, first_token, prompt_ids, emitted, params}`` arrives from the
 router once prefill answered; the KV for ``rid`` arrives independently over
 the transport. Whichever comes second starts the sequence. A transport that
-lands pieces (tcp, with the pool in host memory) gets blocks of the engine's
-paged pool when the transfer begins and receives the bytes straight into
+lands pieces (tcp with the pool in host memory, nccl with it on its GPU)
+gets blocks of the engine's paged pool when the transfer begins and receives the bytes straight into
 them; otherwise the KV is copied from the transport's buffer into blocks
 (``h2d`` in the phases) and the buffer goes back at once. Every engine step advances all
 running sequences together in one batched forward (continuous batching):
@@ -74,7 +74,7 @@ class DecodeWorker(WorkerLoop):
                 self.receiver.share(self.shared_pool)
             elif self.pool_memory is not None:
                 self.receiver.share(self.pool_memory)
-            if self.receiver.lands_pieces and self.engine.device.type == "cpu":
+            if self.receiver.lands_on(self.engine.device):
                 self.receiver.land = self._land
             self.receiver.start()
             self.kv_timeout = cfg.timeout_s

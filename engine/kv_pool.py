@@ -30,10 +30,16 @@ class KVPool:
         return block_slots(torch.tensor(table, dtype=torch.long, device=device), self.block_size, tokens)
 
     def pieces(self, table: list[int], tokens: int) -> list:
-        """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks (the last one cut to its tokens)."""
-        sizes = [min(self.block_size, tokens - i * self.block_size) for i in range(len(table))]
-        sizes = [s for s in sizes if s > 0]
-        return [([kc[b, :n] for b, n in zip(table, sizes)], [vc[b, :n] for b, n in zip(table, sizes)])
+        """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks, one per run of consecutive block ids
+        (the last cut to its tokens)."""
+        runs, start = [], 0
+        for i in range(1, len(table) + 1):
+            if i == len(table) or table[i] != table[i - 1] + 1:
+                runs.append((table[start], i - start, min(i * self.block_size, tokens) - start * self.block_size))
+                start = i
+        runs = [r for r in runs if r[2] > 0]
+        flat = (-1, self.kv_heads, self.head_dim)
+        return [([kc[b:b + n].view(flat)[:t] for b, n, t in runs], [vc[b:b + n].view(flat)[:t] for b, n, t in runs])
                 for kc, vc in self.layers]
 
     def gather(self, table: list[int], tokens: int, into: list | None = None) -> list:

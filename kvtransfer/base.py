@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import torch
+
 from .layout import KVLayout
 from .phases import PhaseTimes
 
@@ -122,6 +124,10 @@ class KVSender(ABC):
     staged_bytes: int = 0
     sends_pieces: bool = False  # ``send`` also takes a ``PiecewiseKV`` (e.g. pool blocks, no copy)
 
+    def takes_pieces(self, device) -> bool:
+        """Whether ``send`` moves a ``PiecewiseKV`` whose tensors live on ``device`` without copying it."""
+        return self.sends_pieces and torch.device(device).type == "cpu"
+
     def alloc(self, layout: KVLayout, device: str = "cpu") -> SourceKV | None:
         """Memory on ``device`` that ``send`` can move without a copy, or None when this
         transport has none to offer (or none left)."""
@@ -163,3 +169,7 @@ class KVReceiver(ABC):
     # supports it sets ``lands_pieces``); the ReceivedKV then has ``landed`` set and no buffer
     land: Callable | None = None
     lands_pieces: bool = False
+
+    def lands_on(self, device) -> bool:
+        """Whether this receiver can land bytes in pieces of memory on ``device``."""
+        return self.lands_pieces and torch.device(device).type == "cpu"

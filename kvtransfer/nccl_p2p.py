@@ -4,8 +4,8 @@ the decode GPU (NVLink or GPUDirect RDMA), no host copies at all.
 Like ``mlx``, NCCL ranks form a fixed world (``nccl_init`` = a
 ``tcp://host:port`` rendezvous, ``nccl_rank``, world size 2), so metadata
 travels over the socket framing of ``sockets``: BEGIN, GRANT (the receiver
-posts one ``recv`` into a pooled buffer on its GPU), the sender ``send``s the
-KV in one operation, END, ACK. NCCL pairs sends and receives in the order they
+posts its ``recv``s: into blocks of the decode pool, or one into a pooled
+buffer on its GPU), the sender posts the matching ``send``s, END, ACK. NCCL pairs sends and receives in the order they
 are posted, and a small ``send`` may complete before its ``recv`` is posted
 (NCCL buffers it), so the sender holds one lock from BEGIN until the ACK: the
 receiver sees transfers one at a time, in the sender's order.
@@ -24,11 +24,19 @@ watching the control socket. If the peer hangs up (or nothing moves for
 a send or receive left behind would pair with the next transfer's. Later
 transfers fail with "restart prefill and decode".
 
-A KV the prefill engine wrote into ``alloc``'s region of the sender's GPU slab
-(``nccl_pool_bytes``, allocated on first use) goes straight from there; other
-layers are first gathered into a pooled staging buffer in the canonical layout
-(device copy, reported as serialize; ``staged_bytes``). The receiver's record
-ends when its ``recv`` has completed: the bytes are in place then.
+KV in the prefill engine's pool blocks (a ``PiecewiseKV`` on this GPU) is
+sent from the blocks: BEGIN lists its pieces' sizes in tokens, the GRANT the
+receiver's (when its ``land`` hook gave it blocks of the decode pool, which
+is where the bytes then arrive), and both ends post one operation per layer,
+K and V, and segment the two piece lists agree on, as one NCCL group.
+Consecutive blocks are one piece, so a fresh pool needs 2 operations a
+layer. A KV the prefill engine wrote into ``alloc``'s region of the sender's
+GPU slab (``nccl_pool_bytes``, allocated on first use) goes straight from
+there; other layers are first gathered into a pooled staging buffer in the
+canonical layout (device copy, reported as serialize; ``staged_bytes``). A
+receiver without blocks takes the whole KV into a pooled buffer. The
+receiver's record ends when its operations have completed: the bytes are in
+place then.
 Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
 ``nccl_pool_bytes``, ``nccl_eager``; ``nccl_backend=gloo`` runs the same protocol
 between CPU processes (how CI tests it without GPUs)."""
@@ -45,9 +53,10 @@ import torch.distributed as dist
 from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
+from .pieces import PiecewiseKV, common_cuts, piece_tokens, segments, valid_piece_tokens
 from .pool import BufferPool, PoolExhausted
 from .sockets import IDLE_S, SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
-from .tensors import check_layer
+from .tensors import check_layer, unpack
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -84,13 +93,21 @@ def _sync(device) -> None:
 
 
 def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
-    """Post one ``isend``/``irecv`` and wait for it, watching the control socket: a peer that
-    hung up (or no progress in ``timeout_s``) leaves an operation NCCL can never complete, and
-    every later pair would be mismatched, so the world is aborted and all later transfers fail."""
+    _p2p_all([(op, tensor)], peer, sock, timeout_s)
+
+
+def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
+    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them, watching the
+    control socket: a peer that hung up (or no progress in ``timeout_s``) leaves an operation NCCL can never
+    complete, and every later pair would be mismatched, so the world is aborted and all later transfers fail."""
     if _broken:
         raise TransferError(f"nccl world unusable ({_broken[0]}); restart prefill and decode")
-    work = op(tensor, peer)
-    done = work.is_completed if tensor.is_cuda else _waiter(work)
+    on_gpu = ops[0][1].is_cuda
+    if len(ops) == 1:
+        works = [ops[0][0](ops[0][1], peer)]
+    else:
+        works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+    done = (lambda: all(w.is_completed() for w in works)) if on_gpu else _waiter(works)
     start = time.perf_counter()
     next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
     while not done():
@@ -102,17 +119,19 @@ def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
         if hung_up or time.monotonic() > deadline:
             _abort("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
             raise TransferError(f"nccl transfer lost: {_broken[0]}")
-    if tensor.is_cuda:
-        work.wait()
+    if on_gpu:
+        for w in works:
+            w.wait()
 
 
-def _waiter(work):
+def _waiter(works):
     """gloo marks a point-to-point operation complete only inside ``wait``: wait on a helper thread."""
     finished, failed = threading.Event(), []
 
     def run():
         try:
-            work.wait()
+            for work in works:
+                work.wait()
         except Exception as e:
             failed.append(e)
         finished.set()
@@ -123,6 +142,18 @@ def _waiter(work):
             raise TransferError(f"transfer failed: {failed[0]}")
         return finished.is_set()
     return done
+
+
+def _ops(op, mine: list, theirs: list[int]) -> list:
+    """One ``op`` per segment that both ends' pieces agree on: per layer, K's segments then V's, as bytes.
+    ``mine`` holds per layer ``(k_pieces, v_pieces)``; ``theirs`` the peer's piece sizes in tokens."""
+    cuts = common_cuts([p.shape[0] for p in mine[0][0]], theirs)
+    return [(op, seg.view(-1).view(torch.uint8)) for pair in mine for pieces in pair for seg in segments(pieces, cuts)]
+
+
+def _whole(buffer: torch.Tensor, layout) -> list:
+    """A canonical buffer as pieces (one per layer and K/V)."""
+    return [([k], [v]) for k, v in unpack(buffer, layout)]
 
 
 def _abort(reason: str) -> None:
@@ -145,12 +176,16 @@ def _attach(endpoint) -> None:
 
 class NcclSender(SocketSender):
     name = "nccl"
+    sends_pieces = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
         self._eager_limits: dict[str, tuple[int, float]] = {}
-        self._eager, self._dest, self.eager_sends = False, "", 0
+        self._eager, self._dest, self.eager_sends, self.piece_sends = False, "", 0, 0
+
+    def takes_pieces(self, device) -> bool:
+        return torch.device(device) == self.device
 
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
@@ -166,6 +201,9 @@ class NcclSender(SocketSender):
 
     def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
         self._dest = dest
+        if isinstance(payload, PiecewiseKV):
+            self._eager = False
+            return {"pieces": piece_tokens(payload)}
         limit, fresh_s = self._eager_limits.get(dest, (0, 0.0))
         self._eager = (isinstance(payload, slice) and layout.total_nbytes <= limit
                        and idle_for is not None and idle_for < fresh_s)
@@ -173,14 +211,23 @@ class NcclSender(SocketSender):
         return {"eager": True} if self._eager else {}
 
     def _send_body(self, sock, layout, layers, phases) -> float:
+        theirs = None
         if not self._eager:
             grant = read_grant(sock, {"rank": int, "eager_bytes": int, "eager_idle_s": float})
             self._eager_limits[self._dest] = (grant["eager_bytes"], grant["eager_idle_s"])
+            if "pieces" in grant:
+                theirs = valid_piece_tokens(grant["pieces"], layout.num_tokens)
         dst = 1 - dist.get_rank()
         _use(self.device)
-        if isinstance(layers, slice):
+        if isinstance(layers, PiecewiseKV):
+            with phases.measure("serialize"):
+                ops = _ops(dist.isend, layers.check().layers, theirs or [layout.num_tokens])
             with phases.measure("wire"):
-                _p2p(dist.isend, self.owned.memory[layers], dst, sock, self.cfg.timeout_s)
+                _p2p_all(ops, dst, sock, self.cfg.timeout_s)
+            self.piece_sends += 1
+            return phases.serialize / 1e3
+        if isinstance(layers, slice):
+            self._send_whole(self.owned.memory[layers], layout, theirs, dst, sock, phases)
             return phases.serialize / 1e3
         parts, waited = [], [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
@@ -195,20 +242,29 @@ class NcclSender(SocketSender):
                 torch.cat(parts, out=staging[:layout.total_nbytes])
                 _sync(self.device)
                 self.staged_bytes += layout.total_nbytes
-            with phases.measure("wire"):
-                _p2p(dist.isend, staging[:layout.total_nbytes], dst, sock, self.cfg.timeout_s)
+            self._send_whole(staging[:layout.total_nbytes], layout, theirs, dst, sock, phases)
         finally:
             self.pool.release(staging)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
 
+    def _send_whole(self, buffer, layout, theirs, dst, sock, phases) -> None:
+        """A canonical buffer: one send, or one per segment when the receiver lands it in pieces."""
+        ops = [(dist.isend, buffer)] if theirs is None else _ops(dist.isend, _whole(buffer, layout), theirs)
+        with phases.measure("wire"):
+            _p2p_all(ops, dst, sock, self.cfg.timeout_s)
+
 
 class NcclReceiver(SocketReceiver):
     name = "nccl"
+    lands_pieces = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
         self.drained = 0
+
+    def lands_on(self, device) -> bool:
+        return torch.device(device) == self.device
 
     @property
     def eager_bytes(self) -> int:
@@ -217,24 +273,42 @@ class NcclReceiver(SocketReceiver):
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         _use(self.device)
-        eager, nbytes = header.get("eager") is True, layout.total_nbytes
-        try:
-            buf = self.pool.acquire(nbytes)
-        except PoolExhausted:
+        eager, nbytes, meta = header.get("eager") is True, layout.total_nbytes, header.get("meta") or {}
+        theirs = header.get("pieces")
+        if theirs is not None:
             if eager:
-                self._drain(sock, nbytes)
-            raise
+                raise frames.FrameError("an eager BEGIN cannot send pieces")
+            theirs = valid_piece_tokens(theirs, layout.num_tokens)
+        landing = None if eager or self.land is None else self.land(tid, layout)
+        buf = None
+        if landing is None:
+            try:
+                buf = self.pool.acquire(nbytes)
+            except PoolExhausted:
+                if eager:
+                    self._drain(sock, nbytes)
+                raise
+        release = landing.release if landing is not None else (lambda: self.pool.release(buf))
         try:
+            mine = landing.kv.check().layers if landing is not None else None
             if not eager:
                 idle_s = float(self.cfg.options.get("idle_s", IDLE_S))
                 grant = {"rank": dist.get_rank(), "eager_bytes": self.eager_bytes, "eager_idle_s": idle_s / 2}
+                if mine is not None:
+                    grant["pieces"] = [p.shape[0] for p in mine[0][0]]
                 sock.sendall(frames.meta_frame(frames.GRANT, grant))
-            _p2p(dist.irecv, buf[:nbytes], 1 - dist.get_rank(), sock, self.cfg.timeout_s)
+            if mine is None and theirs is None:
+                ops = [(dist.irecv, buf[:nbytes])]
+            else:
+                ops = _ops(dist.irecv, mine if mine is not None else _whole(buf, layout), theirs or [layout.num_tokens])
+            _p2p_all(ops, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
             phases = self._finish(sock, layout, start, landed=time.perf_counter())
         except BaseException:
-            self.pool.release(buf)
+            release()
             raise
-        return ReceivedKV(tid, layout, buf[:nbytes], phases, lambda: self.pool.release(buf), header.get("meta") or {})
+        if landing is not None:
+            return ReceivedKV(tid, layout, None, phases, release, meta, landed=landing.kv)
+        return ReceivedKV(tid, layout, buf[:nbytes], phases, release, meta)
 
     def _refused(self, sock, header, layout) -> None:
         if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:

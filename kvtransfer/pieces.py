@@ -8,6 +8,7 @@ bytes to be received into (tcp: ``recv_into`` each), so they arrive in the
 blocks that will hold them."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,4 +102,35 @@ def block_runs(grant: dict, layout, segment_bytes: int | None = None) -> list:
         if segment_bytes is not None and any(off < 0 or off + n > segment_bytes for side in runs for off, n in side):
             raise frames.FrameError("block GRANT outside the segment")
         out.append(runs)
+    return out
+
+
+def piece_tokens(kv: PiecewiseKV) -> list[int]:
+    """Tokens in each piece (the same in every layer, K and V alike: pieces come from one block table)."""
+    return [p.shape[0] for p in kv.layers[0][0]]
+
+
+def valid_piece_tokens(value, tokens: int) -> list[int]:
+    """A peer's piece sizes, checked: positive ints that add up to ``tokens``."""
+    if not (isinstance(value, list) and 0 < len(value) <= tokens
+            and all(isinstance(n, int) and n > 0 for n in value) and sum(value) == tokens):
+        raise frames.FrameError("piece sizes do not add up to the layout's tokens")
+    return value
+
+
+def common_cuts(a: list[int], b: list[int]) -> list[int]:
+    """Segment sizes that split both ``a``'s and ``b``'s pieces at every boundary of either."""
+    ends = sorted({*itertools.accumulate(a), *itertools.accumulate(b)})
+    return [e - s for s, e in zip([0, *ends], ends)]
+
+
+def segments(pieces: list, cuts: list[int]) -> list:
+    """``pieces`` (tensors along the token axis) cut into contiguous views of ``cuts`` tokens each."""
+    out, it = [], iter(pieces)
+    piece, at = next(it), 0
+    for n in cuts:
+        if at == piece.shape[0]:
+            piece, at = next(it), 0
+        out.append(piece[at:at + n])
+        at += n
     return out

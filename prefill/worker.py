@@ -5,11 +5,11 @@ queued prompts into one forward pass up to its token budget (longer prompts
 go in chunks). When a sequence's first token is chosen the worker sends
 ``first`` (token + text) to the router at once and pushes the prompt's KV
 to the decode worker at ``kv_dest`` in a sender thread: transports that
-send pieces (tcp, shm) move it straight from the engine's pool blocks,
-which are freed once the push ends; the others get it copied out of the
-pool once (into memory the transport owns and sends from without staging
-where it offers some: a registered NIXL slab, an MLX array, an NCCL GPU
-buffer) and the blocks are freed at once. A failed push answers ``error``; a
+send pieces (tcp and shm from a pool in host memory, nccl from one on its
+GPU) move it straight from the engine's pool blocks, which are freed once
+the push ends; the others get it copied out of the pool once (into memory
+the transport owns and sends from without staging where it offers some: a
+registered NIXL slab, an MLX array) and the blocks are freed at once. A failed push answers ``error``; a
 successful one ``kv_sent`` with the sender-side phases.
 
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
@@ -172,7 +172,7 @@ class PrefillWorker(WorkerLoop):
             self.engine.free(seq)
             return self.fail(rid, 500, "prefill request has no kv_dest")
         layout = self._layout(len(seq.prompt_ids))
-        if self.sender.sends_pieces and self.engine.device.type == "cpu":
+        if self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens))
             self.sending[rid] = seq
             self.kv_from_blocks += 1

@@ -1,12 +1,18 @@
 """The nccl transport's checks (bench/nccl_check.py) as two ranks: on two GPUs when they exist, and
 always over gloo between two CPU processes (the same protocol code: GRANT, eager sends, draining,
-ordering of sends and receives; only the backend differs)."""
+ordering of sends and receives, pool blocks to pool blocks; only the backend differs); and
+``pdserve up`` over it."""
 import json
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
+
+from deploy.local import Cluster
 
 
 def run_check(tmp_path, *args) -> dict:
@@ -18,7 +24,8 @@ def run_check(tmp_path, *args) -> dict:
 def assert_conformant(report, eager=True):
     assert all(report["checks"].values()), report["checks"]
     assert report["size_limit_refused"]
-    assert report["placed_staged_bytes"] == 0
+    assert report["placed_staged_bytes"] == 0 and report["pieces_staged_bytes"] == 0
+    assert {"pieces-into-blocks", "pieces-into-buffer", "whole-into-blocks"} <= set(report["checks"])
     assert not report["aborted_sent"] and report["after-abort_sent"]
     hangup = report["hangup"]
     assert hangup["reported_error"] and hangup["seconds"] < 5 and hangup["world"], hangup
@@ -39,3 +46,32 @@ def test_nccl_protocol_over_gloo_granting_every_transfer(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl transport needs two CUDA GPUs")
 def test_nccl_conformance_on_two_gpus(tmp_path):
     assert_conformant(run_check(tmp_path))
+
+
+def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated):
+    """``pdserve up --transport nccl`` (over gloo here): prefill sends from its pool's blocks, decode receives into
+    its pool's blocks, and greedy output equals the colocated engine's, with requests in flight together."""
+    cluster = Cluster("--transport", "nccl", "--device", "cpu", "--kv-option", "nccl_backend=gloo").wait_ready()
+    try:
+        prompts = ["x", "hello world", "a much longer prompt " * 30, "tokens " * 17]
+        bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+                  for p in prompts]
+
+        def both(body):
+            return [httpx.post(c.url + "/v1/completions", json=body, timeout=120).json() for c in (cluster, colocated)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(both, bodies))
+        for disagg, local in answers:
+            assert disagg["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
+            assert disagg["pdserve"]["transport"] == "nccl" and disagg["pdserve"]["kv_bytes"] > 0
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # /health shows what the workers last reported
+            workers = httpx.get(cluster.url + "/health").json()["workers"]
+            prefill, decode = workers["prefill"][0], workers["decode"][0]
+            if prefill["kv_from_blocks"] and decode["kv_landed_in_blocks"] == len(prompts):
+                break
+            time.sleep(0.2)
+        assert prefill["kv_from_blocks"] == len(prompts) and prefill["kv_staged_bytes"] == 0
+        assert decode["kv_landed_in_blocks"] == len(prompts)
+    finally:
+        cluster.stop()

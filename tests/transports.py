@@ -24,7 +24,7 @@ def available() -> list:
         missing = importlib.util.find_spec(module) is None
         params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(missing, reason=f"{module} not installed")))
     params.append(pytest.param("nccl", id="nccl", marks=pytest.mark.skip(
-        reason="nccl needs a fixed rank pair: tests/test_nccl.py runs its checks (bench.nccl_check) over gloo, and on two GPUs when present")))
+        reason="nccl needs a fixed rank pair: tests/test_nccl.py runs its checks (bench.nccl_check) and pdserve up over gloo, and on two GPUs when present")))
     return params
 
 
