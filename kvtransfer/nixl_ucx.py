@@ -4,7 +4,8 @@ shared memory otherwise; ``UCX_TLS`` passes through).
 Memory is registered once: receiver and sender each allocate one slab at
 startup (``nixl_pool_bytes``), register it with their NIXL agent and carve
 per-transfer regions out of it (``Arena``), so no request registers memory
-(``registrations`` counts them, and stays 1) and agent metadata never changes. Metadata goes over the
+(``registrations`` counts them: the slab, and a worker's KV pool where it
+``share``s it, all at startup) and agent metadata never changes after startup. Metadata goes over the
 socket framing of ``sockets``: BEGIN, then the receiver answers GRANT with
 its agent name, agent metadata (only re-sent when its registrations change)
 and the destination address; the sender posts one one-sided WRITE per layer
@@ -16,6 +17,9 @@ carries the transfer id as notification; the receiver polls for it (which
 also drives its side of the transfer), then reads END (sent once every WRITE
 is DONE) and ACKs.
 
+A prefill worker whose KV pool is in host memory hands it to the sender once
+(``share``, registered at startup): KV in the pool's blocks (a
+``PiecewiseKV``) then goes as one WRITE from the blocks, nothing copied.
 A decode worker whose KV pool is in host memory hands it to the receiver
 once (``share``: registered with the agent at startup, so still no
 registration per request); its ``land`` hook then names the blocks reserved
@@ -41,7 +45,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from . import frames
 from .base import ReceivedKV, TransferError
 from .arena import Arena
-from .pieces import block_map, block_runs
+from .pieces import PiecewiseKV, block_map, block_runs
 from .sockets import SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
 from .tensors import check_layer, to_host
 
@@ -105,17 +109,39 @@ def _descs(base: int, layout, layer: int):
     return [(off, n, 0), (off + n, n, 0)]
 
 
+def _match(local: list, remote: list) -> tuple[list, list]:
+    """Descriptors for bytes laid out as ``local`` here and ``remote`` there (lists of ``(address, nbytes)`` covering
+    the same number of bytes), cut at every boundary of either side."""
+    out_l, out_r = [], []
+    li, ri = iter(local), iter(remote)
+    (la, ln), (ra, rn) = next(li), next(ri)
+    while True:
+        n = min(ln, rn)
+        out_l.append((la, n, 0))
+        out_r.append((ra, n, 0))
+        la, ln, ra, rn = la + n, ln - n, ra + n, rn - n
+        if not ln:
+            nxt = next(li, None)
+            if nxt is None:
+                break
+            la, ln = nxt
+        if not rn:
+            ra, rn = next(ri)
+    return out_l, out_r
+
+
 def _split(k_addr: int, v_addr: int, runs) -> tuple[list, list]:
     """Local descriptors cutting contiguous K and V bytes at ``k_addr``/``v_addr`` into the sizes of the remote
     ``runs`` (one layer's ``(k_runs, v_runs)``), and the remote descriptors themselves."""
-    local, remote = [], []
-    for base, side in ((k_addr, runs[0]), (v_addr, runs[1])):
-        at = base
-        for off, n in side:
-            local.append((at, n, 0))
-            remote.append((off, n, 0))
-            at += n
-    return local, remote
+    n = sum(size for _, size in runs[0])
+    return _match([(k_addr, n), (v_addr, n)], runs[0] + runs[1])
+
+
+def _remote_layer(grant: dict, blocks, layout, layer: int) -> list:
+    """Where layer ``layer``'s K then V bytes go on the receiver, as ``(address, nbytes)`` runs."""
+    if blocks is not None:
+        return blocks[layer][0] + blocks[layer][1]
+    return [(a, n) for a, n, _ in _descs(grant["addr"], layout, layer)]
 
 
 class NixlSender(SocketSender):
@@ -125,8 +151,23 @@ class NixlSender(SocketSender):
         super().__init__(cfg)
         self.nixl = agent_for("prefill", self.cfg)
         self.owned = self.nixl.arena
+        self.pool_memory: torch.Tensor | None = None
         self._peers: set[str] = set()
         self._peer_lock = threading.Lock()
+
+    def share(self, memory: torch.Tensor) -> None:
+        """Register the prefill KV pool's memory once: KV in its blocks (a ``PiecewiseKV``) is written from there."""
+        self.nixl.register(memory)
+        self.pool_memory = memory
+        self.sends_pieces = True
+
+    def _in_pool(self, kv: PiecewiseKV) -> bool:
+        if self.pool_memory is None:
+            return False
+        low = self.pool_memory.data_ptr()
+        high = low + self.pool_memory.numel()
+        return all(low <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= high
+                   for pair in kv.layers for pieces in pair for p in pieces)
 
     @property
     def registrations(self) -> int:
@@ -151,6 +192,10 @@ class NixlSender(SocketSender):
             raise frames.FrameError("GRANT without addr or blocks")
         if isinstance(layers, slice):
             return self._send_placed(layers, grant, phases, layout, blocks)
+        if isinstance(layers, PiecewiseKV):
+            if self._in_pool(layers.check()):
+                return self._send_pieces(layers, grant, phases, layout, blocks)
+            layers = layers.whole()
         peer, agent, arena = self._peer(grant), self.nixl.agent, self.nixl.arena
         slot, handles, waited, n = None, [], [0.0], layout.tensor_nbytes
         try:
@@ -205,6 +250,28 @@ class NixlSender(SocketSender):
             else:
                 local = agent.get_xfer_descs([(start, n, 0)], "DRAM")
                 remote = agent.get_xfer_descs([(grant["addr"], n, 0)], "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
+            try:
+                if agent.transfer(handle) == "ERR":
+                    raise TransferError("NIXL WRITE could not be posted")
+                self._wait([handle])
+            finally:
+                agent.release_xfer_handle(handle)
+        return phases.serialize / 1e3
+
+    def _send_pieces(self, kv, grant, phases, layout, blocks) -> float:
+        """One WRITE from the prefill pool's blocks (registered once) to the decode pool's blocks or buffer."""
+        agent = self.nixl.agent
+        with phases.measure("serialize"):
+            local, remote = [], []
+            for i, (ks, vs) in enumerate(kv.layers):
+                mine = [(p.data_ptr(), p.numel() * p.element_size()) for p in (*ks, *vs)]
+                l, r = _match(mine, _remote_layer(grant, blocks, layout, i))
+                local += l
+                remote += r
+        with phases.measure("wire"):
+            peer = self._peer(grant)
+            local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
             handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
             try:
                 if agent.transfer(handle) == "ERR":

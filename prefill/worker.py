@@ -5,11 +5,12 @@ queued prompts into one forward pass up to its token budget (longer prompts
 go in chunks). When a sequence's first token is chosen the worker sends
 ``first`` (token + text) to the router at once and pushes the prompt's KV
 to the decode worker at ``kv_dest`` in a sender thread: transports that
-send pieces (tcp and shm from a pool in host memory, nccl from one on its
-GPU) move it straight from the engine's pool blocks, which are freed once
-the push ends; the others get it copied out of the pool once (into memory
-the transport owns and sends from without staging where it offers some: a
-registered NIXL slab, an MLX array) and the blocks are freed at once. A failed push answers ``error``; a
+send pieces (tcp, shm and nixl, whose agent registers the pool once, from a
+pool in host memory; nccl from one on its GPU) move it straight from the
+engine's pool blocks, which are freed once the push ends; the others get it
+copied out of the pool once (into memory the transport owns and sends from
+without staging where it offers some: an MLX array) and the blocks are
+freed at once. A failed push answers ``error``; a
 successful one ``kv_sent`` with the sender-side phases.
 
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
@@ -21,6 +22,8 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
@@ -40,13 +43,16 @@ class PrefillWorker(WorkerLoop):
                  drain_s: float = 20.0):
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
-        self.engine = Engine(engine, hold_after_first=True)
+        self.pool_memory = None
+        self.engine = Engine(engine, hold_after_first=True, pool_memory=self._pool_memory if transport == "nixl" else None)
         self.engine.on_schedule = self._scheduled
         self.live: dict = {}
         self.sending: dict = {}
         self.kv_from_blocks = 0
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
+        if self.pool_memory is not None:
+            self.sender.share(self.pool_memory)
         self.max_queue = max_queue
         self.queued = 0
         self.pushing = 0
@@ -56,6 +62,13 @@ class PrefillWorker(WorkerLoop):
         self.senders = ThreadPoolExecutor(send_threads, thread_name_prefix="kv-send")
         self.aborted: set[str] = set()
         self.received_at: dict[str, float] = {}
+
+    def _pool_memory(self, nbytes: int, device):
+        """The KV pool in host memory the sender registers once (nixl), so it sends from the blocks."""
+        if device.type != "cpu":
+            return None
+        self.pool_memory = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.pool_memory
 
     def info(self):
         return {"role": self.role, "model": self.engine.name, "transport": self.transport, "max_len": self.engine.max_len,

@@ -1,4 +1,4 @@
-"""KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm) and the tcp receiver's
+"""KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm, nixl) and the receivers'
 landing hook, bit-exact for every dtype, with the reservation undone when a transfer fails or is aborted."""
 import importlib.util
 import threading
@@ -183,3 +183,39 @@ def test_nixl_writes_straight_into_a_registered_pool(placed):
     assert not dest[0][0][0].any()
     received.release()
     assert released == ["n"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed")
+@pytest.mark.parametrize("into_blocks", [False, True])
+def test_nixl_sends_from_a_registered_prefill_pool(into_blocks):
+    layout = KVLayout(3, 2, 8, 37, "bfloat16")
+    n = 6 * BLOCK * 2 * 8 * 2
+
+    def pool_in(memory):
+        views = [memory[i * n:(i + 1) * n].view(torch.bfloat16).view(6, BLOCK, 2, 8) for i in range(6)]
+        return list(zip(views[0::2], views[1::2]))
+    src_memory, dst_memory = torch.zeros(6 * n, dtype=torch.uint8), torch.zeros(6 * n, dtype=torch.uint8)
+    src, dest = pool_in(src_memory), pool_in(dst_memory)
+    for (k, v), (rk, rv) in zip(src, pool(layout, 6, seed=3)):
+        k.copy_(rk)
+        v.copy_(rv)
+    opts = {"nixl_pool_bytes": 8 << 20}
+    receiver = make_receiver("nixl", TransportConfig(timeout_s=5.0, options=opts))
+    if into_blocks:
+        receiver.share(dst_memory)
+        receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(dest, [0, 5, 2], 37)), lambda: None)
+    receiver.start()
+    sender = make_sender("nixl", TransportConfig(timeout_s=5.0, options=opts))
+    sender.share(src_memory)
+    try:
+        assert sender.takes_pieces("cpu") and sender.registrations == 2
+        sender.send(receiver.address, "n", layout, PiecewiseKV(layout, pieces_of(src, [4, 1, 2], 37)))
+        received = receiver.wait("n", 5)
+        got = expected(dest, [0, 5, 2], 37) if into_blocks else materialize(received, "cpu")
+        assert sender.staged_bytes == 0 and (received.landed is not None) == into_blocks
+    finally:
+        sender.close()
+        receiver.close()
+    for (k, v), (ek, ev) in zip(got, expected(src, [4, 1, 2], 37)):
+        assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
+    received.release()
