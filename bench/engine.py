@@ -34,6 +34,9 @@ def add_arguments(p):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--hf", action="store_true", help="also time Hugging Face eager batched decode")
+    p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also time decode with the fixed-shape path off (same engine, same run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/engine")
 
@@ -142,10 +145,18 @@ def run(args) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                  max_num_seqs=max(args.max_num_seqs, max(batches)),
-                                 max_batched_tokens=args.max_batched_tokens))
+                                 max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs))
+    graphs = engine.runner.graphs
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
     for d in decode:
         print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)", file=sys.stderr)
+    eager = []
+    if args.compare_eager and graphs is not None:
+        engine.runner.graphs = None
+        eager = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
+        engine.runner.graphs = graphs
+        for d in eager:
+            print(f"decode batch {d['batch']:>3}, no graphs: {d['tok_per_s']:9.1f} tok/s", file=sys.stderr)
     hf = [hf_decode_rate(engine, b, args.prompt_len, args.decode_steps) for b in batches] if args.hf else []
     for d in hf:
         print(f"HF eager batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s", file=sys.stderr)
@@ -158,11 +169,16 @@ def run(args) -> int:
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None},
               "kv_blocks": engine.num_blocks, "block_size": engine.block_size, "decode": decode, "hf_eager": hf,
-              "offline": off}
-    lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |" + (" HF eager tok/s | pdserve / HF |" if hf else ""),
-             "|---|---|---|---|" + ("---|---|" if hf else "")]
+              "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "captured": bool(graphs.graphs),
+                                                            "replays": graphs.replays},
+              "decode_without_graphs": eager, "offline": off}
+    lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |"
+             + (" without graphs tok/s |" if eager else "") + (" HF eager tok/s | pdserve / HF |" if hf else ""),
+             "|---|---|---|---|" + ("---|" if eager else "") + ("---|---|" if hf else "")]
     for i, d in enumerate(decode):
         row = f"| {d['batch']} | {d['tok_per_s']:.1f} | {d['step_ms']:.2f} | {d['tok_per_s'] / base:.1f}x |"
+        if eager:
+            row += f" {eager[i]['tok_per_s']:.1f} |"
         if hf:
             row += f" {hf[i]['tok_per_s']:.1f} | {d['tok_per_s'] / hf[i]['tok_per_s']:.2f}x |"
         lines.append(row)

@@ -49,11 +49,16 @@ def main(argv=None) -> int:
     report = {}
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     results = {}
-    for device in ("cpu", "cuda"):
-        engine = Engine(EngineConfig(device=device, dtype="float32", max_num_seqs=16))
-        results[device] = [s.output_ids for _, s in generate_many(engine, PROMPTS, [greedy] * len(PROMPTS))]
-    report["tiny_fp32_cuda_equals_cpu"] = results["cpu"] == results["cuda"]
-    print("tiny fp32, 8 prompts batched: CUDA tokens == CPU tokens:", report["tiny_fp32_cuda_equals_cpu"], flush=True)
+    for device, graphs in (("cpu", "off"), ("cuda", "auto"), ("cuda", "off")):
+        engine = Engine(EngineConfig(device=device, dtype="float32", max_num_seqs=16, decode_graphs=graphs))
+        results[(device, graphs)] = [s.output_ids for _, s in generate_many(engine, PROMPTS, [greedy] * len(PROMPTS))]
+        if graphs == "auto":
+            report["tiny_cuda_graph_replays"] = engine.runner.graphs.replays if engine.runner.graphs else 0
+    report["tiny_fp32_cuda_equals_cpu"] = results[("cpu", "off")] == results[("cuda", "auto")]
+    report["tiny_fp32_cuda_without_graphs_equals_cpu"] = results[("cpu", "off")] == results[("cuda", "off")]
+    print("tiny fp32, 8 prompts batched: CUDA tokens == CPU tokens:", report["tiny_fp32_cuda_equals_cpu"],
+          "(CUDA graphs, replays:", report["tiny_cuda_graph_replays"], "; without graphs:",
+          report["tiny_fp32_cuda_without_graphs_equals_cpu"], ")", flush=True)
     if args.checkpoint:
         engine = Engine(EngineConfig(model=args.checkpoint, device="cuda", max_num_seqs=8, kv_budget_bytes=8 << 30))
         hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=engine.dtype).to(engine.device).eval()

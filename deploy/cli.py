@@ -38,6 +38,8 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the paged pool")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one engine step may batch")
+    p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto",
+                   help="decode steps as CUDA graphs over Triton kernels (auto: on CUDA when triton imports)")
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens one engine step may compute; longer prompts are prefilled in chunks (default: 8192 "
                         "on a GPU, 2048 on the CPU)")
@@ -126,7 +128,8 @@ def _engine_config(args):
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                        max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0)
+                        max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
+                        decode_graphs=args.decode_graphs)
 
 
 def _transport_config(args, port=0):

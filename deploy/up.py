@@ -35,7 +35,8 @@ def engine_args(args) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.threads:
         out += ["--threads", str(args.threads)]
-    out += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs)]
+    out += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+            "--decode-graphs", args.decode_graphs]
     if args.max_batched_tokens:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.ray_address:

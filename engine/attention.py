@@ -10,7 +10,9 @@ padded ``[batch, context]`` index with a validity mask and attend with two
 grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
 one by one with SDPA, causal, offset by any cached prefix. Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
-correct on CUDA); faster kernels plug in behind ``attend``."""
+correct on CUDA). A meta with ``paged`` set (decode steps of ``graphs``)
+goes to those fixed-shape operations instead: ``paged`` in torch,
+``triton_ops`` as CUDA kernels."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +35,10 @@ class AttnMeta:
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     segments: list = field(default_factory=list)
+    paged: object = None  # ``paged`` or ``triton_ops``: decode over ``tables``/``lens`` with fixed shapes
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    window: int = 0
 
 
 def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -78,6 +84,9 @@ def write_kv(k_cache, v_cache, k, v, slots) -> None:
 
 def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
     """``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` -> ``[tokens, heads, dim]``."""
+    if meta.paged is not None:
+        meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, scale, meta.window)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta, scale)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+DECODE_GRAPHS = ("auto", "off", "eager", "cuda")
 
 
 @dataclass
@@ -19,6 +20,7 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_budget_bytes: int = 0
     num_blocks: int | None = None
+    decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -34,5 +36,7 @@ class EngineConfig:
                 continue
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("kv_budget_bytes must be >= 0 and num_blocks positive")

@@ -18,6 +18,8 @@ import torch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool
+from . import paged
+from .graphs import DecodeGraphs
 from .loader import load
 from .model_runner import ModelRunner
 from .sampler import choose
@@ -56,12 +58,33 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, self.block_size)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget)
-        self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress)
+        self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
         self.on_schedule = None  # called with the sequences of each batch before its forward runs
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20)
+
+    def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
+        """Fixed-shape decode steps: CUDA graphs over the Triton kernels on CUDA (``auto``/``cuda``), the same
+        padded forward run eagerly with the torch operations (``eager``), or none (``off``; ``auto`` off CUDA)."""
+        mode = cfg.decode_graphs
+        if mode == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        ops, capture = paged, False
+        if mode in ("auto", "cuda") and self.device.type == "cuda":
+            try:
+                from . import triton_ops as ops
+                capture = True
+            except ImportError as e:
+                if mode == "cuda":
+                    raise RuntimeError(f"decode_graphs=cuda needs triton (pip install 'pdserve[cuda]'): {e}") from e
+                log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
+                return None
+        max_blocks = -(-self.max_len // self.block_size) + 1
+        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
     @property
     def block_bytes(self) -> int:

@@ -12,12 +12,13 @@ from .scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, device, suppress: list[int] | None = None):
+    def __init__(self, model, pool: KVPool, device, suppress: list[int] | None = None, graphs=None):
         self.model = model
         self.pool = pool
         self.device = device
         self.suppress = torch.tensor(suppress, device=device) if suppress else None
         self.window = model.spec.sliding_window
+        self.graphs = graphs
 
     def _meta(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.pool.block_size
@@ -49,6 +50,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``."""
+        if self.graphs is not None and self._decode_only(batch) and self.graphs.fits(len(batch.seqs)):
+            return self._run_graph(batch), {}
         ids, positions, meta = self._meta(batch)
         hidden = self.model(ids, positions, meta, self.pool.layers)
         rows, prompt_scores = [], {}
@@ -60,3 +63,21 @@ class ModelRunner:
                 rows.append(end - 1)
         scores = self._scores(hidden[rows]) if rows else hidden.new_empty((0, 0))
         return scores, prompt_scores
+
+    @staticmethod
+    def _decode_only(batch: Batch) -> bool:
+        return all(chunk == 1 and batch.samples(i) for i, chunk in enumerate(batch.chunks))
+
+    def _run_graph(self, batch: Batch) -> torch.Tensor:
+        bs = self.pool.block_size
+        ids, positions, slots, lens = [], [], [], []
+        for seq in batch.seqs:
+            p = seq.num_computed
+            ids += seq.tokens(p, p + 1)
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens).clone()
+        if self.suppress is not None:
+            logits[:, self.suppress] = float("-inf")
+        return logits

@@ -52,7 +52,7 @@ def prompts(n, seed=0):
 
 def check(seqs, hf, max_tokens):
     for seq in seqs:
-        want_ids, want_lp = hf_greedy(hf, seq.prompt_ids, max_tokens)
+        want_ids, want_lp = hf_greedy(hf, seq.prompt_ids, max_tokens or seq.params.max_tokens)
         assert seq.output_ids == want_ids
         got_lp = [e[1] for e in seq.pending_logprobs]
         assert got_lp == pytest.approx(want_lp, abs=1e-4)
@@ -80,6 +80,26 @@ def test_grouped_matmul_decode_matches_hf(family, monkeypatch):
     path, hf = family
     engine_ = engine_for(path)
     check([s for _, s in generate_many(engine_, prompts(4, seed=3), [SamplingParams(max_tokens=8, **GREEDY)] * 4)], hf, 8)
+
+
+def test_fixed_shape_decode_matches_hf(family):
+    """The padded, fixed-shape decode step that CUDA graphs capture (torch operations, run eagerly here), with the
+    batch growing and shrinking across the captured sizes."""
+    path, hf = family
+    engine = engine_for(path, decode_graphs="eager", max_num_seqs=24)
+    assert engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 32]
+    ps = prompts(7, seed=4)
+    seqs = [Sequence.create(f"g{i}", p, SamplingParams(max_tokens=6 + 3 * i, **GREEDY), engine.tokenizer, engine.max_len)
+            for i, p in enumerate(ps)]
+    step = 0
+    while not all(s.finished for s in seqs):
+        if step < len(seqs):
+            engine.add(seqs[step])
+        engine.step()
+        step += 1
+    check(seqs, hf, None)
+    assert engine.runner.graphs.runs > 10
+    assert engine.blocks.num_free == engine.num_blocks
 
 
 def test_joining_mid_run_and_chunked_prefill_match_hf(family):

@@ -1,0 +1,99 @@
+"""Decode steps with fixed shapes, captured as CUDA graphs.
+
+A decode-only batch of ``n`` sequences is padded to the next captured size
+(1, 2, 4, 8, then multiples of 16 up to the engine's ``max_num_seqs``): the
+token ids, positions and slots (-1 for padding rows: nothing is written),
+block tables and context lengths are copied into static buffers, and the
+graph captured for that size replays the whole forward (embedding, every
+layer with ``paged`` attention over the pool, the final norm and the logits)
+with one launch. Nothing inside waits on the host; the caller reads the
+logits of the ``n`` real rows. Larger batches run the same code eagerly.
+Without capture (CPU, or ``cuda_graphs=False``) ``run`` executes the same
+padded forward eagerly, which is how the CPU tests cover this path."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention import AttnMeta
+
+log = logging.getLogger(__name__)
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then steps of 16, up to the first size that holds ``max_batch``."""
+    sizes, size = [], 1
+    while True:
+        sizes.append(size)
+        if size >= max_batch:
+            return sizes
+        size = size * 2 if size < 16 else size + 16
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool):
+        self.model, self.pool, self.device, self.ops = model, pool, device, ops
+        self.sizes = batch_sizes(max_batch)
+        top = self.sizes[-1]
+        self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
+        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(top, dtype=torch.int32, device=device)
+        self.staging = torch.zeros(3, top, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.runs = self.replays = 0
+        if capture:
+            self._capture()
+
+    def _forward(self, n: int) -> torch.Tensor:
+        ids, positions, slots = self.tokens[0, :n], self.tokens[1, :n], self.tokens[2, :n]
+        rotary = self.model.rotary
+        meta = AttnMeta(slots, [], [], True, rotary.cos[positions], rotary.sin[positions], paged=self.ops,
+                        tables=self.tables[:n], lens=self.lens[:n], window=self.model.spec.sliding_window or 0)
+        hidden = self.model(ids, positions, meta, self.pool.layers)
+        return self.model.logits(hidden).float()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start, mempool = time.perf_counter(), None
+        for n in reversed(self.sizes):
+            self._forward(n)  # compiles the kernels and settles the allocator outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.outputs[n] = self._forward(n)
+            mempool = graph.pool()
+            self.graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - start)
+
+    def fits(self, n: int) -> bool:
+        return n <= self.sizes[-1]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            lens: list[int]) -> torch.Tensor:
+        """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows."""
+        n = len(ids)
+        size = next(s for s in self.sizes if s >= n)
+        self.runs += 1
+        width = max(len(t) for t in tables)
+        staged = self.staging[:, :size]
+        staged[0, :n], staged[1, :n], staged[2, :n] = torch.tensor(ids), torch.tensor(positions), torch.tensor(slots)
+        staged[:, n:] = 0
+        staged[2, n:] = -1
+        rows = torch.zeros(size, width + 1, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            rows[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        rows[:n, width] = torch.tensor(lens, dtype=torch.int32)
+        rows = rows.to(self.device, non_blocking=True)
+        self.tokens[:, :size].copy_(staged, non_blocking=True)
+        self.tables[:size, :width].copy_(rows[:, :width])
+        self.lens[:size].copy_(rows[:, width])
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:n]
+        graph.replay()
+        self.replays += 1
+        return self.outputs[size][:n]

@@ -1,0 +1,40 @@
+"""Decode attention straight over the paged pool, with fixed shapes (what a
+CUDA graph can capture): ``store_kv`` writes each new token's K/V into its
+slot (a negative slot is a padding row and is skipped), ``decode`` attends
+each sequence's query over its first ``lens[b]`` tokens, found through its
+row of ``tables`` (``[batch, max_blocks]`` block ids). These are the torch
+versions (any device; the reference in tests); ``triton_ops`` has the same
+two functions as single CUDA kernels."""
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(k_cache, v_cache, k, v, slots) -> None:
+    heads, dim = k_cache.shape[-2:]
+    keep = slots >= 0
+    index = torch.where(keep, slots, 0)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, heads, dim)
+        old = flat.index_select(0, index)
+        flat.index_copy_(0, index, torch.where(keep[:, None, None], new.to(flat.dtype), old))
+
+
+def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> torch.Tensor:
+    """``q`` ``[batch, heads, dim]`` -> ``[batch, heads, dim]``; rows with ``lens == 0`` give zeros."""
+    batch, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).flatten(1)
+    keys = k_cache.view(-1, kv_heads, dim)[slots].float()
+    values = v_cache.view(-1, kv_heads, dim)[slots].float()
+    pos = torch.arange(slots.shape[1], device=q.device)
+    lens = lens.long()[:, None]
+    valid = pos[None, :] < lens
+    if window:
+        valid &= pos[None, :] >= lens - window
+    group = heads // kv_heads
+    scores = torch.einsum("bkgd,btkd->bkgt", q.float().view(batch, kv_heads, group, dim), keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, values)
+    return out.reshape(batch, heads, dim).to(q.dtype)

@@ -1,0 +1,42 @@
+"""The Triton kernels of the CUDA decode path against the torch operations they replace (``engine.paged``), bit for
+bit on the stores and within rounding on attention: on a GPU, or on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``). Skipped where triton is not installed (CI's CPU install); ``bench/device_fast.sh`` runs it."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from engine import paged
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
+    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = [(3, 8, 2, 16, 16, 0), (2, 4, 4, 12, 8, 0), (3, 8, 2, 16, 4, 5), (2, 32, 8, 128, 16, 0), (1, 32, 8, 128, 16, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_the_torch_operations(case, dtype):
+    from engine import triton_ops
+
+    batch, heads, kv_heads, dim, block, window = case
+    g = torch.Generator().manual_seed(sum(case))
+    blocks = 24
+    k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    lens = torch.tensor([37, 1, 0][:batch] if batch != 2 else [5, 90 // block * block - 3], dtype=torch.int32, device=DEVICE)
+    perm = torch.randperm(blocks, generator=g)
+    tables = torch.stack([perm[:12] if b % 2 == 0 else perm[12:] for b in range(batch)]).to(DEVICE, torch.int32)
+    q = torch.randn(batch, heads, dim, generator=g).to(DEVICE, dtype)
+    want = paged.decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, window)
+    got = triton_ops.decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    k, v = (torch.randn(4, kv_heads, dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    slots = torch.tensor([5, -1, 17, blocks * block - 1], dtype=torch.long, device=DEVICE)
+    ref, out = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    paged.store_kv(*ref, k, v, slots)
+    triton_ops.store_kv(*out, k, v, slots)
+    assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
+    assert torch.equal(out[0].view(-1, kv_heads, dim)[17], k[2]) and torch.equal(out[1].view(-1, kv_heads, dim)[5], v[0])
