@@ -29,6 +29,48 @@ def micro(device) -> dict:
     return {"launch_us": launch_us, "item_sync_us": sync_us, "small_h2d_us": h2d_us}
 
 
+def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
+    """Per batch size: one decode step through the engine, the captured graph's replay alone, and the Triton
+    decode kernel alone on one layer (device time, synchronized around repeats)."""
+    import torch
+
+    from bench.engine import _seqs
+    from engine import triton_ops
+
+    graphs, out = engine.runner.graphs, []
+    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    for n in sizes:
+        seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)], [64] * n)
+        for s in seqs:
+            engine.add(s)
+        while any(len(s.output_ids) < 2 for s in seqs):
+            engine.step()
+        step_ms = timed(engine.step, 10)
+        size = next(x for x in graphs.sizes if x >= n)
+        replay_ms = timed(graphs.graphs[size].replay, 20)
+        k_cache, v_cache = engine.pool.layers[0]
+        spec = engine.model.spec
+        q = torch.randn(n, spec.num_heads, spec.head_dim, device=engine.device, dtype=engine.dtype)
+        kernel_ms = timed(lambda: triton_ops.decode(q, k_cache, v_cache, graphs.tables[:n], graphs.lens[:n],
+                                                    spec.head_dim ** -0.5), 50)
+        for s in seqs:
+            engine.free(s)
+        out.append({"batch": n, "step_ms": step_ms, "graph_replay_ms": replay_ms, "decode_kernel_ms_one_layer": kernel_ms,
+                    "host_ms": step_ms - replay_ms})
+        print(out[-1], flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -41,12 +83,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--graph-times", default="", help="batch sizes to break down into graph replay, kernel and host")
     args = ap.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model, device="cuda", max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30))
     print("device micro-benchmarks:", micro(engine.device), flush=True)
     import random
 
     rng = random.Random(0)
+    if args.graph_times:
+        graph_times(engine, rng, [int(b) for b in args.graph_times.split(",")])
     print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)

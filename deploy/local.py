@@ -3,18 +3,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deploy.up import free_port  # noqa: F401 (tests take it from here)
 
 
 def children_of(pid: int) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,16 @@ from deploy.supervise import Child, Supervisor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, below Linux's ephemeral range (32768+), so no outgoing connection of another
+    process takes it before the child that gets it binds it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
