@@ -22,6 +22,7 @@ from . import paged
 from .graphs import DecodeGraphs
 from .loader import load
 from .model_runner import ModelRunner
+from .models.llama import use_kernels
 from .sampler import choose
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -76,7 +77,9 @@ class Engine:
         ops, capture = paged, False
         if mode in ("auto", "cuda") and self.device.type == "cuda":
             try:
+                from . import triton_layers
                 from . import triton_ops as ops
+                use_kernels(self.model, triton_layers)
                 capture = True
             except ImportError as e:
                 if mode == "cuda":

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CASES = [(3, 8, 2, 16, 16, 0), (2, 4, 4, 12, 8, 0), (3, 8, 2, 16, 4, 5), (2, 32, 8, 128, 16, 0), (1, 32, 8, 128, 16, 40)]
+CASES = [(3, 8, 2, 16, 16, 0), (2, 4, 4, 12, 8, 0), (3, 8, 2, 16, 4, 5), (2, 32, 8, 128, 16, 0), (1, 32, 8, 128, 16, 40),
+         (1, 4, 1, 32, 16, 0)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -40,3 +41,56 @@ def test_kernels_match_the_torch_operations(case, dtype):
     triton_ops.store_kv(*out, k, v, slots)
     assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
     assert torch.equal(out[0].view(-1, kv_heads, dim)[17], k[2]) and torch.equal(out[1].view(-1, kv_heads, dim)[5], v[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32), (2, 4096)])
+def test_rmsnorm_kernel_matches_the_module(shape, dtype):
+    from engine import triton_layers
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    norm = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = torch.randn(*shape, generator=g).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = norm(x)
+    got = triton_layers.rmsnorm(x, norm.weight, 1e-5)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(4, 2, 16), (32, 8, 128), (4, 4, 12)])
+def test_rotary_kernel_matches_the_module(dims, dtype):
+    from engine import triton_layers
+    from engine.models.rope import Rotary
+
+    heads, kv_heads, dim = dims
+    rotary = Rotary(dim, 256, 10000.0).to(DEVICE)
+    g = torch.Generator().manual_seed(dim)
+    positions = torch.tensor([0, 7, 100, 255, 3], device=DEVICE)
+    q = torch.randn(5, heads, dim, generator=g).to(DEVICE, dtype)
+    k = torch.randn(5, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    want = rotary(positions, q, k)
+    got = triton_layers.rotary(q, k, rotary.cos[positions], rotary.sin[positions])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5 if dtype == torch.float32 else 3.2e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 2e-2)  # bf16: one unit in the last place
+
+
+def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
+    from engine import EngineConfig, SamplingParams, triton_layers, triton_ops
+    from engine.engine import Engine
+    from engine.generate import generate_many
+    from engine.models.llama import use_kernels
+
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
+    plain = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="off", threads=1))
+    want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
+    fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1))
+    use_kernels(fast.model, triton_layers)
+    fast.runner.graphs.ops = triton_ops
+    got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
+    assert got == want and fast.runner.graphs.runs >= 9

@@ -52,12 +52,16 @@ class ModelSpec:
 
 
 class RMSNorm(nn.Module):
+    kernels = None  # ``triton_layers`` (see ``use_kernels``)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -142,3 +146,10 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def use_kernels(model: nn.Module, kernels) -> None:
+    """Run every RMSNorm and the rotary embedding of ``model`` with ``kernels`` (``triton_layers``)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Rotary)):
+            module.kernels = kernels

@@ -28,6 +28,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class Rotary(torch.nn.Module):
+    kernels = None  # ``triton_layers``: one kernel when ``cos``/``sin`` are given
+
     def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.args = (head_dim, max_len, theta, scaling)
@@ -49,6 +51,8 @@ class Rotary(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos=None, sin=None):
         """``q``/``k``: ``[tokens, heads, head_dim]``; ``positions``: ``[tokens]`` (or the tables' rows for them,
         ``cos``/``sin``, gathered once per step)."""
+        if self.kernels is not None and cos is not None:
+            return self.kernels.rotary(q, k, cos, sin)
         cos = (self.cos[positions] if cos is None else cos).unsqueeze(1).to(q.dtype)
         sin = (self.sin[positions] if sin is None else sin).unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,64 @@
+"""RMSNorm and rotary embedding as one Triton kernel each (CUDA), in place of
+the several elementwise launches their torch forms take; rounded at the same
+points as the torch forms (``RMSNorm``, ``Rotary``), so bf16 results match."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    mask = n < N
+    x = tl.load(x_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + n, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
+                                       num_warps=8 if n >= 2048 else 4)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    dt = out_ptr.dtype.element_ty
+    base = (token * heads + head) * 2 * HALF
+    x1 = tl.load(x_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    a1 = (x1 * c1).to(dt).to(tl.float32)
+    b1 = (-x2 * s1).to(dt).to(tl.float32)
+    a2 = (x2 * c2).to(dt).to(tl.float32)
+    b2 = (x1 * s2).to(dt).to(tl.float32)
+    tl.store(out_ptr + base + d, (a1 + b1).to(dt), mask=mask)
+    tl.store(out_ptr + base + HALF + d, (a2 + b2).to(dt), mask=mask)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``q``/``k`` ``[tokens, heads, dim]``, ``cos``/``sin`` ``[tokens, dim]`` (fp32) -> rotated copies."""
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = []
+    for x in (q.contiguous(), k.contiguous()):
+        y = torch.empty_like(x)
+        half = x.shape[-1] // 2
+        _rotary_kernel[(x.shape[0], x.shape[1])](x, y, cos, sin, x.shape[1], HALF=half,
+                                                 BLOCK=triton.next_power_of_2(half))
+        out.append(y)
+    return out[0], out[1]
