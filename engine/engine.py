@@ -22,7 +22,6 @@ from . import paged
 from .graphs import DecodeGraphs
 from .loader import load
 from .model_runner import ModelRunner
-from .models.llama import use_kernels
 from .sampler import choose
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -74,12 +73,11 @@ class Engine:
             raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
-        ops, capture = paged, False
+        ops, capture, layers = paged, False, None
         if mode in ("auto", "cuda") and self.device.type == "cuda":
             try:
-                from . import triton_layers
+                from . import triton_layers as layers
                 from . import triton_ops as ops
-                use_kernels(self.model, triton_layers)
                 capture = True
             except ImportError as e:
                 if mode == "cuda":
@@ -87,7 +85,8 @@ class Engine:
                 log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
                 return None
         max_blocks = -(-self.max_len // self.block_size) + 1
-        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
+        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
+                            layers)
 
     @property
     def block_bytes(self) -> int:

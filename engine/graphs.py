@@ -18,6 +18,7 @@ import time
 import torch
 
 from .attention import AttnMeta
+from .models.llama import use_kernels
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool):
-        self.model, self.pool, self.device, self.ops = model, pool, device, ops
+    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool, layers=None):
+        """``ops``: ``paged`` or ``triton_ops``; ``layers``: ``triton_layers`` for the norms and rotary of this
+        step (prefill keeps the torch forms, which match HF transformers exactly)."""
+        self.model, self.pool, self.device, self.ops, self.layers = model, pool, device, ops, layers
         self.sizes = batch_sizes(max_batch)
         top = self.sizes[-1]
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
@@ -52,7 +55,11 @@ class DecodeGraphs:
         rotary = self.model.rotary
         meta = AttnMeta(slots, [], [], True, rotary.cos[positions], rotary.sin[positions], paged=self.ops,
                         tables=self.tables[:n], lens=self.lens[:n], window=self.model.spec.sliding_window or 0)
-        hidden = self.model(ids, positions, meta, self.pool.layers)
+        use_kernels(self.model, self.layers)
+        try:
+            hidden = self.model(ids, positions, meta, self.pool.layers)
+        finally:
+            use_kernels(self.model, None)
         return self.model.logits(hidden).float()
 
     @torch.inference_mode()

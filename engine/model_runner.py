@@ -49,9 +49,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``."""
-        if self.graphs is not None and self._decode_only(batch) and self.graphs.fits(len(batch.seqs)):
-            return self._run_graph(batch), {}
+        """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``.
+        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly."""
+        decode = [i for i in range(len(batch.seqs)) if self._decodes(batch, i)] if self.graphs is not None else []
+        if not decode or not self.graphs.fits(len(decode)):
+            return self._run_eager(batch)
+        graph_scores = self._run_graph([batch.seqs[i] for i in decode])
+        if len(decode) == len(batch.seqs):
+            return graph_scores, {}
+        rest, index = Batch(), []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            if i not in decode:
+                rest.add(seq, chunk)
+                index.append(i)
+        eager_scores, rest_prompt = self._run_eager(rest)
+        rows, g, e = [], iter(graph_scores), iter(eager_scores)
+        for i in range(len(batch.seqs)):
+            if i in decode:
+                rows.append(next(g))
+            elif batch.samples(i):
+                rows.append(next(e))
+        return torch.stack(rows), {index[j]: v for j, v in rest_prompt.items()}
+
+    def _run_eager(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         ids, positions, meta = self._meta(batch)
         hidden = self.model(ids, positions, meta, self.pool.layers)
         rows, prompt_scores = [], {}
@@ -65,19 +85,22 @@ class ModelRunner:
         return scores, prompt_scores
 
     @staticmethod
-    def _decode_only(batch: Batch) -> bool:
-        return all(chunk == 1 and batch.samples(i) for i, chunk in enumerate(batch.chunks))
+    def _decodes(batch: Batch, i: int) -> bool:
+        """One new token that samples and needs no prompt scores: what the captured decode step computes."""
+        seq = batch.seqs[i]
+        wants_prompt = seq.params.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids)
+        return batch.chunks[i] == 1 and batch.samples(i) and not wants_prompt
 
-    def _run_graph(self, batch: Batch) -> torch.Tensor:
+    def _run_graph(self, seqs: list) -> torch.Tensor:
         bs = self.pool.block_size
         ids, positions, slots, lens = [], [], [], []
-        for seq in batch.seqs:
+        for seq in seqs:
             p = seq.num_computed
             ids += seq.tokens(p, p + 1)
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
-        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens).clone()
+        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in seqs], lens).clone()
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

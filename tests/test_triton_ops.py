@@ -83,14 +83,12 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     from engine import EngineConfig, SamplingParams, triton_layers, triton_ops
     from engine.engine import Engine
     from engine.generate import generate_many
-    from engine.models.llama import use_kernels
 
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
     plain = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="off", threads=1))
     want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
     fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1))
-    use_kernels(fast.model, triton_layers)
-    fast.runner.graphs.ops = triton_ops
+    fast.runner.graphs.ops, fast.runner.graphs.layers = triton_ops, triton_layers
     got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
     assert got == want and fast.runner.graphs.runs >= 9
