@@ -88,7 +88,6 @@ class Sequence:
             self.pending_logprobs.append((token, choice.logprob, choice.top))
         if self._stops_on(token):
             self.finish_reason = "stop"
-            self.detok.ids.append(token)
             return self.detok.flush()
         delta, stopped = self.detok.add(token, check_stop=len(self.output_ids) > self.params.min_tokens)
         if stopped:

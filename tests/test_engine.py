@@ -155,3 +155,35 @@ def test_tiny_model_writes_printable_text(runner):
             text, ids, _ = generate(runner, prompt, SamplingParams(max_tokens=48, temperature=temperature, seed=i))
             assert all(32 <= ord(c) < 127 for c in text), repr(text)
             assert not set(ids) & set(runner.suppress.tolist())
+
+
+def test_incremental_detokenization_equals_decoding_everything(tmp_path):
+    """Windowed decoding (each token decodes a few ids) gives the text of decoding all ids at once, for the byte
+    tokenizer (invalid and split UTF-8 included) and a SentencePiece-style one (leading-space marks, byte fallback)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.detok import Detokenizer
+    from engine.tokenizer import ByteTokenizer, HFTokenizer
+
+    words = ["<unk>", "<s>", "</s>", "\u2581hello", "\u2581world", "hello", ",", "\u2581", "\u2581a", "b", "\u2581\u00e9t\u00e9"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab.update({f"<0x{i:02X}>": len(words) + i for i in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+    rng = random.Random(5)
+    euro = [len(words) + b for b in "\u20ac".encode()]
+    # HF's byte fallback turns a whole run of byte tokens into U+FFFD when any of it is invalid UTF-8, which no
+    # windowed decoder reproduces: the SentencePiece-style case uses words and whole characters split into bytes
+    for tokenizer, pool in ((ByteTokenizer(), list(range(3, 259))), (HFTokenizer(str(tmp_path)), list(range(3, len(words))))):
+        for trial in range(40):
+            ids = [rng.choice(pool) for _ in range(rng.randrange(1, 30))]
+            if trial % 3 == 0 and tokenizer.vocab_size > 300:
+                ids[len(ids) // 2:len(ids) // 2] = euro
+            d = Detokenizer(tokenizer)
+            text = "".join(d.add(t)[0] for t in ids) + d.flush()
+            assert text == tokenizer.decode(ids), (ids, text)
