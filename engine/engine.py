@@ -47,6 +47,8 @@ class Engine:
         loaded = load(cfg)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
         self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
+        if self.device.type == "cuda":  # cuDNN attention plans each new shape anew: every prompt length would pay it
+            torch.backends.cuda.enable_cudnn_sdp(False)
         spec = self.model.spec
         self.kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
