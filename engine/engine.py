@@ -49,6 +49,7 @@ class Engine:
         self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
         if self.device.type == "cuda":  # cuDNN attention plans each new shape anew: every prompt length would pay it
             torch.backends.cuda.enable_cudnn_sdp(False)
+            torch.cuda.set_device(self.device)  # kernels launched by Triton go to the current device
         spec = self.model.spec
         self.kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize

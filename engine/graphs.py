@@ -12,6 +12,7 @@ Without capture (CPU, or ``cuda_graphs=False``) ``run`` executes the same
 padded forward eagerly, which is how the CPU tests cover this path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -62,8 +63,16 @@ class DecodeGraphs:
             use_kernels(self.model, None)
         return self.model.logits(hidden).float()
 
+    def _on_device(self):
+        """Triton launches and graph replays go to the current CUDA device: make it this engine's (cuda:1 too)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     @torch.inference_mode()
     def _capture(self) -> None:
+        with self._on_device():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         start, mempool = time.perf_counter(), None
         for n in reversed(self.sizes):
             self._forward(n)  # compiles the kernels and settles the allocator outside the capture
@@ -82,6 +91,10 @@ class DecodeGraphs:
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int]) -> torch.Tensor:
         """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows."""
+        with self._on_device():
+            return self._run(ids, positions, slots, tables, lens)
+
+    def _run(self, ids, positions, slots, tables, lens) -> torch.Tensor:
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         self.runs += 1
