@@ -14,6 +14,7 @@ import asyncio
 import os
 import sys
 
+from .report import command_line
 from .serve import run_load, summarize
 
 COLUMNS = [("prefill", "prefill"), ("serialize", "serialize"), ("transfer", "wire"), ("deserialize", "deserialize"),
@@ -95,7 +96,7 @@ def run(args) -> int:
     results = {c: pooled(t) for c, t in turns.items()}
     text = table(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    command = " ".join(["pdserve", "bench", "compare", *sys.argv[3:]])
+    command = command_line("compare")
     with open(args.out + ".json", "w") as f:
         json.dump({"command": command, "env": environment(), "results": results}, f, indent=1)
     with open(args.out + ".md", "w") as f:

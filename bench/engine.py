@@ -19,6 +19,8 @@ import random
 import sys
 import time
 
+from .report import command_line
+
 
 def add_arguments(p):
     p.add_argument("--model", default="tiny-llama")
@@ -163,7 +165,7 @@ def run(args) -> int:
     off = offline(engine, args.requests, _range(args.input_len), _range(args.output_len), rng)
     print(f"offline {off['requests']} requests: {off['output_tok_per_s']:.1f} output tok/s, "
           f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
-    command = " ".join(["pdserve", "bench", "engine", *sys.argv[3:]])
+    command = command_line("engine")
     base = decode[0]["tok_per_s"]
     report = {"command": command, "model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,

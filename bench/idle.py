@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from .report import command_line
+
 CONDITIONS = ("back to back", "after decode", "after spin", "after sleep")
 
 
@@ -81,7 +83,7 @@ def run(args) -> int:
     lines += [f"| {c} | {s['median_ms']:.2f} | {s['min_ms']:.2f} | {s['vs_after_decode']:.3f}x |" for c, s in summary.items()]
     text = "\n".join(lines)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    command = " ".join(["pdserve", "bench", "idle", *sys.argv[3:]])
+    command = command_line("idle")
     with open(args.out + ".json", "w") as f:
         json.dump({"command": command, "prompt_len": args.prompt_len, "gap_ms": args.gap_ms, "summary": summary,
                    "samples": samples}, f, indent=1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 PHASES = ("d2h", "serialize", "wire", "deserialize", "h2d")
 
@@ -115,3 +116,10 @@ def plot_cdfs(series: dict, path: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def command_line(name: str) -> str:
+    """``pdserve bench NAME ...`` as it was run (global options before ``bench`` left out)."""
+    argv = sys.argv
+    rest = argv[argv.index(name) + 1:] if name in argv[1:] else argv[3:]
+    return " ".join(["pdserve", "bench", name, *rest])

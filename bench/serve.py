@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from .report import command_line
 from .stats import summary
 from .workload import arrivals, build
 
@@ -129,7 +130,7 @@ def run(args) -> int:
     rows, wall = asyncio.run(run_load(args))
     from .transfer import environment
 
-    report = {"command": " ".join(["pdserve", "bench", "serve", *sys.argv[3:]]), "url": args.url, "env": environment(),
+    report = {"command": command_line("serve"), "url": args.url, "env": environment(),
               "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms), "samples": rows}
     paths = write_serve_reports(report, args.out)
     print(paths.pop("markdown_text"))

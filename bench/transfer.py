@@ -20,7 +20,7 @@ import sys
 import time
 
 from .payload import PRESETS, layout_from_args
-from .report import write_reports
+from .report import command_line, write_reports
 from .stats import summary
 
 IPERF, SOCKET = "iperf3", "socket"
@@ -195,7 +195,7 @@ def run(args) -> int:
     finally:
         if ray_cluster:
             ray_cluster.stop()
-    report = {"command": " ".join(["pdserve", "bench", "transfer", *sys.argv[3:]]), "layout": layout.to_dict(),
+    report = {"command": command_line("transfer"), "layout": layout.to_dict(),
               "bytes": layout.total_nbytes, "link": args.link, "env": environment(),
               "summary": summarize(samples, layout.total_nbytes), "samples": samples}
     paths = write_reports(report, args.out)
