@@ -9,7 +9,8 @@ then times the 109 MB Mistral-7B KV (and two larger ones) through the transport 
 sender's ``send`` call to the receiver holding the result; one host, one clock) against a raw
 ``dist.send``/``dist.recv`` of the same bytes in the same run: produced in the sender's own
 GPU slab (``alloc``, as the prefill engine does) and, for Mistral, also as separate
-tensors the sender must gather first ("/staged")."""
+tensors the sender must gather first ("/staged") and from the blocks of a paged pool into the blocks of another
+("/blocks", what the workers do)."""
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,15 @@ import torch.multiprocessing as mp
 CASES = [(1, 1, 1, 1), (1, 8, 4096, 128), (80, 2, 3, 8), (3, 5, 1000, 7)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16),
+            "mistral-7b@871/blocks": (32, 8, 871, 128, torch.float16),
             "mistral-7b@871/staged": (32, 8, 871, 128, torch.float16),
             "llama3-8b@4096": (32, 8, 4096, 128, torch.float16),
             "llama3-70b@8192": (80, 8, 8192, 128, torch.bfloat16)}
 REPS = 20
 ROUNDS = 4
-CPU_PAYLOADS = {"small": (4, 2, 64, 16, torch.float16), "small/staged": (4, 2, 64, 16, torch.float16)}
+CPU_PAYLOADS = {"small": (4, 2, 64, 16, torch.float16), "small/staged": (4, 2, 64, 16, torch.float16),
+                "small/blocks": (4, 2, 64, 16, torch.float16)}
+BLOCK = 16  # "/blocks" payloads: sent from the blocks of a paged pool into the blocks of another (as the workers do)
 
 
 def kv(shape, dtype, seed, device, strided=False):
@@ -127,6 +131,9 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
                 dist.barrier()
                 got = r.wait(f"{name}-{rep}", 60)
                 sync(device)
+                if rep == 0 and name.endswith("/blocks"):
+                    report["checks"][name] = got.landed is not None and same(kv((L, H, T, D), dtype, 7, device),
+                                                                             got.landed.whole())
                 if rep >= 2:
                     transport.append({**got.phases.to_dict(), "wall": (got.completed_at - got.meta["sent_at"]) * 1e3})
                 got.release()
@@ -196,13 +203,16 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
         dist.barrier()
         for name, (L, H, T, D, dtype) in payloads.items():
             layers = kv((L, H, T, D), dtype, 7, device)
-            source = None if name.endswith("/staged") else s.alloc(layout_of(layers), str(device))
+            source = None if name.endswith(("/staged", "/blocks")) else s.alloc(layout_of(layers), str(device))
             if source is not None:
                 layers = source.fill(layers)
-            flat = torch.empty(layout_of(layers).total_nbytes, dtype=torch.uint8, device=device)
+            layout = layout_of(layers)
+            if name.endswith("/blocks"):
+                layers = in_pool(layers, device)
+            flat = torch.empty(layout.total_nbytes, dtype=torch.uint8, device=device)
             for rep in range(reps + 2):
                 dist.barrier()
-                s.send(dest, f"{name}-{rep}", layout_of(layers), layers, meta={"sent_at": time.perf_counter()})
+                s.send(dest, f"{name}-{rep}", layout, layers, meta={"sent_at": time.perf_counter()})
                 dist.barrier()
                 dist.send(flat, 1)
                 sync(device)
@@ -247,15 +257,41 @@ def send_pieces(s, dest, device) -> int:
     return staged
 
 
+def in_pool(layers, device):
+    """``layers`` copied into consecutive blocks of a paged pool, as a ``PiecewiseKV`` of those blocks."""
+    from engine.kv_pool import KVPool
+    from kvtransfer import PiecewiseKV
+    from kvtransfer.tensors import layout_of
+
+    layout = layout_of(layers)
+    table = list(range(-(-layout.num_tokens // BLOCK)))
+    pool = KVPool(layout.num_layers, len(table), BLOCK, layout.num_kv_heads, layout.head_dim, layers[0][0].dtype, device)
+    pool.scatter(table, layers)
+    return PiecewiseKV(layout, pool.pieces(table, layout.num_tokens))
+
+
 def land_in_blocks(r, device):
-    """A decode-like pool of 8-token blocks that the transfers named in ``DST_TABLES`` land in."""
+    """A decode-like pool of 8-token blocks that the transfers named in ``DST_TABLES`` land in; the "/blocks"
+    payloads land in consecutive blocks of a pool made for their shape."""
     from engine.kv_pool import KVPool
     from kvtransfer import Landing, PiecewiseKV
+    from kvtransfer.tensors import TORCH_DTYPES
 
     L, H, T, D = PIECES
-    pool = KVPool(L, 64, 8, H, D, torch.bfloat16, device)
-    r.land = lambda tid, layout: (Landing(PiecewiseKV(layout, pool.pieces(DST_TABLES[tid], T)), lambda: None)
-                                  if tid in DST_TABLES else None)
+    pool, pools = KVPool(L, 64, 8, H, D, torch.bfloat16, device), {}
+
+    def land(tid, layout):
+        if tid in DST_TABLES:
+            return Landing(PiecewiseKV(layout, pool.pieces(DST_TABLES[tid], T)), lambda: None)
+        if "/blocks-" not in tid:
+            return None
+        key = tid.rsplit("-", 1)[0]
+        table = list(range(-(-layout.num_tokens // BLOCK)))
+        if key not in pools:
+            pools[key] = KVPool(layout.num_layers, len(table), BLOCK, layout.num_kv_heads, layout.head_dim,
+                                TORCH_DTYPES[layout.dtype], device)
+        return Landing(PiecewiseKV(layout, pools[key].pieces(table, layout.num_tokens)), lambda: None)
+    r.land = land
     return pool
 
 

@@ -26,6 +26,7 @@ def assert_conformant(report, eager=True):
     assert report["size_limit_refused"]
     assert report["placed_staged_bytes"] == 0 and report["pieces_staged_bytes"] == 0
     assert {"pieces-into-blocks", "pieces-into-buffer", "whole-into-blocks"} <= set(report["checks"])
+    assert any(name.endswith("/blocks") for name in report["checks"])  # a timed payload sent pool to pool
     assert not report["aborted_sent"] and report["after-abort_sent"]
     hangup = report["hangup"]
     assert hangup["reported_error"] and hangup["seconds"] < 5 and hangup["world"], hangup
