@@ -24,6 +24,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
     "nixl": TransportSpec("kvtransfer.nixl_ucx", "NixlSender", "NixlReceiver",
                           "pip install --no-deps nixl nixl-cu12 (plain `nixl` pulls CUDA torch)"),
     "nccl": TransportSpec("kvtransfer.nccl_p2p", "NcclSender", "NcclReceiver", "a CUDA build of torch with NCCL"),
+    "arrow": TransportSpec("kvtransfer.arrow_flight", "ArrowSender", "ArrowReceiver", "pip install 'pdserve[arrow]'"),
     "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }
 

@@ -1,6 +1,8 @@
 """Cluster-token authentication (control and data plane), the loopback rule, and the router API key."""
+import importlib.util
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import threading
@@ -217,3 +219,63 @@ def test_router_api_key(tmp_path):
         assert client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4).choices[0].text is not None
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f.url + "/v1", api_key="bad").completions.create(model="tiny-llama", prompt="x")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
+@pytest.mark.parametrize("token", [OTHER, None])
+def test_arrow_flight_refuses_a_wrong_or_missing_token_and_keeps_serving(token):
+    receiver = make_receiver("arrow", TransportConfig(timeout_s=3, token=TOKEN.encode()))
+    receiver.start()
+    bad = make_sender("arrow", TransportConfig(timeout_s=3, token=token.encode() if token else None))
+    good = make_sender("arrow", TransportConfig(timeout_s=5, token=TOKEN.encode()))
+    try:
+        with pytest.raises(TransferError, match="token"):
+            bad.send(receiver.address, f"bad-{token}", layout_of(KV), KV)
+        good.send(receiver.address, "after", layout_of(KV), KV)
+        receiver.wait("after", 5).release()
+    finally:
+        bad.close()
+        good.close()
+        receiver.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
+def test_arrow_flight_proof_is_never_the_token_and_cannot_be_replayed():
+    import pyarrow.flight as fl
+
+    from kvtransfer import arrow_flight
+
+    value = arrow_flight.auth_value(TOKEN.encode())
+    assert TOKEN not in value
+    factory = arrow_flight._AuthFactory(TOKEN.encode())
+    assert factory.start_call(None, {arrow_flight.AUTH_HEADER: [value]}) is None
+    with pytest.raises(fl.FlightUnauthenticatedError):
+        factory.start_call(None, {arrow_flight.AUTH_HEADER: [value]})
+    stale = arrow_flight.auth_value(TOKEN.encode())
+    with pytest.raises(fl.FlightUnauthenticatedError):
+        factory.start_call(None, {arrow_flight.AUTH_HEADER: ["1.0" + stale[stale.index(":"):]]})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None or shutil.which("openssl") is None,
+                    reason="needs pyarrow and openssl")
+def test_arrow_flight_over_tls(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    receiver = make_receiver("arrow", TransportConfig(timeout_s=5, token=TOKEN.encode(), options={
+        "arrow_tls_cert": str(cert), "arrow_tls_key": str(key)}))
+    receiver.start()
+    sender = make_sender("arrow", TransportConfig(timeout_s=5, token=TOKEN.encode(), options={"arrow_tls_root": str(cert)}))
+    plain = make_sender("arrow", TransportConfig(timeout_s=3, token=TOKEN.encode()))
+    try:
+        sender.send(receiver.address, "tls", layout_of(KV), KV)
+        got = receiver.wait("tls", 5)
+        assert bytes(got.buffer.numpy()[:8]) == KV[0][0].numpy().tobytes()[:8]
+        got.release()
+        with pytest.raises(TransferError):
+            plain.send(receiver.address, "plain", layout_of(KV), KV)
+    finally:
+        sender.close()
+        plain.close()
+        receiver.close()

@@ -220,11 +220,14 @@ def test_two_by_two_cluster_round_robin_and_clean_stop(runner):
     assert len(kids) == 5 and survivors == []
 
 
-def optional(name):
-    return pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} not installed"))
+def optional(name, module=None):
+    module = module or name
+    return pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                                                       reason=f"{module} not installed"))
 
 
-@pytest.mark.parametrize("transport", ["shm", "pickle", optional("ray"), optional("mlx"), optional("nixl")])
+@pytest.mark.parametrize("transport", ["shm", "pickle", optional("ray"), optional("mlx"), optional("nixl"),
+                                       optional("arrow", "pyarrow")])
 def test_other_cpu_transports_serve_identical_output(transport, runner):
     cluster = Cluster("--transport", transport).wait_ready()
     try:
@@ -245,7 +248,7 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
         while True:  # worker info arrives with heartbeats
             workers = httpx.get(cluster.url + "/health").json()["workers"]
             prefill = workers["prefill"][0]
-            landed = transport not in ("shm", "nixl") or workers["decode"][0]["kv_landed_in_blocks"] == 4 \
+            landed = transport not in ("shm", "nixl", "arrow") or workers["decode"][0]["kv_landed_in_blocks"] == 4 \
                 and prefill["kv_from_blocks"] == 4
             if prefill["kv_in_place"] == in_place and prefill["kv_staged_bytes"] == 0 and landed \
                     or time.monotonic() > deadline:
@@ -253,7 +256,7 @@ def test_other_cpu_transports_serve_identical_output(transport, runner):
             time.sleep(0.2)
         assert prefill["kv_in_place"] == in_place
         decode = workers["decode"][0]
-        if transport == "shm":  # from the prefill pool's blocks straight into the decode pool's (shared memory)
+        if transport in ("shm", "arrow"):  # from the prefill pool's blocks straight into the decode pool's
             assert prefill["kv_from_blocks"] == 4 and decode["kv_landed_in_blocks"] == 4, (prefill, decode)
         if transport == "nixl":  # WRITEs from the registered prefill pool straight into the registered decode pool
             assert prefill["kv_from_blocks"] == 4 and decode["kv_landed_in_blocks"] == 4, (prefill, decode)

@@ -1,4 +1,4 @@
-"""KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm, nixl) and the receivers'
+"""KV straight from and into paged-pool blocks: senders that take pieces (tcp, shm, nixl, arrow) and the receivers'
 landing hook, bit-exact for every dtype, with the reservation undone when a transfer fails or is aborted."""
 import importlib.util
 import threading
@@ -41,7 +41,8 @@ def tcp():
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 16, 37])
-@pytest.mark.parametrize("name", ["tcp", "shm"])
+@pytest.mark.parametrize("name", ["tcp", "shm", pytest.param("arrow", marks=pytest.mark.skipif(
+    importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed"))])
 def test_pieces_sent_from_blocks_arrive_bit_exact(name, tokens, dtype):
     layout = KVLayout(3, 2, 8, tokens, dtype)
     source = pool(layout, 8, seed=tokens)
@@ -60,9 +61,21 @@ def test_pieces_sent_from_blocks_arrive_bit_exact(name, tokens, dtype):
         assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
 
 
+@pytest.fixture(params=["tcp", pytest.param("arrow", marks=pytest.mark.skipif(
+    importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed"))])
+def landing_pair(request):
+    receiver = make_receiver(request.param, TransportConfig(timeout_s=3.0))
+    receiver.start()
+    sender = make_sender(request.param, TransportConfig(timeout_s=5.0))
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tcp_lands_bytes_in_the_blocks_the_hook_names(tcp, dtype):
-    sender, receiver = tcp
+def test_receiver_lands_bytes_in_the_blocks_the_hook_names(landing_pair, dtype):
+    """Pieces of blocks, then whole tensors (one run a layer, cut across the blocks), land in the named blocks."""
+    sender, receiver = landing_pair
     layout = KVLayout(4, 2, 8, 40, dtype)
     source = pool(layout, 6, seed=1)
     dest = [tuple(torch.zeros_like(t) for t in pair) for pair in pool(layout, 6, seed=2)]
@@ -77,6 +90,16 @@ def test_tcp_lands_bytes_in_the_blocks_the_hook_names(tcp, dtype):
     assert not dest[0][0][1].any(), "a block outside the table was written"
     received.release()
     assert released == ["land"]
+    for k, v in dest:
+        k.zero_()
+        v.zero_()
+    whole = expected(source, [1, 2, 5], 40)
+    sender.send(receiver.address, "land-whole", layout, whole)
+    received = receiver.wait("land-whole", 5)
+    assert received.landed is not None
+    for (k, v), (ek, ev) in zip(expected(dest, table, 40), whole):
+        assert torch.equal(k.view(torch.uint8), ek.view(torch.uint8)) and torch.equal(v.view(torch.uint8), ev.view(torch.uint8))
+    received.release()
 
 
 def test_landing_is_released_when_the_sender_dies_midway(tcp):

@@ -15,7 +15,7 @@ import pytest
 from kvtransfer import TransferError
 
 CPU_TRANSPORTS = ["tcp", "shm", "pickle"]
-OPTIONAL = {"ray": "ray", "mlx": "mlx", "nixl": "nixl"}
+OPTIONAL = {"ray": "ray", "mlx": "mlx", "nixl": "nixl", "arrow": "pyarrow"}
 
 
 def available() -> list:
