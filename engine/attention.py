@@ -48,6 +48,11 @@ def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Ten
     return (tables[..., :blocks, None] * block_size + offsets).flatten(-2)[..., :length]
 
 
+def token_slot(table: list[int], pos: int, block_size: int) -> int:
+    """Flat pool slot of position ``pos`` of a sequence whose blocks are ``table`` (host side)."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_size, window, cos, sin) -> AttnMeta:
     """``tables`` ``[batch, blocks]`` and ``lens`` ``[batch]`` on the device; the rest as described above."""
     decode_only = all(e - s == 1 for s, e in zip(query_starts, query_starts[1:]))

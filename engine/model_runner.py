@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttnMeta, build_meta
+from .attention import AttnMeta, build_meta, token_slot
 from .kv_pool import KVPool
 from .scheduler import Batch
 
@@ -29,7 +29,7 @@ class ModelRunner:
             pos = range(start, end)
             positions += pos
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in pos]
+            slots += [token_slot(table, p, bs) for p in pos]
             starts.append(starts[-1] + chunk)
             lens.append(end)
         width = max(len(s.block_table) for s in batch.seqs)
@@ -55,6 +55,7 @@ class ModelRunner:
         if not decode or not self.graphs.fits(len(decode)):
             return self._run_eager(batch)
         graph_scores = self._run_graph([batch.seqs[i] for i in decode])
+        decode = set(decode)
         if len(decode) == len(batch.seqs):
             return graph_scores, {}
         rest, index = Batch(), []
@@ -98,7 +99,7 @@ class ModelRunner:
             p = seq.num_computed
             ids += seq.tokens(p, p + 1)
             positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            slots.append(token_slot(seq.block_table, p, bs))
             lens.append(p + 1)
         logits = self.graphs.run(ids, positions, slots, [s.block_table for s in seqs], lens).clone()
         if self.suppress is not None:

@@ -34,7 +34,7 @@ import pyarrow.flight as fl
 
 from control.auth import require_token_for
 
-from .base import KVSender, ReceivedKV, TransferError, TransferStatus
+from .base import KVSender, ReceivedKV, TransferError, TransferStatus, TransportConfig
 from .layout import KVLayout, LayoutError
 from .phases import PhaseTimes
 from .pieces import PiecewiseKV
@@ -101,8 +101,6 @@ class ArrowSender(KVSender):
     sends_pieces = True
 
     def __init__(self, cfg=None):
-        from .base import TransportConfig
-
         self.cfg = cfg or TransportConfig()
         self._clients: dict[str, fl.FlightClient] = {}
         self._lock = threading.Lock()

@@ -130,18 +130,22 @@ def _match(local: list, remote: list) -> tuple[list, list]:
     return out_l, out_r
 
 
-def _split(k_addr: int, v_addr: int, runs) -> tuple[list, list]:
-    """Local descriptors cutting contiguous K and V bytes at ``k_addr``/``v_addr`` into the sizes of the remote
-    ``runs`` (one layer's ``(k_runs, v_runs)``), and the remote descriptors themselves."""
-    n = sum(size for _, size in runs[0])
-    return _match([(k_addr, n), (v_addr, n)], runs[0] + runs[1])
-
-
 def _remote_layer(grant: dict, blocks, layout, layer: int) -> list:
     """Where layer ``layer``'s K then V bytes go on the receiver, as ``(address, nbytes)`` runs."""
     if blocks is not None:
         return blocks[layer][0] + blocks[layer][1]
     return [(a, n) for a, n, _ in _descs(grant["addr"], layout, layer)]
+
+
+def _paired(grant: dict, blocks, layout, sources) -> tuple[list, list]:
+    """Local and remote descriptors for every layer; ``sources[i]`` is layer ``i``'s local ``(address, nbytes)`` runs,
+    K's then V's."""
+    local, remote = [], []
+    for i, mine in enumerate(sources):
+        l, r = _match(mine, _remote_layer(grant, blocks, layout, i))
+        local += l
+        remote += r
+    return local, remote
 
 
 class NixlSender(SocketSender):
@@ -213,16 +217,8 @@ class NixlSender(SocketSender):
                         self.staged_bytes += 2 * n
                 with phases.measure("wire"):
                     last = i == layout.num_layers - 1
-                    if blocks is not None:
-                        local, remote = _split(k.data_ptr(), v.data_ptr(), blocks[i])
-                        local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
-                    else:
-                        local = agent.get_xfer_descs([(k.data_ptr(), n, 0), (v.data_ptr(), n, 0)], "DRAM")
-                        remote = agent.get_xfer_descs(_descs(grant["addr"], layout, i), "DRAM")
-                    handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"] if last else b"")
-                    handles.append(handle)
-                    if agent.transfer(handle) == "ERR":
-                        raise TransferError("NIXL WRITE could not be posted")
+                    local, remote = _match([(k.data_ptr(), n), (v.data_ptr(), n)], _remote_layer(grant, blocks, layout, i))
+                    self._post(peer, local, remote, grant["tag"] if last else b"", handles)
             with phases.measure("wire"):
                 self._wait(handles)
         finally:
@@ -235,51 +231,43 @@ class NixlSender(SocketSender):
     def _send_placed(self, span, grant, phases, layout, blocks) -> float:
         """One WRITE of a KV that already fills one region of the registered slab (into the decode pool's blocks
         when the GRANT names them)."""
-        agent, n = self.nixl.agent, span.stop - span.start
+        n = span.stop - span.start
         with phases.measure("wire"):
-            peer = self._peer(grant)
-            start = self.nixl.arena.memory.data_ptr() + span.start
+            start, size = self.nixl.arena.memory.data_ptr() + span.start, layout.tensor_nbytes
             if blocks is not None:
-                local, remote = [], []
-                for i, runs in enumerate(blocks):
-                    k_addr = start + layout.layer_offset(i)
-                    l, r = _split(k_addr, k_addr + layout.tensor_nbytes, runs)
-                    local += l
-                    remote += r
-                local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
+                starts = [start + layout.layer_offset(i) for i in range(layout.num_layers)]
+                local, remote = _paired(grant, blocks, layout, [[(k, size), (k + size, size)] for k in starts])
             else:
-                local = agent.get_xfer_descs([(start, n, 0)], "DRAM")
-                remote = agent.get_xfer_descs([(grant["addr"], n, 0)], "DRAM")
-            handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
-            try:
-                if agent.transfer(handle) == "ERR":
-                    raise TransferError("NIXL WRITE could not be posted")
-                self._wait([handle])
-            finally:
-                agent.release_xfer_handle(handle)
+                local, remote = [(start, n, 0)], [(grant["addr"], n, 0)]
+            self._write_once(self._peer(grant), local, remote, grant["tag"])
         return phases.serialize / 1e3
 
     def _send_pieces(self, kv, grant, phases, layout, blocks) -> float:
         """One WRITE from the prefill pool's blocks (registered once) to the decode pool's blocks or buffer."""
-        agent = self.nixl.agent
         with phases.measure("serialize"):
-            local, remote = [], []
-            for i, (ks, vs) in enumerate(kv.layers):
-                mine = [(p.data_ptr(), p.numel() * p.element_size()) for p in (*ks, *vs)]
-                l, r = _match(mine, _remote_layer(grant, blocks, layout, i))
-                local += l
-                remote += r
+            sources = [[(p.data_ptr(), p.numel() * p.element_size()) for p in (*ks, *vs)] for ks, vs in kv.layers]
+            local, remote = _paired(grant, blocks, layout, sources)
         with phases.measure("wire"):
-            peer = self._peer(grant)
-            local, remote = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
-            handle = agent.initialize_xfer("WRITE", local, remote, peer, grant["tag"])
-            try:
-                if agent.transfer(handle) == "ERR":
-                    raise TransferError("NIXL WRITE could not be posted")
-                self._wait([handle])
-            finally:
-                agent.release_xfer_handle(handle)
+            self._write_once(self._peer(grant), local, remote, grant["tag"])
         return phases.serialize / 1e3
+
+    def _post(self, peer, local: list, remote: list, tag: bytes, handles: list) -> None:
+        """Post one WRITE of ``(address, nbytes, 0)`` descriptors; its handle joins ``handles`` (the caller releases)."""
+        agent = self.nixl.agent
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"),
+                                       peer, tag)
+        handles.append(handle)
+        if agent.transfer(handle) == "ERR":
+            raise TransferError("NIXL WRITE could not be posted")
+
+    def _write_once(self, peer, local: list, remote: list, tag: bytes) -> None:
+        handles = []
+        try:
+            self._post(peer, local, remote, tag, handles)
+            self._wait(handles)
+        finally:
+            for h in handles:
+                self.nixl.agent.release_xfer_handle(h)
 
     def _wait(self, handles):
         end = time.monotonic() + self.cfg.timeout_s

@@ -5,7 +5,6 @@ ordering of sends and receives, pool blocks to pool blocks; only the backend dif
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from deploy.local import Cluster
+from tests.test_failures import eventually
 
 
 def run_check(tmp_path, *args) -> dict:
@@ -65,13 +65,16 @@ def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated):
         for disagg, local in answers:
             assert disagg["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
             assert disagg["pdserve"]["transport"] == "nccl" and disagg["pdserve"]["kv_bytes"] > 0
-        end = time.monotonic() + 10
-        while time.monotonic() < end:  # /health shows what the workers last reported
-            workers = httpx.get(cluster.url + "/health").json()["workers"]
-            prefill, decode = workers["prefill"][0], workers["decode"][0]
-            if prefill["kv_from_blocks"] and decode["kv_landed_in_blocks"] == len(prompts):
-                break
-            time.sleep(0.2)
+
+        def workers():  # /health shows what the workers last reported
+            reported = httpx.get(cluster.url + "/health").json()["workers"]
+            return reported["prefill"][0], reported["decode"][0]
+
+        def settled():
+            prefill, decode = workers()
+            return prefill["kv_from_blocks"] and decode["kv_landed_in_blocks"] == len(prompts)
+        eventually(settled, 10)
+        prefill, decode = workers()
         assert prefill["kv_from_blocks"] == len(prompts) and prefill["kv_staged_bytes"] == 0
         assert decode["kv_landed_in_blocks"] == len(prompts)
     finally:

@@ -25,6 +25,13 @@ def pieces_of(layers, table, tokens):
     return [([k[b, :n] for b, n in zip(table, sizes)], [v[b, :n] for b, n in zip(table, sizes)]) for k, v in layers]
 
 
+def pool_in(memory: torch.Tensor, dtype):
+    """A 3-layer pool of 6 blocks (2 KV heads, head dim 8) laid out in ``memory`` (what a worker shares)."""
+    n = 6 * BLOCK * 2 * 8 * dtype.itemsize
+    views = [memory[i * n:(i + 1) * n].view(dtype).view(6, BLOCK, 2, 8) for i in range(6)]
+    return list(zip(views[0::2], views[1::2]))
+
+
 def expected(layers, table, tokens):
     return [(torch.cat(ks), torch.cat(vs)) for ks, vs in pieces_of(layers, table, tokens)]
 
@@ -180,9 +187,7 @@ def test_shm_writes_straight_into_a_shared_pool(source):
 def test_nixl_writes_straight_into_a_registered_pool(placed):
     layout = KVLayout(3, 2, 8, 37, "float16")
     memory = torch.zeros(2 * 3 * 6 * BLOCK * 2 * 8 * 2, dtype=torch.uint8)
-    n = 6 * BLOCK * 2 * 8 * 2
-    views = [memory[i * n:(i + 1) * n].view(torch.float16).view(6, BLOCK, 2, 8) for i in range(6)]
-    dest = list(zip(views[0::2], views[1::2]))
+    dest = pool_in(memory, torch.float16)
     table, released = [4, 1, 3], []
     opts = {"nixl_pool_bytes": 8 << 20}
     receiver = make_receiver("nixl", TransportConfig(timeout_s=5.0, options=opts))
@@ -212,13 +217,8 @@ def test_nixl_writes_straight_into_a_registered_pool(placed):
 @pytest.mark.parametrize("into_blocks", [False, True])
 def test_nixl_sends_from_a_registered_prefill_pool(into_blocks):
     layout = KVLayout(3, 2, 8, 37, "bfloat16")
-    n = 6 * BLOCK * 2 * 8 * 2
-
-    def pool_in(memory):
-        views = [memory[i * n:(i + 1) * n].view(torch.bfloat16).view(6, BLOCK, 2, 8) for i in range(6)]
-        return list(zip(views[0::2], views[1::2]))
-    src_memory, dst_memory = torch.zeros(6 * n, dtype=torch.uint8), torch.zeros(6 * n, dtype=torch.uint8)
-    src, dest = pool_in(src_memory), pool_in(dst_memory)
+    src_memory, dst_memory = (torch.zeros(2 * 3 * 6 * BLOCK * 2 * 8 * 2, dtype=torch.uint8) for _ in range(2))
+    src, dest = pool_in(src_memory, torch.bfloat16), pool_in(dst_memory, torch.bfloat16)
     for (k, v), (rk, rv) in zip(src, pool(layout, 6, seed=3)):
         k.copy_(rk)
         v.copy_(rv)
