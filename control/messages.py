@@ -1,5 +1,6 @@
-"""Control messages (version 2): msgpack maps ``{"v": 2, "op": ..., ...}``. Version 2: ``decode`` carries
+"""Control messages (version 3): msgpack maps ``{"v": 3, "op": ..., ...}``. Version 2: ``decode`` carries
 the prompt's token ids and the parameters the prefill side resolved; ``first``/``tokens``/``done`` carry logprobs.
+Version 3: a worker sends what one engine step produced for one router as a single ``batch`` of messages.
 
 router -> prefill   ping | prefill{rid, prompt | messages + chat, params, kv_dest} | abort{rid}
 router -> decode    ping | decode{rid, first_token, prompt_ids, emitted, params (resolved)} | abort{rid}
@@ -8,12 +9,13 @@ worker -> router    pong{info} | first{rid, token, text, prompt_tokens, prompt_i
                           logprobs, timing[, prompt_text, prompt_logprobs]}
                     | tokens{rid, ids, text, logprobs} | done{rid, finish_reason, completion_tokens, timing, phases, logprobs}
                     | error{rid, status, message}
+                    | batch{msgs: [any of the above with its rid, as a map with op and no v]}
 """
 from __future__ import annotations
 
 import msgpack
 
-VERSION = 2
+VERSION = 3
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -42,3 +44,17 @@ def decode(raw: bytes) -> dict:
     if rid is not None and not isinstance(rid, str):
         raise MessageError("rid must be a string")
     return msg
+
+
+def unbatch(msg: dict) -> list[dict]:
+    """The messages inside a ``batch`` (each checked like a message of its own), or ``[msg]``."""
+    if msg["op"] != "batch":
+        return [msg]
+    items = msg.get("msgs")
+    if not isinstance(items, list):
+        raise MessageError("batch without a list of msgs")
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("op"), str) or item["op"] == "batch" \
+                or not isinstance(item.get("rid"), str):
+            raise MessageError("batch item is not a message with op and rid")
+    return items

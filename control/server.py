@@ -147,6 +147,7 @@ class ControlServer:
 
     def close(self):
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
         self.sock.close(0)
         self._pull.close(0)

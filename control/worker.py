@@ -8,6 +8,7 @@ has until idle or ``drain_s`` passes, fails what is left with 503 and exits.
 A second signal exits at once."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -35,6 +36,7 @@ class WorkerLoop:
         self.drain_s = drain_s
         self.draining_since: float | None = None
         self.restarts = int(os.environ.get("PDSERVE_RESTARTS", "0") or 0)
+        self._local = threading.local()
 
     def info(self) -> dict:
         return {"role": self.role}
@@ -59,9 +61,28 @@ class WorkerLoop:
         identity = self.reply_to.get(rid)
         if identity is None:
             return
-        self.server.send(identity, op, rid=rid, **fields)
+        outbox = getattr(self._local, "outbox", None)
+        if outbox is None:
+            self.server.send(identity, op, rid=rid, **fields)
+        else:
+            outbox.setdefault(identity, []).append({"op": op, "rid": rid, **fields})
         if op in ("done", "error"):
             self.reply_to.pop(rid, None)
+
+    @contextlib.contextmanager
+    def batched(self):
+        """What this thread emits inside goes to each router as one ``batch`` message at the end."""
+        self._local.outbox = outbox = {}
+        try:
+            yield
+        finally:
+            self._local.outbox = None
+            for identity, msgs in outbox.items():
+                if len(msgs) == 1:
+                    msg = msgs[0]
+                    self.server.send(identity, msg.pop("op"), **msg)
+                else:
+                    self.server.send(identity, "batch", msgs=msgs)
 
     def fail(self, rid: str, status: int, message: str, **fields) -> None:
         self.emit(rid, "error", status=status, message=message, **fields)

@@ -9,9 +9,10 @@ them; otherwise the KV is copied from the transport's buffer into blocks
 (``h2d`` in the phases) and the buffer goes back at once. Every engine step advances all
 running sequences together in one batched forward (continuous batching):
 tokens go out as ``tokens`` messages, the last as ``done`` with the transfer
-phases and decode timing. In colocated mode the worker also accepts
-``generate``: the same engine prefills the prompt (in chunks, mixed with
-the decode steps of the others) and answers ``first`` itself.
+phases and decode timing; what one step emits for one router travels as one
+``batch``. In colocated mode the worker also accepts ``generate``: the same
+engine prefills the prompt (in chunks, mixed with the decode steps of the
+others) and answers ``first`` itself.
 
 Admission: each sequence reserves the blocks of ``prompt + max new tokens``
 when it is accepted; a request that does not fit is refused with 503 and
@@ -252,11 +253,13 @@ class DecodeWorker(WorkerLoop):
                 self._finish(rid)
                 self.fail(rid, 500, f"decode failed: {e}")
             return
-        for seq in out.refused:
-            self._finish(seq.rid)
-            self.fail(seq.rid, 400, f"the request needs more KV blocks than this worker has ({self.engine.num_blocks})")
-        for seq, text in out.tokens:
-            self._emit(seq, text)
+        with self.batched():
+            for seq in out.refused:
+                self._finish(seq.rid)
+                self.fail(seq.rid, 400,
+                          f"the request needs more KV blocks than this worker has ({self.engine.num_blocks})")
+            for seq, text in out.tokens:
+                self._emit(seq, text)
 
     def _emit(self, seq, text):
         live = self.live.get(seq.rid)

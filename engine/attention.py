@@ -8,13 +8,17 @@ new token, the rotary tables of their positions, and how each sequence
 attends: decode-only batches gather every sequence's context slots into one
 padded ``[batch, context]`` index with a validity mask and attend with two
 grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
-one by one with SDPA, causal, offset by any cached prefix. Each layer first
+one by one with SDPA, causal, offset by any cached prefix (on CUDA, a batch
+of fresh prompts goes to FlashAttention's varlen kernel in one call instead:
+``varlen``). Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
 correct on CUDA). A meta with ``paged`` set (decode steps of ``graphs``)
 goes to those fixed-shape operations instead: ``paged`` in torch,
 ``triton_ops`` as CUDA kernels."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +26,35 @@ import torch.nn.functional as F
 
 
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
+USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
+
+
+@functools.cache
+def varlen_kernel():
+    """``fn(q, k, v, starts, longest, scale, window)``: causal FlashAttention over packed prompts through this
+    torch's ``varlen_attn`` (its GQA, scale and window arguments where it has them), or None without one."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = set(inspect.signature(varlen_attn).parameters)
+    gqa, windows, scaled = "enable_gqa" in params, "window_size" in params, "scale" in params
+    if not windows and "is_causal" not in params:
+        return None
+
+    def run(q, k, v, starts, longest, scale, window):
+        if window and not windows:
+            return None
+        kw = {"enable_gqa": True} if gqa else {}
+        if not gqa and k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+        if scaled:
+            kw["scale"] = scale
+        elif abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
+            q = q * (scale * q.shape[-1] ** 0.5)
+        kw.update({"window_size": (window - 1 if window else -1, 0)} if windows else {"is_causal": True})
+        return varlen_attn(q, k, v, starts, starts, longest, longest, **kw)
+    return run
 
 
 @dataclass
@@ -39,6 +72,7 @@ class AttnMeta:
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
     window: int = 0
+    varlen: tuple | None = None  # (cumulative query starts on the device, longest prompt): fresh prompts, CUDA
 
 
 def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -53,8 +87,10 @@ def token_slot(table: list[int], pos: int, block_size: int) -> int:
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_size, window, cos, sin) -> AttnMeta:
-    """``tables`` ``[batch, blocks]`` and ``lens`` ``[batch]`` on the device; the rest as described above."""
+def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_size, window, cos, sin,
+               varlen: bool = False) -> AttnMeta:
+    """``tables`` ``[batch, blocks]`` and ``lens`` ``[batch]`` on the device; ``varlen``: the model runs in half
+    precision on CUDA (what FlashAttention takes); the rest as described above."""
     decode_only = all(e - s == 1 for s, e in zip(query_starts, query_starts[1:]))
     meta = AttnMeta(slot_mapping, query_starts, context_lens, decode_only, cos, sin)
     device = slot_mapping.device
@@ -67,6 +103,11 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
             mask &= k_pos[None, :] > (lens[:, None] - 1 - window)
         meta.decode_mask = mask
         return meta
+    fresh = all(e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
+    if fresh and varlen and USE_VARLEN and varlen_kernel() is not None:
+        starts = torch.tensor(query_starts, dtype=torch.int32).to(device, non_blocking=True)
+        meta.varlen = (starts, max(context_lens))
+        meta.window = window
     for i, ctx in enumerate(context_lens):
         n = query_starts[i + 1] - query_starts[i]
         if n == ctx and not window:
@@ -95,6 +136,10 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta, scale)
+    if meta.varlen is not None:
+        out = varlen_kernel()(q, k, v, *meta.varlen, scale, meta.window)
+        if out is not None:
+            return out
     heads, dim = k_cache.shape[-2:]
     flat_k, flat_v = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     out = torch.empty_like(q)

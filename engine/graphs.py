@@ -99,15 +99,11 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         self.runs += 1
         width = max(len(t) for t in tables)
+        pad = [-1] * (size - n)
         staged = self.staging[:, :size]
-        staged[0, :n], staged[1, :n], staged[2, :n] = torch.tensor(ids), torch.tensor(positions), torch.tensor(slots)
-        staged[:, n:] = 0
-        staged[2, n:] = -1
-        rows = torch.zeros(size, width + 1, dtype=torch.int32)
-        for i, table in enumerate(tables):
-            rows[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        rows[:n, width] = torch.tensor(lens, dtype=torch.int32)
-        rows = rows.to(self.device, non_blocking=True)
+        staged.copy_(torch.tensor([ids + [0] * (size - n), positions + [0] * (size - n), slots + pad]))
+        rows = torch.tensor([t + [0] * (width - len(t)) + [n_] for t, n_ in zip(tables, lens)]
+                            + [[0] * (width + 1)] * (size - n), dtype=torch.int32).to(self.device, non_blocking=True)
         self.tokens[:, :size].copy_(staged, non_blocking=True)
         self.tables[:size, :width].copy_(rows[:, :width])
         self.lens[:size].copy_(rows[:, width])

@@ -19,6 +19,8 @@ class ModelRunner:
         self.suppress = torch.tensor(suppress, device=device) if suppress else None
         self.window = model.spec.sliding_window
         self.graphs = graphs
+        self.half_on_cuda = torch.device(device).type == "cuda" and pool.layers[0][0].dtype in (torch.float16,
+                                                                                                 torch.bfloat16)
 
     def _meta(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.pool.block_size
@@ -38,7 +40,8 @@ class ModelRunner:
         tables = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
         rotary = self.model.rotary
         cos, sin = rotary.cos[packed[1]], rotary.sin[packed[1]]
-        meta = build_meta(packed[2], starts, lens, tables[:, :-1], tables[:, -1], bs, self.window, cos, sin)
+        meta = build_meta(packed[2], starts, lens, tables[:, :-1], tables[:, -1], bs, self.window, cos, sin,
+                          self.half_on_cuda)
         return packed[0], packed[1], meta
 
     def _scores(self, hidden: torch.Tensor) -> torch.Tensor:

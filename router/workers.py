@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from control import auth
-from control.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode
+from control.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode, unbatch
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +132,15 @@ class WorkerClient:
                 self.last_pong = time.monotonic()
                 self.info = msg.get("info") or {}
                 continue
-            rid = msg.get("rid")
-            inbox = self.inboxes.get(rid)
-            if inbox is not None:
-                inbox.put_nowait(msg)
+            try:
+                items = unbatch(msg)
+            except MessageError as e:
+                log.warning("bad batch from %s: %s", self.address, e)
+                continue
+            for item in items:
+                inbox = self.inboxes.get(item.get("rid"))
+                if inbox is not None:
+                    inbox.put_nowait(item)
 
     def close(self):
         for task in self._tasks:

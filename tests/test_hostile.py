@@ -222,6 +222,20 @@ def test_fuzz_message_maps(fields):
 
 
 @settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(-9, 9), st.text(max_size=4),
+                          st.dictionaries(st.sampled_from(["op", "rid", "ids"]),
+                                          st.one_of(st.text(max_size=6), st.integers(-9, 9), st.just("batch")))),
+                max_size=4))
+def test_fuzz_batches(items):
+    msg = messages.decode(messages.encode("batch", msgs=items))
+    try:
+        out = messages.unbatch(msg)
+    except messages.MessageError:
+        return
+    assert all(isinstance(m["op"], str) and m["op"] != "batch" and isinstance(m["rid"], str) for m in out)
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=20, max_size=20))
 def test_fuzz_frame_prefix(raw):
     try:

@@ -92,3 +92,31 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     fast.runner.graphs.ops, fast.runner.graphs.layers = triton_ops, triton_layers
     got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
     assert got == want and fast.runner.graphs.runs >= 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen runs on CUDA")
+@pytest.mark.parametrize("window", [0, 7])
+def test_varlen_prefill_matches_one_sdpa_per_prompt(window):
+    from engine.attention import varlen_kernel
+
+    run = varlen_kernel()
+    if run is None:
+        pytest.skip("this torch has no varlen_attn")
+    lens, heads, kv_heads, dim = [5, 33, 1, 64], 32, 8, 128
+    g = torch.Generator().manual_seed(window)
+    q = torch.randn(sum(lens), heads, dim, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(lens), kv_heads, dim, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    starts = torch.tensor([0, 5, 38, 39, 103], dtype=torch.int32, device=DEVICE)
+    got = run(q, k, v, starts, max(lens), dim ** -0.5, window)
+    if got is None:
+        pytest.skip("this torch's varlen_attn has no window")
+    for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        n = e - s
+        pos = torch.arange(n, device=DEVICE)
+        mask = pos[None, :] <= pos[:, None]
+        if window:
+            mask &= pos[None, :] > pos[:, None] - window
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None].float(), k[s:e].transpose(0, 1).repeat_interleave(4, 0)[None].float(),
+            v[s:e].transpose(0, 1).repeat_interleave(4, 0)[None].float(), attn_mask=mask, scale=dim ** -0.5)
+        torch.testing.assert_close(got[s:e].float(), want[0].transpose(0, 1), atol=2e-2, rtol=2e-2)
