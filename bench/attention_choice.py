@@ -69,7 +69,9 @@ def flex_decode_fn(kc, vc, tables, lens, scale):
         return (logical >= 0) & (logical * bs + kv_idx % bs < lens[b])
 
     counts = torch.full((batch, 1, 1), width, dtype=torch.int32, device=kc.device)
-    mask = BlockMask.from_kv_blocks(counts, tables[:, None, None, :].contiguous(), BLOCK_SIZE=(128, bs),
+    indices = torch.zeros(batch, 1, 1, blocks, dtype=torch.int32, device=kc.device)
+    indices[:, 0, 0, :width] = tables
+    mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(128, bs),
                                     mask_mod=mask_mod, seq_lengths=(1, blocks * bs))
     k = kc.view(1, blocks * bs, HKV, D).transpose(1, 2)
     v = vc.view(1, blocks * bs, HKV, D).transpose(1, 2)
@@ -162,6 +164,11 @@ def reference_prefill(q, k, v, lens, scale):
 def timed(fn, *args, iters: int = 30) -> float:
     for _ in range(3):
         fn(*args)
+    if not torch.cuda.is_available():
+        started = time.perf_counter()
+        for _ in range(3):
+            fn(*args)
+        return (time.perf_counter() - started) / 3 * 1e3
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -196,8 +203,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/attention-choice")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="small cases (a CPU check of the script itself)")
     a = p.parse_args()
-    device, dtype, bs = torch.device("cuda"), torch.bfloat16, a.block_size
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, bs = torch.bfloat16 if device.type == "cuda" else torch.float32, a.block_size
     torch.manual_seed(0)
     scale = 1 / math.sqrt(D)
     try:
@@ -205,9 +214,11 @@ def main():
         flashinfer_state = "importable (not wired in)"
     except ImportError as e:
         flashinfer_state = f"not installable here: {e}"
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "block_size": bs,
+    decode_cases = ((2, 40),) if a.quick else ((1, 512), (1, 4096), (32, 512), (32, 2048), (64, 1024))
+    prefill_cases = ((3, 40),) if a.quick else ((16, 512), (4, 2048), (1, 8192))
+    report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__, "block_size": bs,
               "flashinfer": flashinfer_state, "decode": {}, "prefill": {}}
-    for batch, ctx in ((1, 512), (1, 4096), (32, 512), (32, 2048), (64, 1024)):
+    for batch, ctx in decode_cases:
         blocks = batch * -(-ctx // bs) + 8
         kc, vc = pool(blocks, bs, dtype, device)
         tables, lens = tables_for(batch, ctx, bs, blocks, device)
@@ -216,7 +227,7 @@ def main():
         row = measure(decode_candidates(kc, vc, tables, lens, scale), (q,), ref, 2e-2)
         report["decode"][f"b{batch}_ctx{ctx}"] = row
         print("decode", batch, ctx, {k: v.get("ms", v.get("error", "")[:60]) for k, v in row.items()}, flush=True)
-    for n, length in ((16, 512), (4, 2048), (1, 8192)):
+    for n, length in prefill_cases:
         lens = [length] * n
         total = n * length
         q = torch.randn(total, H, D, dtype=dtype, device=device)

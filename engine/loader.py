@@ -22,10 +22,14 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def pick_device(name: str) -> torch.device:
+    """The device named (``cuda`` alone is the current CUDA device, with its index), or the best one present."""
     if name != "auto":
-        return torch.device(name)
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        return torch.device("cuda", torch.cuda.current_device())
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
