@@ -1,7 +1,7 @@
 """Where a decode step's time goes, on a GPU machine: launch and sync costs of the device, then a torch profile
 of a few batched decode steps (top operators by CPU and device time).
 
-    python -m bench.profile_engine --model DIR [--batch 32] [--steps 8]"""
+    python -m bench.profile_engine --model DIR [--batch 32] [--steps 8] [--graph-times 1,32] [--prefill 16:512]"""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,40 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
     return out
 
 
+def prefill_profile(engine, rng, n: int, length: int) -> dict:
+    """One engine step over ``n`` fresh prompts of ``length`` tokens (timed), then its torch profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine import _seqs
+
+    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+
+    def once():
+        seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)], [2] * n)
+        for s in seqs:
+            engine.add(s)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = engine.step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        assert out.batch_tokens == n * length, out.batch_tokens
+        for s in seqs:
+            engine.free(s)
+        return ms
+
+    once()
+    times = [once() for _ in range(3)]
+    flops = 2 * sum(p.numel() for p in engine.model.parameters()) * n * length
+    result = {"prefill_tokens": n * length, "step_ms": min(times), "tflops": flops / min(times) / 1e9}
+    print(result, flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    return result
+
+
 def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -84,12 +118,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--graph-times", default="", help="batch sizes to break down into graph replay, kernel and host")
+    ap.add_argument("--prefill", default="", help="N:LEN: profile one step over N fresh prompts of LEN tokens, then stop")
     args = ap.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model, device="cuda", max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30))
     print("device micro-benchmarks:", micro(engine.device), flush=True)
     import random
 
     rng = random.Random(0)
+    if args.prefill:
+        n, length = (int(x) for x in args.prefill.split(":"))
+        prefill_profile(engine, rng, n, length)
+        return 0
     if args.graph_times:
         graph_times(engine, rng, [int(b) for b in args.graph_times.split(",")])
     print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)

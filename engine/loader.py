@@ -90,6 +90,7 @@ def load(cfg: EngineConfig) -> Loaded:
             suppress = None
     else:
         raise ValueError(f"model {cfg.model!r} is neither {TINY_NAME!r} nor a local checkpoint directory")
+    model.fuse()
     model.eval()
     max_len = getattr(config, "max_position_embeddings", None) or 2048
     if cfg.max_model_len:

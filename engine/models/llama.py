@@ -83,9 +83,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
         s, n = self.s, x.shape[0]
-        q = self.q_proj(x).view(n, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                                              s.num_kv_heads * s.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim), \
+            v.view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
@@ -100,7 +104,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -134,6 +142,16 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse(self) -> None:
+        """One GEMM for q/k/v and one for gate/up in every layer (after the weights are loaded by their HF names):
+        fewer, larger launches that read each weight once."""
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_proj = _joined(a.q_proj, a.k_proj, a.v_proj)
+            del a.q_proj, a.k_proj, a.v_proj
+            m.gate_up_proj = _joined(m.gate_proj, m.up_proj)
+            del m.gate_proj, m.up_proj
+
     def tie(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -153,3 +171,14 @@ def use_kernels(model: nn.Module, kernels) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, Rotary)):
             module.kernels = kernels
+
+
+def _joined(*linears: nn.Linear) -> nn.Linear:
+    first = linears[0]
+    out = sum(lin.out_features for lin in linears)
+    with torch.device("meta"):
+        joined = nn.Linear(first.in_features, out, bias=first.bias is not None)
+    joined.weight = nn.Parameter(torch.cat([lin.weight.data for lin in linears]), requires_grad=False)
+    if first.bias is not None:
+        joined.bias = nn.Parameter(torch.cat([lin.bias.data for lin in linears]), requires_grad=False)
+    return joined
