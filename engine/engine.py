@@ -22,6 +22,7 @@ from . import paged
 from .graphs import DecodeGraphs
 from .loader import load
 from .model_runner import ModelRunner
+from .models.llama import use_kernels
 from .sampler import choose
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -69,7 +70,8 @@ class Engine:
                  self.num_blocks * self.block_bytes / 2**20)
 
     def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
-        """Fixed-shape decode steps: CUDA graphs over the Triton kernels on CUDA (``auto``/``cuda``), the same
+        """Fixed-shape decode steps: CUDA graphs over the Triton kernels on CUDA (``auto``/``cuda``; the norms,
+        rotary and MLP activation of prefill use the Triton kernels then too), the same
         padded forward run eagerly with the torch operations (``eager``), or none (``off``; ``auto`` off CUDA)."""
         mode = cfg.decode_graphs
         if mode == "cuda" and self.device.type != "cuda":
@@ -87,9 +89,10 @@ class Engine:
                     raise RuntimeError(f"decode_graphs=cuda needs triton (pip install 'pdserve[cuda]'): {e}") from e
                 log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
                 return None
+        if layers is not None:
+            use_kernels(self.model, layers)
         max_blocks = -(-self.max_len // self.block_size) + 1
-        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
-                            layers)
+        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
     @property
     def block_bytes(self) -> int:

@@ -19,7 +19,6 @@ import time
 import torch
 
 from .attention import AttnMeta
-from .models.llama import use_kernels
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,9 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool, layers=None):
-        """``ops``: ``paged`` or ``triton_ops``; ``layers``: ``triton_layers`` for the norms and rotary of this
-        step (prefill keeps the torch forms, which match HF transformers exactly)."""
-        self.model, self.pool, self.device, self.ops, self.layers = model, pool, device, ops, layers
+    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool):
+        """``ops``: ``paged`` or ``triton_ops``."""
+        self.model, self.pool, self.device, self.ops = model, pool, device, ops
         self.sizes = batch_sizes(max_batch)
         top = self.sizes[-1]
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
@@ -56,11 +54,7 @@ class DecodeGraphs:
         rotary = self.model.rotary
         meta = AttnMeta(slots, [], [], True, rotary.cos[positions], rotary.sin[positions], paged=self.ops,
                         tables=self.tables[:n], lens=self.lens[:n], window=self.model.spec.sliding_window or 0)
-        use_kernels(self.model, self.layers)
-        try:
-            hidden = self.model(ids, positions, meta, self.pool.layers)
-        finally:
-            use_kernels(self.model, None)
+        hidden = self.model(ids, positions, meta, self.pool.layers)
         return self.model.logits(hidden).float()
 
     def _on_device(self):

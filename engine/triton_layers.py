@@ -1,6 +1,7 @@
-"""RMSNorm and rotary embedding as one Triton kernel each (CUDA), in place of
-the several elementwise launches their torch forms take; rounded at the same
-points as the torch forms (``RMSNorm``, ``Rotary``), so bf16 results match."""
+"""RMSNorm, rotary embedding and the MLP's SiLU-times-up as one Triton kernel
+each (CUDA), in place of the several elementwise launches their torch forms
+take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
+``MLP``), so bf16 results match to the last place."""
 from __future__ import annotations
 
 import torch
@@ -62,3 +63,26 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                                                  BLOCK=triton.next_power_of_2(half))
         out.append(y)
     return out[0], out[1]
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * N + col, (act * up).to(dt), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up`` ``[tokens, 2 * n]`` (gate then up) -> ``silu(gate) * up`` ``[tokens, n]``."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // (2 * n)
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
+    return out

@@ -61,6 +61,20 @@ def test_rmsnorm_kernel_matches_the_module(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2 * 40), (5, 2 * 2048), (1, 2 * 14336)])
+def test_silu_mul_kernel_matches_the_module(shape, dtype):
+    from engine import triton_layers
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (3 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = triton_layers.silu_mul(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dims", [(4, 2, 16), (32, 8, 128), (4, 4, 12)])
 def test_rotary_kernel_matches_the_module(dims, dtype):
     from engine import triton_layers

@@ -97,6 +97,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels = None  # ``triton_layers`` (see ``use_kernels``)
+
     def __init__(self, s: ModelSpec):
         super().__init__()
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
@@ -105,6 +107,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
+            if self.kernels is not None:
+                return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -167,9 +171,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def use_kernels(model: nn.Module, kernels) -> None:
-    """Run every RMSNorm and the rotary embedding of ``model`` with ``kernels`` (``triton_layers``)."""
+    """Run every RMSNorm, MLP activation and the rotary embedding of ``model`` with ``kernels``
+    (``triton_layers``; None: the torch forms)."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Rotary)):
+        if isinstance(module, (RMSNorm, Rotary, MLP)):
             module.kernels = kernels
 
 
