@@ -36,12 +36,16 @@ there; other layers are first gathered into a pooled staging buffer in the
 canonical layout (device copy, reported as serialize; ``staged_bytes``). A
 receiver without blocks takes the whole KV into a pooled buffer. The
 receiver's record ends when its operations have completed: the bytes are in
-place then.
+place then. Operations are posted on a side stream of the GPU, not the
+engine's: KV handed to a transfer is already computed (the step that made it
+was read back), so a send need not wait behind the engine's next step, and
+the wait for completion sleeps between looks, leaving the GIL to the engine.
 Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
 ``nccl_pool_bytes``, ``nccl_eager``; ``nccl_backend=gloo`` runs the same protocol
 between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +67,8 @@ _lock = threading.Lock()
 _order = threading.Lock()
 _broken: list[str] = []
 SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
+NAP_S = 50e-6
+_side_streams: dict = {}
 DEFAULT_POOL_BYTES = 1 << 30
 
 
@@ -103,16 +109,18 @@ def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
     if _broken:
         raise TransferError(f"nccl world unusable ({_broken[0]}); restart prefill and decode")
     on_gpu = ops[0][1].is_cuda
-    if len(ops) == 1:
-        works = [ops[0][0](ops[0][1], peer)]
-    else:
-        works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+    with torch.cuda.stream(_side_stream(ops[0][1].device)) if on_gpu else contextlib.nullcontext():
+        if len(ops) == 1:
+            works = [ops[0][0](ops[0][1], peer)]
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
     done = (lambda: all(w.is_completed() for w in works)) if on_gpu else _waiter(works)
     start = time.perf_counter()
     next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
     while not done():
         now = time.perf_counter()
         if now < next_check:
+            time.sleep(NAP_S)
             continue
         next_check = now + CHECK_S
         hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
@@ -122,6 +130,13 @@ def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
     if on_gpu:
         for w in works:
             w.wait()
+
+
+def _side_stream(device):
+    with _lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device)
+        return _side_streams[device]
 
 
 def _waiter(works):
