@@ -36,8 +36,8 @@ there; other layers are first gathered into a pooled staging buffer in the
 canonical layout (device copy, reported as serialize; ``staged_bytes``). A
 receiver without blocks takes the whole KV into a pooled buffer. The
 receiver's record ends when its operations have completed: the bytes are in
-place then. Operations are posted on a side stream of the GPU, not the
-engine's: KV handed to a transfer is already computed (the step that made it
+place then. Operations are posted on a high-priority side stream of the GPU, not the
+engine's (its blocks are scheduled ahead of a busy decode engine's): KV handed to a transfer is already computed (the step that made it
 was read back), so a send need not wait behind the engine's next step, and
 the wait for completion sleeps between looks, leaving the GIL to the engine.
 Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
@@ -135,7 +135,7 @@ def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
 def _side_stream(device):
     with _lock:
         if device not in _side_streams:
-            _side_streams[device] = torch.cuda.Stream(device)
+            _side_streams[device] = torch.cuda.Stream(device, priority=-1)  # ahead of the engine's kernels
         return _side_streams[device]
 
 
