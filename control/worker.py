@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 
@@ -22,7 +21,6 @@ from .server import ControlServer
 log = logging.getLogger(__name__)
 
 MIN_DRAIN_S = 0.3
-SWITCH_S = 0.0005  # GIL hand-over: transport threads get in between engine steps within 0.5 ms, not 5
 
 
 class WorkerLoop:
@@ -107,7 +105,6 @@ class WorkerLoop:
         self.stopping.set()
 
     def serve_forever(self) -> None:
-        sys.setswitchinterval(SWITCH_S)
         self.server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
