@@ -33,7 +33,8 @@ VARLEN_MIN_PROMPTS = 3  # measured (bench.attention_choice, H200): 16x512 3.4x f
 @functools.cache
 def varlen_kernel():
     """``fn(q, k, v, starts, longest, scale, window)``: causal FlashAttention over packed prompts through this
-    torch's ``varlen_attn`` (its GQA, scale and window arguments where it has them), or None without one."""
+    torch's ``varlen_attn`` (its GQA and scale arguments where it has them), or None without one;
+    ``fn.windows``: whether it takes sliding windows."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -44,8 +45,6 @@ def varlen_kernel():
         return None
 
     def run(q, k, v, starts, longest, scale, window):
-        if window and not windows:
-            return None
         kw = {"enable_gqa": True} if gqa else {}
         if not gqa and k.shape[1] != q.shape[1]:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
@@ -55,6 +54,7 @@ def varlen_kernel():
             q = q * (scale * q.shape[-1] ** 0.5)
         kw.update({"window_size": (window - 1 if window else -1, 0)} if windows else {"is_causal": True})
         return varlen_attn(q, k, v, starts, starts, longest, longest, **kw)
+    run.windows = windows
     return run
 
 
@@ -104,11 +104,11 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
             mask &= k_pos[None, :] > (lens[:, None] - 1 - window)
         meta.decode_mask = mask
         return meta
-    fresh = all(e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
-    if fresh and varlen and len(context_lens) >= VARLEN_MIN_PROMPTS and USE_VARLEN and varlen_kernel() is not None:
+    if varlen and _varlen_takes(query_starts, context_lens, window):
         starts = torch.tensor(query_starts, dtype=torch.int32).to(device, non_blocking=True)
         meta.varlen = (starts, max(context_lens))
         meta.window = window
+        return meta
     for i, ctx in enumerate(context_lens):
         n = query_starts[i + 1] - query_starts[i]
         if n == ctx and not window:
@@ -121,6 +121,13 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
             mask &= k_pos[None, :] > q_pos[:, None] - window
         meta.segments.append((block_slots(tables[i], block_size, ctx), mask))
     return meta
+
+
+def _varlen_takes(query_starts, context_lens, window) -> bool:
+    """Fresh prompts only (no cached prefix), enough of them to beat one SDPA call each, a kernel that has the window."""
+    kernel = varlen_kernel() if USE_VARLEN and len(context_lens) >= VARLEN_MIN_PROMPTS else None
+    return kernel is not None and (not window or kernel.windows) and all(
+        e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
 
 
 def write_kv(k_cache, v_cache, k, v, slots) -> None:
@@ -138,9 +145,7 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta, scale)
     if meta.varlen is not None:
-        out = varlen_kernel()(q, k, v, *meta.varlen, scale, meta.window)
-        if out is not None:
-            return out
+        return varlen_kernel()(q, k, v, *meta.varlen, scale, meta.window)
     heads, dim = k_cache.shape[-2:]
     flat_k, flat_v = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     out = torch.empty_like(q)

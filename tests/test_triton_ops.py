@@ -121,9 +121,9 @@ def test_varlen_prefill_matches_one_sdpa_per_prompt(window):
     q = torch.randn(sum(lens), heads, dim, generator=g).to(DEVICE, torch.bfloat16)
     k, v = (torch.randn(sum(lens), kv_heads, dim, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     starts = torch.tensor([0, 5, 38, 39, 103], dtype=torch.int32, device=DEVICE)
-    got = run(q, k, v, starts, max(lens), dim ** -0.5, window)
-    if got is None:
+    if window and not run.windows:
         pytest.skip("this torch's varlen_attn has no window")
+    got = run(q, k, v, starts, max(lens), dim ** -0.5, window)
     for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
         n = e - s
         pos = torch.arange(n, device=DEVICE)

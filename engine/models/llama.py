@@ -83,11 +83,8 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
         s, n = self.s, x.shape[0]
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                                              s.num_kv_heads * s.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                                          s.num_kv_heads * s.head_dim], dim=-1)
         q, k, v = q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim), \
             v.view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
@@ -106,12 +103,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x):
-        if hasattr(self, "gate_up_proj"):
-            if self.kernels is not None:
-                return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -147,8 +142,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse(self) -> None:
-        """One GEMM for q/k/v and one for gate/up in every layer (after the weights are loaded by their HF names):
-        fewer, larger launches that read each weight once."""
+        """One GEMM for q/k/v and one for gate/up in every layer, which ``forward`` uses (called once the weights
+        are loaded by their HF names): fewer, larger launches that read each weight once."""
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             a.qkv_proj = _joined(a.q_proj, a.k_proj, a.v_proj)
