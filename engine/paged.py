@@ -1,6 +1,6 @@
 """Decode attention straight over the paged pool, with fixed shapes (what a
 CUDA graph can capture): ``store_kv`` writes each new token's K/V into its
-slot (a negative slot is a padding row and is skipped), ``decode`` attends
+slot (a negative slot is a padding row: it writes nothing of its own), ``decode`` attends
 each sequence's query over its first ``lens[b]`` tokens, found through its
 row of ``tables`` (``[batch, max_blocks]`` block ids). These are the torch
 versions (any device; the reference in tests); ``triton_ops`` has the same
@@ -13,11 +13,10 @@ import torch
 def store_kv(k_cache, v_cache, k, v, slots) -> None:
     heads, dim = k_cache.shape[-2:]
     keep = slots >= 0
-    index = torch.where(keep, slots, 0)
+    index = torch.where(keep, slots, slots[0])  # padding rows repeat row 0's write (row 0 is never padding)
     for cache, new in ((k_cache, k), (v_cache, v)):
-        flat = cache.view(-1, heads, dim)
-        old = flat.index_select(0, index)
-        flat.index_copy_(0, index, torch.where(keep[:, None, None], new.to(flat.dtype), old))
+        new = new.to(cache.dtype)
+        cache.view(-1, heads, dim).index_copy_(0, index, torch.where(keep[:, None, None], new, new[:1]))
 
 
 def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> torch.Tensor:
