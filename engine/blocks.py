@@ -1,12 +1,14 @@
 """Block allocation for the paged KV pool: reference-counted blocks, a block
-table per sequence, all blocks free again once every sequence let go.
+table per sequence, all blocks free again once every sequence let go. Free blocks are handed out
+lowest id first, so a sequence's blocks tend to be one run of consecutive
+ids (transports move a run as one piece) even after much churn.
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
 whole step's planning)."""
 from __future__ import annotations
 
+import heapq
 import threading
-from collections import deque
 
 
 class OutOfBlocks(MemoryError):
@@ -20,7 +22,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks
-        self.free = deque(range(num_blocks))
+        self.free = list(range(num_blocks))  # a heap
         self.lock = threading.RLock()
 
     @property
@@ -40,7 +42,7 @@ class BlockManager:
             if need > len(self.free):
                 raise OutOfBlocks(f"{need} blocks needed, {len(self.free)} free")
             for _ in range(need):
-                block = self.free.popleft()
+                block = heapq.heappop(self.free)
                 self.refs[block] = 1
                 table.append(block)
 
@@ -55,7 +57,7 @@ class BlockManager:
             for block in table:
                 self.refs[block] -= 1
                 if self.refs[block] == 0:
-                    self.free.append(block)
+                    heapq.heappush(self.free, block)
                 elif self.refs[block] < 0:
                     raise RuntimeError(f"block {block} released more often than taken")
             table.clear()

@@ -25,6 +25,7 @@ class KVPool:
             self.layers = list(zip(views[0::2], views[1::2]))
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.flat = [(k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)) for k, v in self.layers]
 
     def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
         return block_slots(torch.tensor(table, dtype=torch.long, device=device), self.block_size, tokens)
@@ -32,15 +33,14 @@ class KVPool:
     def pieces(self, table: list[int], tokens: int) -> list:
         """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks, one per run of consecutive block ids
         (the last cut to its tokens)."""
-        runs, start = [], 0
+        spans, start = [], 0
         for i in range(1, len(table) + 1):
             if i == len(table) or table[i] != table[i - 1] + 1:
-                runs.append((table[start], i - start, min(i * self.block_size, tokens) - start * self.block_size))
+                t = min(i * self.block_size, tokens) - start * self.block_size
+                if t > 0:
+                    spans.append((table[start] * self.block_size, table[start] * self.block_size + t))
                 start = i
-        runs = [r for r in runs if r[2] > 0]
-        flat = (-1, self.kv_heads, self.head_dim)
-        return [([kc[b:b + n].view(flat)[:t] for b, n, t in runs], [vc[b:b + n].view(flat)[:t] for b, n, t in runs])
-                for kc, vc in self.layers]
+        return [([kf[s:e] for s, e in spans], [vf[s:e] for s, e in spans]) for kf, vf in self.flat]
 
     def gather(self, table: list[int], tokens: int, into: list | None = None) -> list:
         """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given)."""
