@@ -1,6 +1,6 @@
 """Conformance and speed of the nccl transport on a two-GPU machine.
 
-    python -m bench.nccl_check [--out results.json] [--backend gloo] [--no-eager]
+    python -m bench.nccl_check [--out results.json] [--backend gloo] [--no-eager] [--direct-cuts N]
 
 Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
@@ -77,7 +77,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def worker(rank, init, kv_port, results, backend="nccl", eager=True):
+def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts=0):
     from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
     from kvtransfer.tensors import layout_of, materialize
 
@@ -85,6 +85,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
     payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
                           options={"nccl_init": init, "nccl_rank": rank, "nccl_backend": backend, "nccl_eager": eager,
+                                   "nccl_direct_cuts": direct_cuts,
                                    "nccl_pool_bytes": (3 << 30) if backend == "nccl" else (64 << 20)})
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
     if rank == 1:
@@ -121,7 +122,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
             report["checks"]["abort"] = False
         except TransferError:
             report["checks"]["abort"] = True
-        report["drained"] = r.drained
+        report["drained"], report["scattered_bytes"] = r.drained, r.scattered_bytes
         dist.barrier()
         for name, (L, H, T, D, dtype) in payloads.items():
             transport, raw = [], []
@@ -220,7 +221,8 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True):
             if source is not None:
                 source.release()
             del layers, flat
-        results["eager_sends"] = s.eager_sends
+        results["eager_sends"], results["gathered_bytes"] = s.eager_sends, s.gathered_bytes
+        results["piece_sends"] = s.piece_sends
         s.close()
         dist.barrier()
         begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"))
@@ -342,15 +344,17 @@ def main():
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                     help="gloo: the same protocol between two CPU processes (no GPUs needed; timings mean little)")
     ap.add_argument("--no-eager", dest="eager", action="store_false", help="a GRANT round trip for every transfer")
+    ap.add_argument("--direct-cuts", type=int, default=0,
+                    help="move KV in pieces (no gather/scatter) when it cuts into at most this many segments per layer")
     args = ap.parse_args()
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
         raise SystemExit("needs two CUDA GPUs (or --backend gloo)")
     manager = mp.Manager()
     results = manager.dict()
     init, kv_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager), nprocs=2, join=True)
+    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager, args.direct_cuts), nprocs=2, join=True)
     out = dict(results)
-    out["backend"], out["eager"] = args.backend, args.eager
+    out["backend"], out["eager"], out["direct_cuts"] = args.backend, args.eager, args.direct_cuts
     if args.backend == "nccl":
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(2)]
     out["torch"] = torch.__version__

@@ -95,6 +95,7 @@ class DecodeWorker(WorkerLoop):
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
                 "kv_reserved_bytes": sum(self.reserved.values()), "preemptions": e.scheduler.preemptions,
                 "kv_landed_in_blocks": self.kv_landed,
+                "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0)}
 
     def busy(self):

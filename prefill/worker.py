@@ -75,7 +75,8 @@ class PrefillWorker(WorkerLoop):
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
                 "kv_from_blocks": self.kv_from_blocks,
-                "kv_staged_bytes": self.sender.staged_bytes, "kv_blocks": self.engine.num_blocks,
+                "kv_staged_bytes": self.sender.staged_bytes,
+                "kv_gathered_bytes": getattr(self.sender, "gathered_bytes", 0), "kv_blocks": self.engine.num_blocks,
                 "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live)}
 
     def busy(self):

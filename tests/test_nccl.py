@@ -21,12 +21,16 @@ def run_check(tmp_path, *args) -> dict:
     return json.loads(out.read_text())
 
 
-def assert_conformant(report, eager=True):
+def assert_conformant(report, eager=True, direct=False):
     assert all(report["checks"].values()), report["checks"]
     assert report["size_limit_refused"]
     assert report["placed_staged_bytes"] == 0 and report["pieces_staged_bytes"] == 0
     assert {"pieces-into-blocks", "pieces-into-buffer", "whole-into-blocks"} <= set(report["checks"])
     assert any(name.endswith("/blocks") for name in report["checks"])  # a timed payload sent pool to pool
+    if direct:  # KV in blocks moved as pieces, one operation per segment (fragmented tables: gathered)
+        assert report["piece_sends"] > 0 and report["gathered_bytes"] > 0 and report["scattered_bytes"] > 0
+    else:  # every KV in blocks gathered into one buffer on the sender, scattered into blocks on the receiver
+        assert report["piece_sends"] == 0 and report["gathered_bytes"] > 0 and report["scattered_bytes"] > 0
     assert not report["aborted_sent"] and report["after-abort_sent"]
     hangup = report["hangup"]
     assert hangup["reported_error"] and hangup["seconds"] < 5 and hangup["world"], hangup
@@ -41,7 +45,8 @@ def test_nccl_protocol_over_gloo(tmp_path):
 
 
 def test_nccl_protocol_over_gloo_granting_every_transfer(tmp_path):
-    assert_conformant(run_check(tmp_path, "--backend", "gloo", "--no-eager"), eager=False)
+    assert_conformant(run_check(tmp_path, "--backend", "gloo", "--no-eager", "--direct-cuts", "1"), eager=False,
+                      direct=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl transport needs two CUDA GPUs")
