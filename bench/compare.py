@@ -18,7 +18,8 @@ from .report import command_line
 from .serve import run_load, summarize
 
 COLUMNS = [("prefill", "prefill"), ("serialize", "serialize"), ("transfer", "wire"), ("deserialize", "deserialize"),
-           ("h2d", "h2d"), ("decode", "decode"), ("transfer overhead", "transfer_total"), ("TTFT router", "ttft"), ("e2e", "e2e")]
+           ("h2d", "h2d"), ("overlap", "overlap"), ("exposed", "exposed"), ("decode", "decode"),
+           ("transfer overhead", "transfer_total"), ("TTFT router", "ttft"), ("e2e", "e2e")]
 
 
 def add_arguments(p):

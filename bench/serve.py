@@ -18,7 +18,8 @@ from .report import command_line
 from .stats import summary
 from .workload import arrivals, build
 
-PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "h2d", "transfer_total", "decode", "ttft", "e2e")
+PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "h2d", "transfer_total", "overlap", "exposed",
+          "decode", "ttft", "e2e")
 
 
 def add_arguments(p):

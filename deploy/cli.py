@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
                    "--max-num-seqs full-context sequences, at most half the free memory, 2G on the CPU)")
     p.add_argument("--max-queue", type=int, default=64, help="prompts that may wait (then 503)")
+    p.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
+                   help="send the KV after the prefill forward ends (default: layer by layer while it runs)")
 
     d = sub.add_parser("decode", help="decode worker")
     _add_worker(d)
@@ -108,17 +110,21 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
+    u.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
+                   help="prefill sends the KV after its forward ends (default: layer by layer while it runs)")
     _add_engine(u)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import compare, engine, idle, serve, soak, transfer
+    from bench import compare, engine, idle, serve, soak, stream, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     soak.add_arguments(bsub.add_parser("soak", help="many streams for a long time: errors and memory growth"))
     engine.add_arguments(bsub.add_parser("engine", help="engine throughput alone: batched decode, offline requests"))
+    stream.add_arguments(bsub.add_parser("stream", help="KV transfer left after the prefill forward, layer-wise "
+                                         "streaming on and off"))
     idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))
     return ap
 
@@ -156,7 +162,7 @@ def main(argv=None) -> int:
         from prefill.worker import PrefillWorker
 
         PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args),
-                      max_queue=args.max_queue, drain_s=args.drain_timeout).serve_forever()
+                      max_queue=args.max_queue, drain_s=args.drain_timeout, kv_stream=args.kv_stream).serve_forever()
         return 0
     if args.cmd == "decode":
         from decode.worker import DecodeWorker

@@ -95,7 +95,8 @@ def plan(args) -> list[list[str]]:
         for i in range(args.prefill):
             port = free_port(host)
             rank = ranked[i]
-            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank)
+            stream = [] if getattr(args, "kv_stream", True) else ["--no-kv-stream"]
+            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank + stream)
             roles["prefill"].append(f"tcp://{host}:{port}")
         for i in range(args.decode):
             port, kv = free_port(host), free_port(host)

@@ -74,6 +74,7 @@ class AttnMeta:
     lens: torch.Tensor | None = None
     window: int = 0
     varlen: tuple | None = None  # (cumulative query starts on the device, longest prompt): fresh prompts, CUDA
+    on_layer: object = None  # called with each layer's index once it wrote its K/V (LayerProgress.layer_done)
 
 
 def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

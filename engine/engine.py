@@ -65,7 +65,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
-        self.on_schedule = None  # called with the sequences of each batch before its forward runs
+        self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20)
 
@@ -171,9 +171,8 @@ class Engine:
         out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
         if not batch.seqs:
             return out
-        if self.on_schedule is not None:
-            self.on_schedule(batch.seqs)
-        scores, prompt_scores = self.runner.run(batch)
+        progress = self.on_schedule(batch) if self.on_schedule is not None else None
+        scores, prompt_scores = self.runner.run(batch, progress.layer_done if progress is not None else None)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if i in prompt_scores:

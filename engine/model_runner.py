@@ -51,12 +51,13 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+    def run(self, batch: Batch, on_layer=None) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``.
-        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly."""
+        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly.
+        ``on_layer(i)``: called as the eager forward finishes each layer."""
         decode = [i for i in range(len(batch.seqs)) if self._decodes(batch, i)] if self.graphs is not None else []
         if not decode or not self.graphs.fits(len(decode)):
-            return self._run_eager(batch)
+            return self._run_eager(batch, on_layer)
         graph_scores = self._run_graph([batch.seqs[i] for i in decode])
         decode = set(decode)
         if len(decode) == len(batch.seqs):
@@ -66,7 +67,7 @@ class ModelRunner:
             if i not in decode:
                 rest.add(seq, chunk)
                 index.append(i)
-        eager_scores, rest_prompt = self._run_eager(rest)
+        eager_scores, rest_prompt = self._run_eager(rest, on_layer)
         rows, g, e = [], iter(graph_scores), iter(eager_scores)
         for i in range(len(batch.seqs)):
             if i in decode:
@@ -75,8 +76,9 @@ class ModelRunner:
                 rows.append(next(e))
         return torch.stack(rows), {index[j]: v for j, v in rest_prompt.items()}
 
-    def _run_eager(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+    def _run_eager(self, batch: Batch, on_layer=None) -> tuple[torch.Tensor, dict]:
         ids, positions, meta = self._meta(batch)
+        meta.on_layer = on_layer
         hidden = self.model(ids, positions, meta, self.pool.layers)
         rows, prompt_scores = [], {}
         for i, seq in enumerate(batch.seqs):

@@ -110,17 +110,24 @@ def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
 
 
 def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
-    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them, watching the
-    control socket: a peer that hung up (or no progress in ``timeout_s``) leaves an operation NCCL can never
-    complete, and every later pair would be mismatched, so the world is aborted and all later transfers fail."""
+    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them (``_await``)."""
+    _await(_post(ops, peer), ops[0][1].device, sock, timeout_s)
+
+
+def _post(ops: list, peer: int) -> list:
     if _broken:
         raise TransferError(f"nccl world unusable ({_broken[0]}); restart prefill and decode")
-    on_gpu = ops[0][1].is_cuda
-    with torch.cuda.stream(_side_stream(ops[0][1].device)) if on_gpu else contextlib.nullcontext():
+    with _on_side(ops[0][1].device):
         if len(ops) == 1:
-            works = [ops[0][0](ops[0][1], peer)]
-        else:
-            works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+            return [ops[0][0](ops[0][1], peer)]
+        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+
+
+def _await(works: list, device, sock, timeout_s: float) -> None:
+    """Wait for posted operations, watching the control socket: a peer that hung up (or no progress in
+    ``timeout_s``) leaves an operation NCCL can never complete, and every later pair would be mismatched, so the
+    world is aborted and all later transfers fail."""
+    on_gpu = device.type == "cuda"
     done = (lambda: all(w.is_completed() for w in works)) if on_gpu else _waiter(works)
     start = time.perf_counter()
     next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
@@ -135,7 +142,7 @@ def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
             _abort("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
             raise TransferError(f"nccl transfer lost: {_broken[0]}")
     if on_gpu:
-        with torch.cuda.stream(_side_stream(ops[0][1].device)):
+        with _on_side(device):
             for w in works:
                 w.wait()
 
@@ -144,9 +151,10 @@ def _on_side(device):
     return torch.cuda.stream(_side_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _rows(buffer: torch.Tensor, layout) -> torch.Tensor:
-    """A canonical buffer as ``[layers * 2 * tokens, kv_heads, head_dim]`` rows."""
-    return buffer[:layout.total_nbytes].view(TORCH_DTYPES[layout.dtype]).view(-1, *layout.tensor_shape[1:])
+def _rows(buffer: torch.Tensor, layout, nbytes: int | None = None) -> torch.Tensor:
+    """A canonical buffer (or ``nbytes`` of it) as ``[layers * 2 * tokens, kv_heads, head_dim]`` rows."""
+    nbytes = layout.total_nbytes if nbytes is None else nbytes
+    return buffer[:nbytes].view(TORCH_DTYPES[layout.dtype]).view(-1, *layout.tensor_shape[1:])
 
 
 def _flat(pieces: list) -> list:
@@ -158,12 +166,18 @@ def _gather(pieces: list, buffer: torch.Tensor, layout) -> None:
         torch.cat(_flat(pieces), dim=0, out=_rows(buffer, layout))
 
 
-def _scatter(buffer: torch.Tensor, pieces: list, layout) -> None:
+def _scatter(buffer: torch.Tensor, pieces: list, layout, sync: bool = True) -> None:
+    """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces``."""
     dst = _flat(pieces)
+    rows = _rows(buffer, layout, len(pieces) * layout.layer_nbytes)
     with _on_side(buffer.device):
-        torch._foreach_copy_(dst, list(_rows(buffer, layout).split([p.shape[0] for p in dst])))
-    if buffer.is_cuda:
+        torch._foreach_copy_(dst, list(rows.split([p.shape[0] for p in dst])))
+    if sync and buffer.is_cuda:
         _side_stream(buffer.device).synchronize()
+
+
+def _layer_bytes(buffer: torch.Tensor, layout, i: int) -> torch.Tensor:
+    return buffer[layout.layer_offset(i):layout.layer_offset(i) + layout.layer_nbytes]
 
 
 def _cuts(mine: list | None, theirs: list[int] | None, tokens: int) -> int:
@@ -257,7 +271,7 @@ class NcclSender(SocketSender):
         self._dest = dest
         if isinstance(payload, PiecewiseKV):
             self._eager = False
-            return {"pieces": piece_tokens(payload)}
+            return {"pieces": piece_tokens(payload), **({"streamed": True} if payload.gate is not None else {})}
         limit, fresh_s = self._eager_limits.get(dest, (0, 0.0))
         self._eager = (isinstance(payload, slice) and layout.total_nbytes <= limit
                        and idle_for is not None and idle_for < fresh_s)
@@ -275,15 +289,24 @@ class NcclSender(SocketSender):
         dst = 1 - dist.get_rank()
         _use(self.device)
         if isinstance(layers, PiecewiseKV) and whole:
-            self._send_gathered(layers.check().layers, layout, dst, sock, phases)
-            return phases.serialize / 1e3
+            waited = self._send_gathered(layers.check(), layout, dst, sock, phases)
+            return phases.serialize / 1e3 + waited
         if isinstance(layers, PiecewiseKV):
+            t0, failed = time.perf_counter(), None
+            try:
+                for i in range(layout.num_layers):
+                    layers.ready(i)
+            except Exception as e:  # the forward failed: send anyway, so sends and receives pair
+                failed = e
+            waited = time.perf_counter() - t0
             with phases.measure("serialize"):
                 ops = _ops(dist.isend, layers.check().layers, theirs or [layout.num_tokens])
             with phases.measure("wire"):
                 _p2p_all(ops, dst, sock, self.cfg.timeout_s)
+            if failed:
+                raise TransferError(f"the KV was never computed: {failed}")
             self.piece_sends += 1
-            return phases.serialize / 1e3
+            return phases.serialize / 1e3 + waited
         if isinstance(layers, slice):
             self._send_whole(self.owned.memory[layers], layout, theirs, dst, sock, phases)
             return phases.serialize / 1e3
@@ -305,21 +328,46 @@ class NcclSender(SocketSender):
             self.pool.release(staging)
         return (phases.d2h + phases.serialize) / 1e3 + waited[0]
 
-    def _send_gathered(self, pieces, layout, dst, sock, phases) -> None:
-        nbytes = layout.total_nbytes
+    def _send_gathered(self, kv: PiecewiseKV, layout, dst, sock, phases) -> float:
+        """KV in blocks as one canonical buffer; KV still being computed goes one operation per layer, each layer
+        gathered once the engine wrote it (ordered on the GPU after the engine's event, no host wait for the
+        kernels). Returns the seconds spent waiting for layers."""
+        nbytes, waited = layout.total_nbytes, 0.0
         try:
             staging, pooled = self.pool.acquire(nbytes), True
         except PoolExhausted:
             staging, pooled = torch.empty(nbytes, dtype=torch.uint8, device=self.device), False
         try:
-            with phases.measure("serialize"):
-                _gather(pieces, staging, layout)
+            if kv.gate is None:
+                with phases.measure("serialize"):
+                    _gather(kv.layers, staging, layout)
+                works = _post([(dist.isend, staging[:nbytes])], dst)
+            else:
+                works, failed = [], None
+                for i, layer in enumerate(kv.layers):
+                    t0 = time.perf_counter()
+                    try:
+                        event = None if failed else kv.ready_event(i)
+                    except Exception as e:  # the forward failed: still send every layer, so sends and receives pair
+                        failed = e
+                    waited += time.perf_counter() - t0
+                    if not failed:
+                        with _on_side(self.device):
+                            if event is not None:
+                                torch.cuda.current_stream().wait_event(event)
+                            rows = _rows(_layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
+                            torch.cat(_flat([layer]), dim=0, out=rows)
+                    works += _post([(dist.isend, _layer_bytes(staging, layout, i))], dst)
+                if failed:
+                    _await(works, self.device, sock, self.cfg.timeout_s)
+                    raise TransferError(f"the KV was never computed: {failed}")
             self.gathered_bytes += nbytes
             with phases.measure("wire"):
-                _p2p_all([(dist.isend, staging[:nbytes])], dst, sock, self.cfg.timeout_s)
+                _await(works, self.device, sock, self.cfg.timeout_s)
         finally:
             if pooled:
                 self.pool.release(staging)
+        return waited
 
     def _send_whole(self, buffer, layout, theirs, dst, sock, phases) -> None:
         """A canonical buffer: one send, or one per segment when the receiver lands it in pieces."""
@@ -377,16 +425,20 @@ class NcclReceiver(SocketReceiver):
                 elif mine is not None:
                     grant["pieces"] = [p.shape[0] for p in mine[0][0]]
                 sock.sendall(frames.meta_frame(frames.GRANT, grant))
-            if whole or (mine is None and theirs is None):
-                ops = [(dist.irecv, buf[:nbytes])]
+            peer, scatter_ms = 1 - dist.get_rank(), 0.0
+            if whole and header.get("streamed") is True:
+                self._receive_layers(buf, mine, layout, peer, sock)
             else:
-                ops = _ops(dist.irecv, mine if mine is not None else _whole(buf, layout), theirs or [layout.num_tokens])
-            _p2p_all(ops, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
-            scatter_ms = 0.0
+                if whole or (mine is None and theirs is None):
+                    ops = [(dist.irecv, buf[:nbytes])]
+                else:
+                    ops = _ops(dist.irecv, mine if mine is not None else _whole(buf, layout), theirs or [layout.num_tokens])
+                _p2p_all(ops, peer, sock, self.cfg.timeout_s)
+                if whole and mine is not None:
+                    t0 = time.perf_counter()
+                    _scatter(buf, mine, layout)
+                    scatter_ms = (time.perf_counter() - t0) * 1e3
             if whole and mine is not None:
-                t0 = time.perf_counter()
-                _scatter(buf, mine, layout)
-                scatter_ms = (time.perf_counter() - t0) * 1e3
                 self.scattered_bytes += nbytes
             phases = self._finish(sock, layout, start, landed=time.perf_counter())
             phases.deserialize, phases.wire = scatter_ms, max(0.0, phases.wire - scatter_ms)
@@ -399,6 +451,22 @@ class NcclReceiver(SocketReceiver):
         if landing is not None:
             return ReceivedKV(tid, layout, None, phases, release, meta, landed=landing.kv)
         return ReceivedKV(tid, layout, buf[:nbytes], phases, release, meta)
+
+    def _receive_layers(self, buf, mine, layout, peer, sock) -> None:
+        """A streamed KV: one receive per layer, each layer scattered into its blocks as soon as it arrived
+        (ordered on the GPU; on the CPU after all arrived)."""
+        works = []
+        for i in range(layout.num_layers):
+            works += _post([(dist.irecv, _layer_bytes(buf, layout, i))], peer)
+            if self.device.type == "cuda" and mine is not None:
+                with _on_side(self.device):
+                    works[-1].wait()
+                _scatter(_layer_bytes(buf, layout, i), [mine[i]], layout, sync=False)
+        _await(works, self.device, sock, self.cfg.timeout_s)
+        if mine is not None and self.device.type != "cuda":
+            _scatter(buf, mine, layout)
+        elif mine is not None:
+            _side_stream(self.device).synchronize()
 
     def _refused(self, sock, header, layout) -> None:
         if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:

@@ -243,13 +243,27 @@ class NixlSender(SocketSender):
         return phases.serialize / 1e3
 
     def _send_pieces(self, kv, grant, phases, layout, blocks) -> float:
-        """One WRITE from the prefill pool's blocks (registered once) to the decode pool's blocks or buffer."""
+        """One WRITE from the prefill pool's blocks (registered once) to the decode pool's blocks or buffer; KV still
+        being computed goes as one WRITE per layer, each posted once the engine wrote it (the last one tagged)."""
         with phases.measure("serialize"):
             sources = [[(p.data_ptr(), p.numel() * p.element_size()) for p in (*ks, *vs)] for ks, vs in kv.layers]
-            local, remote = _paired(grant, blocks, layout, sources)
-        with phases.measure("wire"):
-            self._write_once(self._peer(grant), local, remote, grant["tag"])
-        return phases.serialize / 1e3
+            if kv.gate is None:
+                local, remote = _paired(grant, blocks, layout, sources)
+        if kv.gate is None:
+            with phases.measure("wire"):
+                self._write_once(self._peer(grant), local, remote, grant["tag"])
+            return phases.serialize / 1e3
+        peer, handles, waited = self._peer(grant), [], 0.0
+        try:
+            for i, mine in enumerate(sources):
+                waited += kv.ready(i)
+                local, remote = _match(mine, _remote_layer(grant, blocks, layout, i))
+                self._post(peer, local, remote, grant["tag"] if i == len(sources) - 1 else b"", handles)
+            self._wait(handles)
+        finally:
+            for h in handles:
+                self.nixl.agent.release_xfer_handle(h)
+        return phases.serialize / 1e3 + waited
 
     def _post(self, peer, local: list, remote: list, tag: bytes, handles: list) -> None:
         """Post one WRITE of ``(address, nbytes, 0)`` descriptors; its handle joins ``handles`` (the caller releases)."""

@@ -9,6 +9,7 @@ blocks that will hold them."""
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,8 +22,24 @@ from .tensors import TORCH_DTYPES, as_bytes
 
 @dataclass
 class PiecewiseKV:
+    """``gate``: set while the KV is still being computed (layer-wise streaming): ``gate.wait(i)`` blocks until
+    layer ``i`` is written and returns a CUDA event to order device work after (or None); ``gate.host_wait(i)``
+    also synchronizes on it. Senders call ``ready(i)`` (host readers) or ``ready_event(i)`` (device readers)
+    before touching layer ``i``."""
     layout: KVLayout
     layers: list
+    gate: object = None
+
+    def ready(self, layer: int) -> float:
+        """Seconds spent waiting until layer ``layer`` can be read from the host."""
+        if self.gate is None:
+            return 0.0
+        start = time.perf_counter()
+        self.gate.host_wait(layer)
+        return time.perf_counter() - start
+
+    def ready_event(self, layer: int):
+        return None if self.gate is None else self.gate.wait(layer)
 
     def __len__(self) -> int:
         return len(self.layers)

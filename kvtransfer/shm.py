@@ -140,14 +140,15 @@ class ShmSender(SocketSender):
         if isinstance(layers, PiecewiseKV):
             with phases.measure("serialize"):
                 layers.check()
-            with phases.measure("wire"):
-                for i, (k_pieces, v_pieces) in enumerate(layers.layers):
-                    at = offset + layout.layer_offset(i)
-                    for piece in (*k_pieces, *v_pieces):
-                        raw = piece.reshape(-1).view(torch.uint8)
-                        segment[at:at + raw.numel()].copy_(raw)
-                        at += raw.numel()
-            return phases.serialize / 1e3
+            waited = 0.0
+            for i, (k_pieces, v_pieces) in enumerate(layers.layers):
+                waited += layers.ready(i)
+                at = offset + layout.layer_offset(i)
+                for piece in (*k_pieces, *v_pieces):
+                    raw = piece.reshape(-1).view(torch.uint8)
+                    segment[at:at + raw.numel()].copy_(raw)
+                    at += raw.numel()
+            return phases.serialize / 1e3 + waited
         if isinstance(layers, (list, tuple)):
             host = host_layers(layout, layers, phases)
             with phases.measure("wire"):
@@ -164,11 +165,12 @@ class ShmSender(SocketSender):
         if isinstance(layers, PiecewiseKV):
             with phases.measure("serialize"):
                 layers.check()
-            with phases.measure("wire"):
-                for (k_runs, v_runs), (ks, vs) in zip(runs, layers.layers):
-                    _copy_runs(segment, k_runs, [_bytes(p) for p in ks])
-                    _copy_runs(segment, v_runs, [_bytes(p) for p in vs])
-            return phases.serialize / 1e3
+            waited = 0.0
+            for i, ((k_runs, v_runs), (ks, vs)) in enumerate(zip(runs, layers.layers)):
+                waited += layers.ready(i)
+                _copy_runs(segment, k_runs, [_bytes(p) for p in ks])
+                _copy_runs(segment, v_runs, [_bytes(p) for p in vs])
+            return phases.serialize / 1e3 + waited
 
         def write(i, k, v):
             _copy_runs(segment, runs[i][0], [_bytes(k)])

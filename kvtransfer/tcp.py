@@ -28,6 +28,11 @@ def send_parts(sock, parts: list) -> None:
             parts[0] = parts[0][sent:]
 
 
+def send_batched(sock, parts: list) -> None:
+    for start in range(0, len(parts), IOV_BATCH):
+        send_parts(sock, parts[start:start + IOV_BATCH])
+
+
 class TcpSender(SocketSender):
     name = "tcp"
     sends_pieces = True
@@ -60,21 +65,24 @@ class TcpSender(SocketSender):
             for i, (k, v) in enumerate(host):
                 parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), as_bytes(k), as_bytes(v)]
         with phases.measure("wire"):
-            for start in range(0, len(parts), IOV_BATCH):
-                send_parts(sock, parts[start:start + IOV_BATCH])
+            send_batched(sock, parts)
         return (phases.d2h + phases.serialize) / 1e3
 
 
     def _send_pieces(self, sock, layout, kv: PiecewiseKV, phases) -> float:
-        """KV in pieces (pool blocks): every piece is one iov of the ``sendmsg`` stream, nothing is copied."""
+        """KV in pieces (pool blocks): every piece is one iov of the ``sendmsg`` stream, nothing is copied.
+        KV still being computed goes layer by layer, each as soon as the engine wrote it."""
         with phases.measure("serialize"):
             kv.check()
-            parts = []
-            for i in range(layout.num_layers):
-                parts += [frames.prefix(frames.LAYER, i, layout.layer_nbytes), *kv.parts(i)]
+            layers = [[frames.prefix(frames.LAYER, i, layout.layer_nbytes), *kv.parts(i)] for i in range(layout.num_layers)]
+        if kv.gate is not None:
+            waited = 0.0
+            for i, parts in enumerate(layers):
+                waited += kv.ready(i)
+                send_batched(sock, parts)
+            return phases.serialize / 1e3 + waited
         with phases.measure("wire"):
-            for start in range(0, len(parts), IOV_BATCH):
-                send_parts(sock, parts[start:start + IOV_BATCH])
+            send_batched(sock, [p for layer in layers for p in layer])
         return phases.serialize / 1e3
 
 

@@ -13,6 +13,14 @@ without staging where it offers some: an MLX array) and the blocks are
 freed at once. A failed push answers ``error``; a
 successful one ``kv_sent`` with the sender-side phases.
 
+Layer-wise streaming (``kv_stream``, on by default, for transports that send
+from the blocks): a push starts when the engine schedules a prompt's last
+chunk, before its forward runs; the sender moves each layer as soon as the
+forward wrote it (``LayerProgress``), so the transfer hides behind the
+compute of the later layers. ``kv_sent`` reports ``overlap`` (transfer time
+before the prefill compute ended) and ``exposed`` (from the end of the
+compute to the receiver's acknowledgement), in ms on this worker's clock.
+
 Bounds: at most ``max_queue`` prompts wait (more are refused with 503 and
 ``retry_after``); KV waiting to be pushed is held at most ``lease_s`` (then
 the request fails with 504 and the KV is dropped)."""
@@ -28,6 +36,7 @@ import torch
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
 from engine.engine import Engine
+from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
 from kvtransfer.tensors import dtype_name
@@ -40,7 +49,7 @@ class PrefillWorker(WorkerLoop):
 
     def __init__(self, engine: EngineConfig, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
                  transport_cfg: TransportConfig | None = None, send_threads: int = 4, max_queue: int = 64,
-                 drain_s: float = 20.0):
+                 drain_s: float = 20.0, kv_stream: bool = True):
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
         self.pool_memory = None
@@ -51,6 +60,9 @@ class PrefillWorker(WorkerLoop):
         self.kv_from_blocks = 0
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
+        self.kv_stream = kv_stream and self.sender.takes_pieces(self.engine.device)
+        self.progress: LayerProgress | None = None
+        self.streamed = 0
         if self.pool_memory is not None:
             self.sender.share(self.pool_memory)
         self.max_queue = max_queue
@@ -74,7 +86,7 @@ class PrefillWorker(WorkerLoop):
         return {"role": self.role, "model": self.engine.name, "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
-                "kv_from_blocks": self.kv_from_blocks,
+                "kv_from_blocks": self.kv_from_blocks, "kv_streamed": self.streamed,
                 "kv_staged_bytes": self.sender.staged_bytes,
                 "kv_gathered_bytes": getattr(self.sender, "gathered_bytes", 0), "kv_blocks": self.engine.num_blocks,
                 "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live)}
@@ -113,7 +125,8 @@ class PrefillWorker(WorkerLoop):
             live = self.live.pop(rid, None)
             if live is not None:
                 self.aborted.discard(rid)
-                self.engine.free(live[0])
+                if rid not in self.sending:  # a streaming push frees the blocks when it ends
+                    self.engine.free(live[0])
                 self._unqueue(live)
                 self.reply_to.pop(rid, None)
             elif rid not in self.reply_to:
@@ -142,10 +155,16 @@ class PrefillWorker(WorkerLoop):
             out = self.engine.step()
         except Exception as e:
             log.exception("prefill step failed")
+            if self.progress is not None:
+                self.progress.fail(e)
             for rid, entry in list(self.live.items()):
                 self._drop(rid, entry[0])
                 self.fail(rid, 500, f"prefill failed: {e}")
             return
+        finally:
+            progress, self.progress = self.progress, None
+        if progress is not None:
+            progress.finish()
         for seq in out.refused:
             self._drop(seq.rid, seq)
             self.fail(seq.rid, 400, f"the prompt needs more KV blocks than this worker has ({self.engine.num_blocks})")
@@ -156,11 +175,31 @@ class PrefillWorker(WorkerLoop):
                 continue
             self._first(seq, text, entry[1], entry[2])
 
-    def _scheduled(self, seqs):
-        for seq in seqs:
+    def _scheduled(self, batch):
+        """Before a step's forward: prompts whose last chunk it computes start streaming their KV now."""
+        streams = []
+        for i, seq in enumerate(batch.seqs):
             entry = self.live.get(seq.rid)
             if entry is not None:
                 self._unqueue(entry)
+                if self.kv_stream and batch.samples(i) and isinstance(entry[1], str) and seq.rid not in self.aborted:
+                    streams.append((seq, entry[1]))
+        if not streams:
+            return None
+        self.progress = LayerProgress(self.engine.kv_shape[0], self.engine.device)
+        for seq, dest in streams:
+            layout = self._layout(len(seq.prompt_ids))
+            kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens), gate=self.progress)
+            self.streamed += 1
+            self._start_push(seq, dest, layout, kv, self.progress)
+        return self.progress
+
+    def _start_push(self, seq, dest, layout, kv, progress):
+        self.sending[seq.rid] = seq
+        self.kv_from_blocks += 1
+        self._count("pushing", 1)
+        self._count("held_bytes", layout.total_nbytes)
+        self.senders.submit(self._push, seq.rid, dest, layout, kv, time.monotonic(), None, progress)
 
     def _unqueue(self, entry):
         """A prompt stops counting against ``max_queue`` once the engine schedules it (or it leaves)."""
@@ -178,6 +217,10 @@ class PrefillWorker(WorkerLoop):
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3))
+        if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
+            if seq.finished:
+                self.reply_to.pop(rid, None)
+            return
         if seq.finished:
             self.engine.free(seq)
             self.reply_to.pop(rid, None)
@@ -188,12 +231,7 @@ class PrefillWorker(WorkerLoop):
         layout = self._layout(len(seq.prompt_ids))
         if self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens))
-            self.sending[rid] = seq
-            self.kv_from_blocks += 1
-            self._count("pushing", 1)
-            self._count("held_bytes", layout.total_nbytes)
-            self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), None)
-            return
+            return self._start_push(seq, dest, layout, kv, now)
         source = self.sender.alloc(layout, str(self.engine.device))
         try:
             kv = self.engine.gather(seq, source.layers if source is not None else None)
@@ -209,13 +247,15 @@ class PrefillWorker(WorkerLoop):
             kv = source
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
-        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source)
+        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source, now)
 
     def _layout(self, tokens: int) -> KVLayout:
         layers, heads, head_dim = self.engine.kv_shape
         return KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
 
-    def _push(self, rid, dest, layout, kv, created, source):
+    def _push(self, rid, dest, layout, kv, created, source, computed):
+        """(Sender thread) ``computed``: when the prompt's compute ended (``perf_counter``), or the step's
+        ``LayerProgress`` while it is still running."""
         try:
             if rid in self.aborted:
                 self.aborted.discard(rid)
@@ -223,12 +263,22 @@ class PrefillWorker(WorkerLoop):
                 return
             if time.monotonic() - created > self.cfg.lease_s:
                 return self.fail(rid, 504, f"KV lease of {self.cfg.lease_s:.0f}s expired before the transfer started")
+            start = time.perf_counter()
             try:
                 phases = self.sender.send(dest, rid, layout, kv)
-            except TransferError as e:
+            except (TransferError, StepFailed) as e:
                 log.warning("KV push for %s failed: %s", rid, e)
                 return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
-            self.emit(rid, "kv_sent", phases=phases.to_dict())
+            end = time.perf_counter()
+            if isinstance(computed, LayerProgress):
+                try:
+                    computed = computed.wait_computed(self.cfg.timeout_s)
+                except StepFailed:
+                    computed = end
+            stream = {"streamed": kv.gate is not None if isinstance(kv, PiecewiseKV) else False,
+                      "overlap": max(0.0, min(computed, end) - start) * 1e3,
+                      "exposed": max(0.0, end - max(computed, start)) * 1e3}
+            self.emit(rid, "kv_sent", phases=phases.to_dict(), stream=stream)
             self.reply_to.pop(rid, None)
         finally:
             if source is not None:

@@ -27,6 +27,9 @@ class Metrics:
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency end to end", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.phase = Histogram("pdserve_kv_transfer_phase_seconds", "KV transfer time by phase", ["transport", "phase"],
                                buckets=PHASE_BUCKETS, registry=r)
+        self.stream = Histogram("pdserve_kv_transfer_stream_seconds", "KV transfer time hidden behind prefill compute "
+                                "(overlap) and left after it (exposed)", ["transport", "part"], buckets=PHASE_BUCKETS,
+                                registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
         self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
@@ -44,6 +47,11 @@ class Metrics:
             if name in phases:
                 self.phase.labels(transport, name).observe(phases[name] / 1e3)
         self.kv_bytes.labels(transport).inc(phases.get("bytes", 0))
+
+    def observe_stream(self, transport: str, stream: dict):
+        for part in ("overlap", "exposed"):
+            if isinstance(stream.get(part), (int, float)):
+                self.stream.labels(transport, part).observe(stream[part] / 1e3)
 
     def observe_workers(self, groups: dict):
         for role, group in groups.items():

@@ -18,6 +18,8 @@ from .errors import ApiError
 
 _ids = itertools.count()
 
+KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
+
 
 def new_rid() -> str:
     return f"{os.getpid():x}-{next(_ids):x}-{os.urandom(4).hex()}"
@@ -121,6 +123,8 @@ class Service:
                         first.get("prompt_logprobs"), prompt_tokens)
             if first.get("finish_reason"):
                 finished = True
+                if not self.colocated:  # a KV streamed during prefill may be on its way: decode drops it
+                    await self._abort(decode_worker, rid)
                 yield Finished(first["finish_reason"], prompt_tokens, 1, self._close_timing(timing, t0))
                 return
             if not self.colocated:
@@ -130,6 +134,7 @@ class Service:
                 msg = await self._next(inbox, self.token_timeout_s, "the next token")
                 if msg["op"] == "kv_sent":
                     first_worker.owned.discard(rid)
+                    self._kv_sent(timing, msg)
                 elif msg["op"] == "tokens":
                     completion += len(msg["ids"])
                     yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
@@ -140,6 +145,8 @@ class Service:
                     if msg.get("phases"):
                         timing["kv"] = msg["phases"]
                         self.metrics.observe_transfer(timing["transport"], msg["phases"])
+                    if not self.colocated and "overlap" not in timing:
+                        await self._await_kv_sent(inbox, timing)
                     finished = True
                     yield Finished(msg["finish_reason"], prompt_tokens, completion, self._close_timing(timing, t0))
                     return
@@ -153,6 +160,23 @@ class Service:
                     await self._abort(worker, rid)
             if not finished and decode_worker is not None and decode_worker not in involved:
                 await self._abort(decode_worker, rid)  # its KV may be on the way already
+
+    def _kv_sent(self, timing: dict, msg: dict) -> None:
+        stream = msg.get("stream")
+        if isinstance(stream, dict):
+            timing.update({k: float(stream[k]) for k in ("overlap", "exposed") if isinstance(stream.get(k), (int, float))})
+            timing["streamed"] = stream.get("streamed") is True
+            self.metrics.observe_stream(timing["transport"], stream)
+
+    async def _await_kv_sent(self, inbox, timing: dict) -> None:
+        """The decode side can finish before prefill's ``kv_sent`` (sent after the receiver's ACK) arrives."""
+        try:
+            while "overlap" not in timing:
+                msg = await asyncio.wait_for(inbox.get(), KV_SENT_GRACE_S)
+                if msg.get("op") == "kv_sent":
+                    self._kv_sent(timing, msg)
+        except asyncio.TimeoutError:
+            pass
 
     async def _dispatch(self, worker, involved, rid, op, **fields):
         worker.outstanding += 1

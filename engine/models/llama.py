@@ -157,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_cache):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_cache)):
             x = layer(x, positions, meta, k_cache, v_cache)
+            if meta.on_layer is not None:
+                meta.on_layer(i)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
