@@ -124,6 +124,8 @@ class KVSender(ABC):
     staged_bytes: int = 0
     sends_pieces: bool = False  # ``send`` also takes a ``PiecewiseKV`` (e.g. pool blocks, no copy)
 
+    streams_layers = False  # a PiecewiseKV with a gate is sent layer by layer as each is computed
+
     def takes_pieces(self, device) -> bool:
         """Whether ``send`` moves a ``PiecewiseKV`` whose tensors live on ``device`` without copying it."""
         return self.sends_pieces and torch.device(device).type == "cpu"

@@ -244,6 +244,7 @@ def _attach(endpoint) -> None:
 class NcclSender(SocketSender):
     name = "nccl"
     sends_pieces = True
+    streams_layers = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)

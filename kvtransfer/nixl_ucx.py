@@ -150,6 +150,7 @@ def _paired(grant: dict, blocks, layout, sources) -> tuple[list, list]:
 
 class NixlSender(SocketSender):
     name = "nixl"
+    streams_layers = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
@@ -199,7 +200,11 @@ class NixlSender(SocketSender):
         if isinstance(layers, PiecewiseKV):
             if self._in_pool(layers.check()):
                 return self._send_pieces(layers, grant, phases, layout, blocks)
-            layers = layers.whole()
+            waited = sum(layers.ready(i) for i in range(layout.num_layers))
+            return self._send_layers(layers.whole(), grant, phases, layout, blocks) + waited
+        return self._send_layers(layers, grant, phases, layout, blocks)
+
+    def _send_layers(self, layers, grant, phases, layout, blocks) -> float:
         peer, agent, arena = self._peer(grant), self.nixl.agent, self.nixl.arena
         slot, handles, waited, n = None, [], [0.0], layout.tensor_nbytes
         try:

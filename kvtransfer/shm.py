@@ -112,6 +112,7 @@ def _stream(layout, layers, phases, write) -> float:
 class ShmSender(SocketSender):
     name = "shm"
     sends_pieces = True
+    streams_layers = True
 
     def __init__(self, cfg=None):
         super().__init__(cfg)

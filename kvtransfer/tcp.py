@@ -36,6 +36,7 @@ def send_batched(sock, parts: list) -> None:
 class TcpSender(SocketSender):
     name = "tcp"
     sends_pieces = True
+    streams_layers = True
 
     def _send_body(self, sock, layout, layers, phases) -> float:
         if isinstance(layers, PiecewiseKV):

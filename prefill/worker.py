@@ -60,7 +60,7 @@ class PrefillWorker(WorkerLoop):
         self.kv_from_blocks = 0
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
-        self.kv_stream = kv_stream and self.sender.takes_pieces(self.engine.device)
+        self.kv_stream = kv_stream and self.sender.streams_layers and self.sender.takes_pieces(self.engine.device)
         self.progress: LayerProgress | None = None
         self.streamed = 0
         if self.pool_memory is not None:

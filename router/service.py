@@ -113,6 +113,9 @@ class Service:
                 await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"), **payload)
             first = await self._next(inbox, self.first_timeout_s, "the first token")
             while first["op"] != "first":
+                if first["op"] == "kv_sent":  # a streamed KV can be in place before the first token is out
+                    first_worker.owned.discard(rid)
+                    self._kv_sent(timing, first)
                 first = await self._next(inbox, self.first_timeout_s, "the first token")
             ttft = time.perf_counter() - t0
             timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
