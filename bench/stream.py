@@ -105,7 +105,7 @@ def peer_send(spec: dict) -> None:
     out = _lines()
     engine = Engine(EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"],
                                  threads=spec.get("threads"), max_batched_tokens=spec["prompt_len"] + 16,
-                                 decode_graphs="off"), hold_after_first=True)
+                                 ), hold_after_first=True)
     layers, heads, head_dim = engine.kv_shape
     layout = KVLayout(layers, heads, head_dim, spec["prompt_len"], dtype_name(engine.dtype))
     out.write(json.dumps({"layout": layout.to_dict(), "device": str(engine.device)}) + "\n")
