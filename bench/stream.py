@@ -190,7 +190,7 @@ def measure(args, link) -> tuple[list[dict], dict]:
     options, recv_device = {}, "cpu"
     if args.transport == "nccl":
         init = f"tcp://127.0.0.1:{free_port()}"
-        options = {"nccl_init": init}
+        options = {"nccl_init": init, "nccl_stream": True}
         recv_device = "cuda:1"
     base = [sys.executable, "-m", "bench.stream"]
     send_spec = {"transport": args.transport, "model": args.model, "device": "cuda:0" if args.transport == "nccl"

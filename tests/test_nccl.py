@@ -54,10 +54,13 @@ def test_nccl_conformance_on_two_gpus(tmp_path):
     assert_conformant(run_check(tmp_path))
 
 
-def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated):
+@pytest.mark.parametrize("stream", [False, True])
+def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated, stream):
     """``pdserve up --transport nccl`` (over gloo here): prefill sends from its pool's blocks, decode receives into
-    its pool's blocks, and greedy output equals the colocated engine's, with requests in flight together."""
-    cluster = Cluster("--transport", "nccl", "--device", "cpu", "--kv-option", "nccl_backend=gloo").wait_ready()
+    its pool's blocks, and greedy output equals the colocated engine's, with requests in flight together; with
+    ``nccl_stream=true`` layer by layer during the prefill forward."""
+    extra = ["--kv-option", "nccl_stream=true"] if stream else []
+    cluster = Cluster("--transport", "nccl", "--device", "cpu", "--kv-option", "nccl_backend=gloo", *extra).wait_ready()
     try:
         prompts = ["x", "hello world", "a much longer prompt " * 30, "tokens " * 17]
         bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
@@ -70,6 +73,7 @@ def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated):
         for disagg, local in answers:
             assert disagg["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
             assert disagg["pdserve"]["transport"] == "nccl" and disagg["pdserve"]["kv_bytes"] > 0
+            assert disagg["pdserve"]["streamed"] is stream
 
         def workers():  # /health shows what the workers last reported
             reported = httpx.get(cluster.url + "/health").json()["workers"]
