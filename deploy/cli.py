@@ -110,19 +110,23 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
+    u.add_argument("--gpus", type=int, default=0, help="spread the workers over this many GPUs (worker i on "
+                   "cuda:i mod N), e.g. --colocated --decode 2 --gpus 2: one replica per GPU")
     u.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
                    help="prefill sends the KV after its forward ends (default: layer by layer while it runs)")
     _add_engine(u)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import compare, engine, idle, serve, soak, stream, transfer
+    from bench import compare, engine, goodput, idle, serve, soak, stream, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     soak.add_arguments(bsub.add_parser("soak", help="many streams for a long time: errors and memory growth"))
     engine.add_arguments(bsub.add_parser("engine", help="engine throughput alone: batched decode, offline requests"))
+    goodput.add_arguments(bsub.add_parser("goodput", help="highest request rate within the SLO, per pdserve up "
+                                          "configuration (Poisson arrivals over a sweep of rates)"))
     stream.add_arguments(bsub.add_parser("stream", help="KV transfer left after the prefill forward, layer-wise "
                                          "streaming on and off"))
     idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))

@@ -103,6 +103,9 @@ def plan(args) -> list[list[str]]:
             rank = ranked[args.prefill + i]
             cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget)
             roles["decode"].append(f"tcp://{host}:{port}")
+    gpus = getattr(args, "gpus", 0)
+    if gpus:  # worker i on cuda:(i mod gpus); a later --device wins over the shared one
+        cmds = [cmd + ["--device", f"cuda:{i % gpus}"] for i, cmd in enumerate(cmds)]
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
                      "--max-queue", str(args.max_queue)]
     for role, addrs in roles.items():

@@ -69,3 +69,25 @@ def test_bench_transfer_over_netns_link(tmp_path):
 
 def test_bench_transfer_rejects_unknown_link(tmp_path):
     assert main(["bench", "transfer", "--preset", "tiny", "--link", "carrier-pigeon", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_bench_goodput_small(tmp_path):
+    out = tmp_path / "g"
+    assert main(["bench", "goodput", "--config", "tcp=--transport tcp", "--rates", "4,8,16", "--requests", "4",
+                 "--prompt-len", "16:64", "--max-tokens", "4:8", "--slo-ttft-ms", "20000", "--slo-tpot-ms", "0.001",
+                 "--ttft-concurrency", "2", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "g.json").read_text())
+    (result,) = report["results"]
+    # nobody meets a 1 us TPOT: goodput 0, and the sweep stops after two rates below half the target
+    assert [p["attainment"] for p in result["rates"]] == [0.0, 0.0] and result["goodput_rate"] == 0.0
+    assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 4 for p in result["rates"])
+    assert result["ttft_under_load"]["2"]["n"] >= 4
+    assert "| tcp | 0 |" in (tmp_path / "g.md").read_text()
+
+
+def test_bench_stream_small(tmp_path):
+    out = tmp_path / "st"
+    assert main(["bench", "stream", "--prompt-len", "300", "--rounds", "1", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "st.json").read_text())
+    assert report["summary"]["bit_exact"] and [t["mode"] for t in report["turns"]] == ["stream", "off"] * 2
+    assert all(t["compute_ms"] > 0 and t["transfer_ms"] > 0 for t in report["turns"])
