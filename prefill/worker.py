@@ -120,6 +120,8 @@ class PrefillWorker(WorkerLoop):
             seq = self.sending.pop(rid, None)
             if seq is not None:
                 self.engine.free(seq)
+            if msg.get("ok"):
+                self.reply_to.pop(rid, None)
             return
         if msg["op"] == "abort":
             live = self.live.pop(rid, None)
@@ -256,6 +258,7 @@ class PrefillWorker(WorkerLoop):
     def _push(self, rid, dest, layout, kv, created, source, computed):
         """(Sender thread) ``computed``: when the prompt's compute ended (``perf_counter``), or the step's
         ``LayerProgress`` while it is still running."""
+        sent = False
         try:
             if rid in self.aborted:
                 self.aborted.discard(rid)
@@ -279,12 +282,12 @@ class PrefillWorker(WorkerLoop):
                       "overlap": max(0.0, min(computed, end) - start) * 1e3,
                       "exposed": max(0.0, end - max(computed, start)) * 1e3}
             self.emit(rid, "kv_sent", phases=phases.to_dict(), stream=stream)
-            self.reply_to.pop(rid, None)
+            sent = True
         finally:
             if source is not None:
                 source.release()
-            if rid in self.sending:
-                self.inbox.put({"op": "_sent", "rid": rid})
+            # the engine thread forgets the request: a streamed push can end before the first token is out
+            self.inbox.put({"op": "_sent", "rid": rid, "ok": sent})
             self._count("held_bytes", -layout.total_nbytes)
             self._count("pushing", -1)
 
