@@ -91,3 +91,13 @@ def test_bench_stream_small(tmp_path):
     report = json.loads((tmp_path / "st.json").read_text())
     assert report["summary"]["bit_exact"] and [t["mode"] for t in report["turns"]] == ["stream", "off"] * 2
     assert all(t["compute_ms"] > 0 and t["transfer_ms"] > 0 for t in report["turns"])
+
+
+def test_up_spreads_workers_over_gpus():
+    from deploy.cli import _parser
+    from deploy.up import plan
+
+    args = _parser().parse_args(["up", "--colocated", "--decode", "3", "--gpus", "2", "--device", "cuda"])
+    workers = plan(args)[:-1]
+    assert [cmd[cmd.index("--device", cmd.index("--device") + 1) + 1] for cmd in workers] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert all(cmd.count("--device") == 1 for cmd in plan(_parser().parse_args(["up", "--decode", "2"]))[:-1])
