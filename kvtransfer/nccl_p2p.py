@@ -61,7 +61,6 @@ Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
 between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -73,18 +72,15 @@ import torch.distributed as dist
 from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
-from .pieces import PiecewiseKV, common_cuts, piece_tokens, segments, valid_piece_tokens
+from .pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
 from .pool import BufferPool, PoolExhausted
-from .sockets import IDLE_S, SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
-from .tensors import TORCH_DTYPES, check_layer, unpack
+from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
+from .nccl_ops import (as_rows, await_all, count_cuts, flat_pieces, gather, layer_bytes, lock, on_side, p2p, p2p_all,
+                       post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
+from .tensors import check_layer
 
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
 _order = threading.Lock()
-_broken: list[str] = []
-SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
-NAP_S = 50e-6
-_side_streams: dict = {}
 DEFAULT_POOL_BYTES = 1 << 30
 
 
@@ -92,7 +88,7 @@ def init(cfg) -> torch.device:
     opts = cfg.options
     rank, backend = int(opts.get("nccl_rank", 0)), opts.get("nccl_backend", "nccl")
     device = torch.device(opts.get("device", f"cuda:{rank}" if backend == "nccl" else "cpu"))
-    with _lock:
+    with lock:
         if not dist.is_initialized():
             if "nccl_init" not in opts:
                 raise TransferError("nccl transport needs options nccl_init (tcp://host:port) and nccl_rank")
@@ -102,146 +98,6 @@ def init(cfg) -> torch.device:
             dist.init_process_group(backend, init_method=opts["nccl_init"], rank=rank, world_size=2,
                                     timeout=timedelta(seconds=cfg.timeout_s * 4), **on_gpu)
     return device
-
-
-def _use(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
-    _p2p_all([(op, tensor)], peer, sock, timeout_s)
-
-
-def _p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
-    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them (``_await``)."""
-    _await(_post(ops, peer), ops[0][1].device, sock, timeout_s)
-
-
-def _post(ops: list, peer: int) -> list:
-    if _broken:
-        raise TransferError(f"nccl world unusable ({_broken[0]}); restart prefill and decode")
-    with _on_side(ops[0][1].device):
-        if len(ops) == 1:
-            return [ops[0][0](ops[0][1], peer)]
-        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
-
-
-def _await(works: list, device, sock, timeout_s: float) -> None:
-    """Wait for posted operations, watching the control socket: a peer that hung up (or no progress in
-    ``timeout_s``) leaves an operation NCCL can never complete, and every later pair would be mismatched, so the
-    world is aborted and all later transfers fail."""
-    on_gpu = device.type == "cuda"
-    done = (lambda: all(w.is_completed() for w in works)) if on_gpu else _waiter(works)
-    start = time.perf_counter()
-    next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
-    while not done():
-        now = time.perf_counter()
-        if now < next_check:
-            time.sleep(NAP_S)
-            continue
-        next_check = now + CHECK_S
-        hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
-        if hung_up or time.monotonic() > deadline:
-            _abort("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
-            raise TransferError(f"nccl transfer lost: {_broken[0]}")
-    if on_gpu:
-        with _on_side(device):
-            for w in works:
-                w.wait()
-
-
-def _on_side(device):
-    return torch.cuda.stream(_side_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _rows(buffer: torch.Tensor, layout, nbytes: int | None = None) -> torch.Tensor:
-    """A canonical buffer (or ``nbytes`` of it) as ``[layers * 2 * tokens, kv_heads, head_dim]`` rows."""
-    nbytes = layout.total_nbytes if nbytes is None else nbytes
-    return buffer[:nbytes].view(TORCH_DTYPES[layout.dtype]).view(-1, *layout.tensor_shape[1:])
-
-
-def _flat(pieces: list) -> list:
-    return [p for pair in pieces for side in pair for p in side]
-
-
-def _gather(pieces: list, buffer: torch.Tensor, layout) -> None:
-    with _on_side(buffer.device):
-        torch.cat(_flat(pieces), dim=0, out=_rows(buffer, layout))
-
-
-def _scatter(buffer: torch.Tensor, pieces: list, layout, sync: bool = True) -> None:
-    """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces``."""
-    dst = _flat(pieces)
-    rows = _rows(buffer, layout, len(pieces) * layout.layer_nbytes)
-    with _on_side(buffer.device):
-        torch._foreach_copy_(dst, list(rows.split([p.shape[0] for p in dst])))
-    if sync and buffer.is_cuda:
-        _side_stream(buffer.device).synchronize()
-
-
-def _layer_bytes(buffer: torch.Tensor, layout, i: int) -> torch.Tensor:
-    return buffer[layout.layer_offset(i):layout.layer_offset(i) + layout.layer_nbytes]
-
-
-def _cuts(mine: list | None, theirs: list[int] | None, tokens: int) -> int:
-    return len(common_cuts([p.shape[0] for p in mine[0][0]] if mine else [tokens], theirs or [tokens]))
-
-
-def _side_stream(device):
-    with _lock:
-        if device not in _side_streams:
-            _side_streams[device] = torch.cuda.Stream(device, priority=-1)  # ahead of the engine's kernels
-        return _side_streams[device]
-
-
-def _waiter(works):
-    """gloo marks a point-to-point operation complete only inside ``wait``: wait on a helper thread."""
-    finished, failed = threading.Event(), []
-
-    def run():
-        try:
-            for work in works:
-                work.wait()
-        except Exception as e:
-            failed.append(e)
-        finished.set()
-    threading.Thread(target=run, name="nccl-p2p-wait", daemon=True).start()
-
-    def done() -> bool:
-        if finished.is_set() and failed:
-            raise TransferError(f"transfer failed: {failed[0]}")
-        return finished.is_set()
-    return done
-
-
-def _ops(op, mine: list, theirs: list[int]) -> list:
-    """One ``op`` per segment that both ends' pieces agree on: per layer, K's segments then V's, as bytes.
-    ``mine`` holds per layer ``(k_pieces, v_pieces)``; ``theirs`` the peer's piece sizes in tokens."""
-    cuts = common_cuts([p.shape[0] for p in mine[0][0]], theirs)
-    return [(op, seg.view(-1).view(torch.uint8)) for pair in mine for pieces in pair for seg in segments(pieces, cuts)]
-
-
-def _whole(buffer: torch.Tensor, layout) -> list:
-    """A canonical buffer as pieces (one per layer and K/V)."""
-    return [([k], [v]) for k, v in unpack(buffer, layout)]
-
-
-def _abort(reason: str) -> None:
-    with _lock:
-        if _broken:
-            return
-        _broken.append(reason)
-    log.error("aborting the nccl world: %s", reason)
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception as e:  # a backend without abort (gloo) keeps its stuck operation
-        log.warning("could not abort the process group: %s", e)
 
 
 def _attach(endpoint) -> None:
@@ -268,7 +124,7 @@ class NcclSender(SocketSender):
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
             return None
-        with _lock:
+        with lock:
             if self.owned is None:
                 nbytes = int(self.cfg.options.get("nccl_pool_bytes", DEFAULT_POOL_BYTES))
                 self.owned = Arena(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
@@ -297,7 +153,7 @@ class NcclSender(SocketSender):
             if "pieces" in grant and not whole:
                 theirs = valid_piece_tokens(grant["pieces"], layout.num_tokens)
         dst = 1 - dist.get_rank()
-        _use(self.device)
+        use_device(self.device)
         if isinstance(layers, PiecewiseKV) and whole:
             waited = self._send_gathered(layers.check(), layout, dst, sock, phases)
             return phases.serialize / 1e3 + waited
@@ -310,9 +166,9 @@ class NcclSender(SocketSender):
                 failed = e
             waited = time.perf_counter() - t0
             with phases.measure("serialize"):
-                ops = _ops(dist.isend, layers.check().layers, theirs or [layout.num_tokens])
+                ops = segment_ops(dist.isend, layers.check().layers, theirs or [layout.num_tokens])
             with phases.measure("wire"):
-                _p2p_all(ops, dst, sock, self.cfg.timeout_s)
+                p2p_all(ops, dst, sock, self.cfg.timeout_s)
             if failed:
                 raise TransferError(f"the KV was never computed: {failed}")
             self.piece_sends += 1
@@ -331,7 +187,7 @@ class NcclSender(SocketSender):
         try:
             with phases.measure("serialize"):
                 torch.cat(parts, out=staging[:layout.total_nbytes])
-                _sync(self.device)
+                sync_device(self.device)
                 self.staged_bytes += layout.total_nbytes
             self._send_whole(staging[:layout.total_nbytes], layout, theirs, dst, sock, phases)
         finally:
@@ -350,8 +206,8 @@ class NcclSender(SocketSender):
         try:
             if kv.gate is None:
                 with phases.measure("serialize"):
-                    _gather(kv.layers, staging, layout)
-                works = _post([(dist.isend, staging[:nbytes])], dst)
+                    gather(kv.layers, staging, layout)
+                works = post([(dist.isend, staging[:nbytes])], dst)
             else:
                 works, failed = [], None
                 for i, layer in enumerate(kv.layers):
@@ -362,18 +218,18 @@ class NcclSender(SocketSender):
                         failed = e
                     waited += time.perf_counter() - t0
                     if not failed:
-                        with _on_side(self.device):
+                        with on_side(self.device):
                             if event is not None:
                                 torch.cuda.current_stream().wait_event(event)
-                            rows = _rows(_layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
-                            torch.cat(_flat([layer]), dim=0, out=rows)
-                    works += _post([(dist.isend, _layer_bytes(staging, layout, i))], dst)
+                            rows = as_rows(layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
+                            torch.cat(flat_pieces([layer]), dim=0, out=rows)
+                    works += post([(dist.isend, layer_bytes(staging, layout, i))], dst)
                 if failed:
-                    _await(works, self.device, sock, self.cfg.timeout_s)
+                    await_all(works, self.device, sock, self.cfg.timeout_s)
                     raise TransferError(f"the KV was never computed: {failed}")
             self.gathered_bytes += nbytes
             with phases.measure("wire"):
-                _await(works, self.device, sock, self.cfg.timeout_s)
+                await_all(works, self.device, sock, self.cfg.timeout_s)
         finally:
             if pooled:
                 self.pool.release(staging)
@@ -381,9 +237,9 @@ class NcclSender(SocketSender):
 
     def _send_whole(self, buffer, layout, theirs, dst, sock, phases) -> None:
         """A canonical buffer: one send, or one per segment when the receiver lands it in pieces."""
-        ops = [(dist.isend, buffer)] if theirs is None else _ops(dist.isend, _whole(buffer, layout), theirs)
+        ops = [(dist.isend, buffer)] if theirs is None else segment_ops(dist.isend, whole_pieces(buffer, layout), theirs)
         with phases.measure("wire"):
-            _p2p_all(ops, dst, sock, self.cfg.timeout_s)
+            p2p_all(ops, dst, sock, self.cfg.timeout_s)
 
 
 class NcclReceiver(SocketReceiver):
@@ -405,7 +261,7 @@ class NcclReceiver(SocketReceiver):
         return min(self.cfg.max_transfer_bytes, self.pool.capacity_bytes) if on else 0
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
-        _use(self.device)
+        use_device(self.device)
         eager, nbytes, meta = header.get("eager") is True, layout.total_nbytes, header.get("meta") or {}
         theirs = header.get("pieces")
         if theirs is not None:
@@ -414,7 +270,7 @@ class NcclReceiver(SocketReceiver):
             theirs = valid_piece_tokens(theirs, layout.num_tokens)
         landing = None if eager or self.land is None else self.land(tid, layout)
         mine = landing.kv.check().layers if landing is not None else None
-        whole = not eager and _cuts(mine, theirs, layout.num_tokens) > self.direct_cuts
+        whole = not eager and count_cuts(mine, theirs, layout.num_tokens) > self.direct_cuts
         buf = None
         if landing is None or whole:
             try:
@@ -442,11 +298,11 @@ class NcclReceiver(SocketReceiver):
                 if whole or (mine is None and theirs is None):
                     ops = [(dist.irecv, buf[:nbytes])]
                 else:
-                    ops = _ops(dist.irecv, mine if mine is not None else _whole(buf, layout), theirs or [layout.num_tokens])
-                _p2p_all(ops, peer, sock, self.cfg.timeout_s)
+                    ops = segment_ops(dist.irecv, mine if mine is not None else whole_pieces(buf, layout), theirs or [layout.num_tokens])
+                p2p_all(ops, peer, sock, self.cfg.timeout_s)
                 if whole and mine is not None:
                     t0 = time.perf_counter()
-                    _scatter(buf, mine, layout)
+                    scatter(buf, mine, layout)
                     scatter_ms = (time.perf_counter() - t0) * 1e3
             if whole and mine is not None:
                 self.scattered_bytes += nbytes
@@ -467,16 +323,16 @@ class NcclReceiver(SocketReceiver):
         (ordered on the GPU; on the CPU after all arrived)."""
         works = []
         for i in range(layout.num_layers):
-            works += _post([(dist.irecv, _layer_bytes(buf, layout, i))], peer)
+            works += post([(dist.irecv, layer_bytes(buf, layout, i))], peer)
             if self.device.type == "cuda" and mine is not None:
-                with _on_side(self.device):
+                with on_side(self.device):
                     works[-1].wait()
-                _scatter(_layer_bytes(buf, layout, i), [mine[i]], layout, sync=False)
-        _await(works, self.device, sock, self.cfg.timeout_s)
+                scatter(layer_bytes(buf, layout, i), [mine[i]], layout, sync=False)
+        await_all(works, self.device, sock, self.cfg.timeout_s)
         if mine is not None and self.device.type != "cuda":
-            _scatter(buf, mine, layout)
+            scatter(buf, mine, layout)
         elif mine is not None:
-            _side_stream(self.device).synchronize()
+            side_stream(self.device).synchronize()
 
     def _refused(self, sock, header, layout) -> None:
         if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:
@@ -484,7 +340,7 @@ class NcclReceiver(SocketReceiver):
 
     def _drain(self, sock, nbytes: int) -> None:
         """Take an eager send this receiver will not keep, so later sends and receives stay paired."""
-        _use(self.device)
+        use_device(self.device)
         scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        _p2p(dist.irecv, scratch, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
+        p2p(dist.irecv, scratch, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
         self.drained += 1

@@ -1,0 +1,167 @@
+"""The GPU side of the nccl transport: point-to-point operations posted on a
+high-priority side stream and awaited while watching the control socket
+(``await_all``: a peer that hangs up aborts the whole world, since a posted
+operation left behind would pair with the next transfer's), and the gather /
+scatter of KV pieces through one canonical buffer (``as_rows``: the buffer as
+``[layers * 2 * tokens, kv_heads, head_dim]``)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .base import TransferError
+from .pieces import common_cuts, segments
+from .sockets import peer_hung_up
+from .tensors import TORCH_DTYPES, unpack
+
+log = logging.getLogger(__name__)
+lock = threading.Lock()
+broken: list[str] = []
+SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
+NAP_S = 50e-6
+side_streams: dict = {}
+
+
+def use_device(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def sync_device(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
+    p2p_all([(op, tensor)], peer, sock, timeout_s)
+
+
+def p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
+    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them (``await_all``)."""
+    await_all(post(ops, peer), ops[0][1].device, sock, timeout_s)
+
+
+def post(ops: list, peer: int) -> list:
+    if broken:
+        raise TransferError(f"nccl world unusable ({broken[0]}); restart prefill and decode")
+    with on_side(ops[0][1].device):
+        if len(ops) == 1:
+            return [ops[0][0](ops[0][1], peer)]
+        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+
+
+def await_all(works: list, device, sock, timeout_s: float) -> None:
+    """Wait for posted operations, watching the control socket: a peer that hung up (or no progress in
+    ``timeout_s``) leaves an operation NCCL can never complete, and every later pair would be mismatched, so the
+    world is aborted and all later transfers fail."""
+    on_gpu = device.type == "cuda"
+    done = (lambda: all(w.is_completed() for w in works)) if on_gpu else waiter(works)
+    start = time.perf_counter()
+    next_check, deadline = start + CHECK_S, time.monotonic() + timeout_s
+    while not done():
+        now = time.perf_counter()
+        if now < next_check:
+            time.sleep(NAP_S)
+            continue
+        next_check = now + CHECK_S
+        hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
+        if hung_up or time.monotonic() > deadline:
+            abort_world("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
+            raise TransferError(f"nccl transfer lost: {broken[0]}")
+    if on_gpu:
+        with on_side(device):
+            for w in works:
+                w.wait()
+
+
+def on_side(device):
+    return torch.cuda.stream(side_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def as_rows(buffer: torch.Tensor, layout, nbytes: int | None = None) -> torch.Tensor:
+    """A canonical buffer (or ``nbytes`` of it) as ``[layers * 2 * tokens, kv_heads, head_dim]`` rows."""
+    nbytes = layout.total_nbytes if nbytes is None else nbytes
+    return buffer[:nbytes].view(TORCH_DTYPES[layout.dtype]).view(-1, *layout.tensor_shape[1:])
+
+
+def flat_pieces(pieces: list) -> list:
+    return [p for pair in pieces for side in pair for p in side]
+
+
+def gather(pieces: list, buffer: torch.Tensor, layout) -> None:
+    with on_side(buffer.device):
+        torch.cat(flat_pieces(pieces), dim=0, out=as_rows(buffer, layout))
+
+
+def scatter(buffer: torch.Tensor, pieces: list, layout, sync: bool = True) -> None:
+    """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces``."""
+    dst = flat_pieces(pieces)
+    rows = as_rows(buffer, layout, len(pieces) * layout.layer_nbytes)
+    with on_side(buffer.device):
+        torch._foreach_copy_(dst, list(rows.split([p.shape[0] for p in dst])))
+    if sync and buffer.is_cuda:
+        side_stream(buffer.device).synchronize()
+
+
+def layer_bytes(buffer: torch.Tensor, layout, i: int) -> torch.Tensor:
+    return buffer[layout.layer_offset(i):layout.layer_offset(i) + layout.layer_nbytes]
+
+
+def count_cuts(mine: list | None, theirs: list[int] | None, tokens: int) -> int:
+    return len(common_cuts([p.shape[0] for p in mine[0][0]] if mine else [tokens], theirs or [tokens]))
+
+
+def side_stream(device):
+    with lock:
+        if device not in side_streams:
+            side_streams[device] = torch.cuda.Stream(device, priority=-1)  # ahead of the engine's kernels
+        return side_streams[device]
+
+
+def waiter(works):
+    """gloo marks a point-to-point operation complete only inside ``wait``: wait on a helper thread."""
+    finished, failed = threading.Event(), []
+
+    def run():
+        try:
+            for work in works:
+                work.wait()
+        except Exception as e:
+            failed.append(e)
+        finished.set()
+    threading.Thread(target=run, name="nccl-p2p-wait", daemon=True).start()
+
+    def done() -> bool:
+        if finished.is_set() and failed:
+            raise TransferError(f"transfer failed: {failed[0]}")
+        return finished.is_set()
+    return done
+
+
+def segment_ops(op, mine: list, theirs: list[int]) -> list:
+    """One ``op`` per segment that both ends' pieces agree on: per layer, K's segments then V's, as bytes.
+    ``mine`` holds per layer ``(k_pieces, v_pieces)``; ``theirs`` the peer's piece sizes in tokens."""
+    cuts = common_cuts([p.shape[0] for p in mine[0][0]], theirs)
+    return [(op, seg.view(-1).view(torch.uint8)) for pair in mine for pieces in pair for seg in segments(pieces, cuts)]
+
+
+def whole_pieces(buffer: torch.Tensor, layout) -> list:
+    """A canonical buffer as pieces (one per layer and K/V)."""
+    return [([k], [v]) for k, v in unpack(buffer, layout)]
+
+
+def abort_world(reason: str) -> None:
+    with lock:
+        if broken:
+            return
+        broken.append(reason)
+    log.error("aborting the nccl world: %s", reason)
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:  # a backend without abort (gloo) keeps its stuck operation
+        log.warning("could not abort the process group: %s", e)
