@@ -22,10 +22,9 @@ from .tensors import TORCH_DTYPES, as_bytes
 
 @dataclass
 class PiecewiseKV:
-    """``gate``: set while the KV is still being computed (layer-wise streaming): ``gate.wait(i)`` blocks until
-    layer ``i`` is written and returns a CUDA event to order device work after (or None); ``gate.host_wait(i)``
-    also synchronizes on it. Senders call ``ready(i)`` (host readers) or ``ready_event(i)`` (device readers)
-    before touching layer ``i``."""
+    """``gate``: set while the KV is still being computed (layer-wise streaming): ``gate.host_wait(i)`` blocks until
+    layer ``i`` is written (on a GPU: until its event completed). Senders call ``ready(i)`` before reading layer
+    ``i``."""
     layout: KVLayout
     layers: list
     gate: object = None
@@ -37,9 +36,6 @@ class PiecewiseKV:
         start = time.perf_counter()
         self.gate.host_wait(layer)
         return time.perf_counter() - start
-
-    def ready_event(self, layer: int):
-        return None if self.gate is None else self.gate.wait(layer)
 
     def __len__(self) -> int:
         return len(self.layers)
