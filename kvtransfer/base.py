@@ -125,6 +125,7 @@ class KVSender(ABC):
     sends_pieces: bool = False  # ``send`` also takes a ``PiecewiseKV`` (e.g. pool blocks, no copy)
 
     streams_layers = False  # a PiecewiseKV with a gate is sent layer by layer as each is computed
+    one_at_a_time = False  # transfers go strictly one after another (a fixed world: nccl, mlx)
 
     def takes_pieces(self, device) -> bool:
         """Whether ``send`` moves a ``PiecewiseKV`` whose tensors live on ``device`` without copying it."""

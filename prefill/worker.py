@@ -186,8 +186,8 @@ class PrefillWorker(WorkerLoop):
                 self._unqueue(entry)
                 if self.kv_stream and batch.samples(i) and isinstance(entry[1], str) and seq.rid not in self.aborted:
                     streams.append((seq, entry[1]))
-        if not streams:
-            return None
+        if not streams or (self.sender.one_at_a_time and self.pushing):
+            return None  # one at a time: a stream would hold the transport for this whole forward
         self.progress = LayerProgress(self.engine.kv_shape[0], self.engine.device)
         for seq, dest in streams:
             layout = self._layout(len(seq.prompt_ids))
