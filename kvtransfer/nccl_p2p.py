@@ -45,11 +45,12 @@ gathers it, sends a LAYER note on the control socket and posts its send; the
 receiver posts that layer's receive on the note and scatters it as it lands
 (no NCCL operation waits on either GPU while layers compute). As transfers
 go one at a time, a prefill worker streams only while no push is in flight
-(a stream holds the order for a whole forward). One prompt alone: 0.8 ms of
-an 8,192-token Mistral-7B KV left after the forward instead of 6.3 ms. Under
-load it loses: the receives wait on the decode GPU for the whole prefill
-forward and transfers stay one at a time (BEGIN to ACK), so 1P1D serving at
-concurrency 32 fell from ~2,750 to 470 output tok/s (TPOT 65 ms). A KV the prefill engine wrote into ``alloc``'s region of the sender's
+(a stream holds the order for a whole forward). One prompt alone on two
+H200s: 0.4 ms of an 8,192-token Mistral-7B KV left after the forward instead
+of 6.5 ms; 1P1D serving at concurrency 32 still does better without it
+(2,854 vs 1,830-2,697 output tok/s), hence off by default.
+
+A KV the prefill engine wrote into ``alloc``'s region of the sender's
 GPU slab (``nccl_pool_bytes``, allocated on first use) goes straight from
 there; other layers are first gathered into a pooled staging buffer in the
 canonical layout (device copy, reported as serialize; ``staged_bytes``). A
