@@ -59,6 +59,11 @@ class TransportConfig:
         if self.timeout_s <= 0 or self.lease_s <= 0:
             raise ValueError("timeout_s and lease_s must be positive")
 
+    def flag(self, name: str, default: bool) -> bool:
+        """A yes/no option given as a bool or as text (1/0, true/false, yes/no, on/off)."""
+        value = self.options.get(name, default)
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+
 
 @dataclass
 class ReceivedKV:
