@@ -121,7 +121,7 @@ class NcclSender(SocketSender):
         self._eager_limits: dict[str, tuple[int, float]] = {}
         self._eager, self._dest, self.eager_sends, self.piece_sends = False, "", 0, 0
         self.gathered_bytes = 0
-        self.streams_layers = str(self.cfg.options.get("nccl_stream", False)).lower() in ("1", "true", "yes", "on")
+        self.streams_layers = self.cfg.flag("nccl_stream", False)
 
     def takes_pieces(self, device) -> bool:
         return torch.device(device) == self.device
@@ -217,7 +217,11 @@ class NcclSender(SocketSender):
             else:
                 works = []
                 for i, layer in enumerate(kv.layers):
-                    waited += kv.ready(i)  # on the host: no operation waits on either GPU while layers compute
+                    try:
+                        waited += kv.ready(i)  # on the host: no operation waits on either GPU while layers compute
+                    except Exception:  # the forward failed: let the posted sends (all received) finish with the buffer
+                        await_all(works, self.device, sock, self.cfg.timeout_s)
+                        raise
                     with on_side(self.device):
                         rows = as_rows(layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
                         torch.cat(flat_pieces([layer]), dim=0, out=rows)
@@ -253,7 +257,7 @@ class NcclReceiver(SocketReceiver):
 
     @property
     def eager_bytes(self) -> int:
-        on = str(self.cfg.options.get("nccl_eager", True)).lower() not in ("0", "false", "no", "off")
+        on = self.cfg.flag("nccl_eager", True)
         return min(self.cfg.max_transfer_bytes, self.pool.capacity_bytes) if on else 0
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
