@@ -18,9 +18,11 @@ import time
 
 
 def options(names, role: str, hostfile: str) -> dict:
+    """Options of both peers: ``bench transfer --kv-option`` (``PDSERVE_BENCH_KV_OPTIONS``, JSON) and mlx's ranks."""
+    given = json.loads(os.environ.get("PDSERVE_BENCH_KV_OPTIONS") or "{}")
     if "mlx" in names:
-        return {"mlx_hostfile": hostfile, "mlx_rank": 0 if role == "send" else 1}
-    return {}
+        return {**given, "mlx_hostfile": hostfile, "mlx_rank": 0 if role == "send" else 1}
+    return given
 
 
 def _private_stdout():

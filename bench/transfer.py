@@ -37,6 +37,8 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--link", default="loopback", help="loopback | netns[:RATE] (two namespaces, veth shaped by tc tbf)")
+    p.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="transport option for both peers (repeatable), e.g. arrow_streams=1")
     p.add_argument("--out", default="bench/out/transfer", help="report path prefix (.json/.md/.png)")
 
 
@@ -180,6 +182,12 @@ def run(args) -> int:
     names = [n for n in args.transports.split(",") if n]
     print(f"payload {layout.total_nbytes / 1e6:.1f} MB ({args.preset if not args.layers else 'custom'}), "
           f"transports {names} vs iperf3/socket, link {args.link}, {args.reps} reps after {args.warmup} warm-up", flush=True)
+    try:
+        given = dict(o.split("=", 1) for o in args.kv_option)
+    except ValueError:
+        print("pdserve bench transfer: --kv-option takes KEY=VALUE", file=sys.stderr)
+        return 2
+    os.environ["PDSERVE_BENCH_KV_OPTIONS"] = json.dumps(given)
     ray_cluster = None
     if "ray" in names and not os.environ.get("RAY_ADDRESS"):
         from deploy.raycluster import RayCluster
@@ -196,7 +204,7 @@ def run(args) -> int:
         if ray_cluster:
             ray_cluster.stop()
     report = {"command": command_line("transfer"), "layout": layout.to_dict(),
-              "bytes": layout.total_nbytes, "link": args.link, "env": environment(),
+              "bytes": layout.total_nbytes, "link": args.link, "kv_options": given, "env": environment(),
               "summary": summarize(samples, layout.total_nbytes), "samples": samples}
     paths = write_reports(report, args.out)
     print(paths["markdown_text"])

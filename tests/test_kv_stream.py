@@ -1,6 +1,7 @@
 """Layer-wise KV streaming: a sender moves each layer as the (here simulated, in the e2e test real) prefill forward
 writes it; bytes of early layers land before later layers exist; a forward that fails mid-way fails the transfer
 and frees the receiver's blocks; ``pdserve up`` streams by default and answers exactly as without streaming."""
+import importlib.util
 import threading
 import time
 
@@ -46,7 +47,11 @@ def pair(name):
     return make_sender(name, TransportConfig(timeout_s=5.0, options=opts)), receiver
 
 
-@pytest.mark.parametrize("name", ["tcp", "shm"])
+STREAMING = ["tcp", "shm", pytest.param("arrow", marks=pytest.mark.skipif(
+    importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed"))]
+
+
+@pytest.mark.parametrize("name", STREAMING)
 def test_early_layers_land_while_later_ones_are_computed(name):
     """tcp lands each layer in the blocks as it arrives (shm without a shared pool into its own segment: there only
     the result is checked)."""
@@ -70,7 +75,7 @@ def test_early_layers_land_while_later_ones_are_computed(name):
         def landed(i):
             got = expected(target, dst_table, layout.num_tokens)[i]
             return torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
-        if name == "tcp":
+        if name in ("tcp", "arrow"):
             assert eventually(lambda: landed(0) and landed(1), 5), "layers 0-1 should land before 2-3 exist"
             assert not landed(3)
         progress.layer_done(2)
@@ -87,7 +92,7 @@ def test_early_layers_land_while_later_ones_are_computed(name):
         receiver.close()
 
 
-@pytest.mark.parametrize("name", ["tcp", "shm"])
+@pytest.mark.parametrize("name", STREAMING)
 def test_a_forward_that_fails_mid_stream_fails_the_transfer_and_frees_the_landing(name):
     layout = KVLayout(4, 2, 8, 20, "float32")
     source, target = pool(layout, 4, seed=3), pool(layout, 4, seed=4)
@@ -111,7 +116,7 @@ def test_a_forward_that_fails_mid_stream_fails_the_transfer_and_frees_the_landin
         progress.fail(RuntimeError("out of memory in layer 1"))
         t.join(10)
         assert errors and "layer 1" in str(errors[0])
-        if name == "tcp":  # shm lands in blocks only when they are in its shared memory (as in a decode worker)
+        if name in ("tcp", "arrow"):  # shm lands in blocks only when they are in its shared memory (as in a decode worker)
             assert released.wait(5)
         with pytest.raises(TransferError):
             receiver.wait("f", 5)
@@ -128,7 +133,7 @@ def slow_model(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("slow"), SLOW)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", STREAMING)
 def test_up_streams_kv_and_answers_exactly_as_without_streaming(slow_model, transport):
     model = slow_model.rsplit("/", 1)[1]
     prompts = ["The quick brown fox " * 60, "hi", "tokens " * 200]

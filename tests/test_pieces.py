@@ -136,7 +136,7 @@ def test_no_landing_falls_back_to_the_pool_buffer(tcp):
     kv = [(torch.randn(5, 1, 4).half(), torch.randn(5, 1, 4).half()) for _ in range(2)]
     sender.send(receiver.address, "fb", layout, kv)
     received = receiver.wait("fb", 5)
-    assert received.landed is None and received.buffer is not None
+    assert received.landed is None and (received.buffer is not None or received.layers is not None)
     assert all(torch.equal(a, b) for pair, got in zip(kv, materialize(received, "cpu")) for a, b in zip(pair, got))
 
 

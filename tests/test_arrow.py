@@ -1,0 +1,103 @@
+"""Arrow Flight specifics beyond the conformance suite: parallel streams, a
+transfer's parts that never all arrive, and whole layers handed over without
+a receiver-side copy."""
+import importlib.util
+import threading
+
+import msgpack
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
+
+from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransportConfig, make_receiver, make_sender  # noqa: E402
+from kvtransfer.tensors import layout_of, materialize  # noqa: E402
+from tests.test_conformance import assert_bit_exact, random_kv  # noqa: E402
+from tests.test_pieces import expected, pieces_of, pool  # noqa: E402
+
+
+@pytest.fixture
+def receiver():
+    r = make_receiver("arrow", TransportConfig(timeout_s=2.0, lease_s=10))
+    r.start()
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("streams", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_streams_arrive_bit_exact(receiver, streams, dtype):
+    sender = make_sender("arrow", TransportConfig(timeout_s=10, options={"arrow_streams": streams}))
+    try:
+        for i, shape in enumerate([(7, 2, 300, 16), (1, 1, 1, 1), (2, 8, 64, 8)]):
+            kv = random_kv(*shape, dtype, seed=i)
+            sender.send(receiver.address, f"p{i}", layout_of(kv), kv)
+            got = receiver.wait(f"p{i}", 5)
+            assert_bit_exact(kv, materialize(got, "cpu"))
+            got.release()
+    finally:
+        sender.close()
+
+
+def test_parallel_streams_from_pool_blocks_into_landing_blocks(receiver):
+    layout = KVLayout(5, 2, 8, 37, "bfloat16")
+    source, target = pool(layout, 8, seed=7), pool(layout, 8, seed=8)
+    released = threading.Event()
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(target, [4, 0, 2], lay.num_tokens)), released.set)
+    sender = make_sender("arrow", TransportConfig(timeout_s=10, options={"arrow_streams": 2}))
+    try:
+        sender.send(receiver.address, "b", layout, PiecewiseKV(layout, pieces_of(source, [1, 6, 3], layout.num_tokens)))
+        got = receiver.wait("b", 5)
+        assert got.landed is not None and not released.is_set()
+        for (k, v), (ek, ev) in zip(expected(target, [4, 0, 2], 37), expected(source, [1, 6, 3], 37)):
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+    finally:
+        sender.close()
+
+
+def test_whole_layers_are_handed_over_without_a_receiver_copy(receiver):
+    kv = random_kv(4, 8, 512, 64, torch.bfloat16, seed=3)
+    sender = make_sender("arrow", TransportConfig(timeout_s=10))
+    try:
+        sender.send(receiver.address, "z", layout_of(kv), kv)
+        got = receiver.wait("z", 5)
+        assert got.layers is not None and receiver.pool.allocations == 0
+        assert_bit_exact(kv, materialize(got, "cpu"))
+        got.release()
+    finally:
+        sender.close()
+
+
+def test_a_part_that_never_arrives_fails_the_transfer_and_frees_the_landing(receiver):
+    """Only part 0 of 2 is sent: the receiver gives up after its timeout and lets the landing go."""
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    from kvtransfer.arrow_wire import SCHEMA, VERSION, aligning_metadata, column
+
+    layout = KVLayout(2, 1, 4, 8, "float32")
+    released = threading.Event()
+    target = pool(layout, 4, seed=1)
+    receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(target, [0], lay.num_tokens)), released.set)
+    client = fl.FlightClient(f"grpc+tcp://{receiver.address}")
+    header = msgpack.packb({"v": VERSION, "tid": "half", "layout": layout.to_dict(), "meta": {}, "part": 0, "parts": 2})
+    writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), SCHEMA)
+    k = torch.randn(8, 1, 4)
+    raw = memoryview(k.numpy()).cast("B")
+    writer.write_with_metadata(pa.RecordBatch.from_arrays([column(raw), column(raw)], schema=SCHEMA),
+                               pa.py_buffer(aligning_metadata({"layer": 0, "at": 0, "t": [0, 0, 0]}, len(raw))))
+    writer.done_writing()
+    assert reader.read() is None
+    with pytest.raises(fl.FlightError, match="never arrived"):
+        writer.close()
+    assert released.wait(5)
+    with pytest.raises(TransferError):
+        receiver.wait("half", 1)
+    # the receiver keeps serving
+    sender = make_sender("arrow", TransportConfig(timeout_s=10))
+    try:
+        sender.send(receiver.address, "whole", layout, [(k, k), (k, k)])
+        receiver.wait("whole", 5).release()
+    finally:
+        sender.close()
+        client.close()
