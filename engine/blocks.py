@@ -2,6 +2,13 @@
 table per sequence, all blocks free again once every sequence let go. Free blocks are handed out
 lowest id first, so a sequence's blocks tend to be one run of consecutive
 ids (transports move a run as one piece) even after much churn.
+
+Prefix cache (``caching``): a full block registered under its chained hash
+(``prefix_hash``) stays cached when its last user lets go, and is handed out
+again to a sequence whose prompt starts with the same tokens (``match`` +
+``take``). Cached blocks nobody uses count as free; when no truly free block
+is left the least recently used one is evicted. ``drain_events`` returns the
+keys stored and evicted since the last call (workers report them to routers).
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
 whole step's planning)."""
@@ -9,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections import OrderedDict
 
 
 class OutOfBlocks(MemoryError):
@@ -16,48 +24,116 @@ class OutOfBlocks(MemoryError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.caching = caching
         self.refs = [0] * num_blocks
         self.free = list(range(num_blocks))  # a heap
+        self.key_of: list[int | None] = [None] * num_blocks
+        self.by_key: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, oldest first
+        self.stored: list[int] = []
+        self.evicted: list[int] = []
         self.lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.by_key)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def can_grow(self, table: list[int], tokens: int) -> bool:
-        return self.blocks_for(tokens) - len(table) <= len(self.free)
+        return self.blocks_for(tokens) - len(table) <= self.num_free
+
+    def _pop_free(self) -> int:
+        if self.free:
+            return heapq.heappop(self.free)
+        block, _ = self.idle.popitem(last=False)
+        key = self.key_of[block]
+        self.key_of[block] = None
+        del self.by_key[key]
+        self.evicted.append(key)
+        return block
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Append blocks to ``table`` until it holds ``tokens`` tokens."""
         with self.lock:
             need = self.blocks_for(tokens) - len(table)
-            if need > len(self.free):
-                raise OutOfBlocks(f"{need} blocks needed, {len(self.free)} free")
+            if need > self.num_free:
+                raise OutOfBlocks(f"{need} blocks needed, {self.num_free} free")
             for _ in range(need):
-                block = heapq.heappop(self.free)
+                block = self._pop_free()
                 self.refs[block] = 1
                 table.append(block)
 
     def share(self, table: list[int]) -> list[int]:
         with self.lock:
             for block in table:
-                self.refs[block] += 1
+                self._ref(block)
             return list(table)
+
+    def _ref(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.idle.pop(block, None)
+        self.refs[block] += 1
 
     def release(self, table: list[int]) -> None:
         with self.lock:
             for block in table:
                 self.refs[block] -= 1
                 if self.refs[block] == 0:
-                    heapq.heappush(self.free, block)
+                    if self.key_of[block] is not None:
+                        self.idle[block] = None
+                    else:
+                        heapq.heappush(self.free, block)
                 elif self.refs[block] < 0:
                     raise RuntimeError(f"block {block} released more often than taken")
             table.clear()
+
+    def match(self, keys: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``keys`` (not taken: see ``take``)."""
+        if not self.caching:
+            return []
+        out = []
+        with self.lock:
+            for key in keys:
+                block = self.by_key.get(key)
+                if block is None:
+                    break
+                out.append(block)
+        return out
+
+    def take(self, blocks: list[int]) -> list[int]:
+        """One more user of each cached block (they stop being evictable); a new table of them."""
+        with self.lock:
+            for block in blocks:
+                self._ref(block)
+            return list(blocks)
+
+    def register(self, block: int, key: int) -> None:
+        """``block`` now holds the full block keyed ``key`` (a block or key already registered stays as it is)."""
+        if not self.caching:
+            return
+        with self.lock:
+            if self.key_of[block] is None and key not in self.by_key:
+                self.key_of[block] = key
+                self.by_key[key] = block
+                self.stored.append(key)
+
+    def keys(self) -> list[int]:
+        with self.lock:
+            return list(self.by_key)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        with self.lock:
+            stored, evicted = self.stored, self.evicted
+            self.stored, self.evicted = [], []
+            return stored, evicted

@@ -20,6 +20,7 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_budget_bytes: int = 0
     num_blocks: int | None = None
+    prefix_caching: bool = True
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
 
     def __post_init__(self):

@@ -59,9 +59,10 @@ class Engine:
         memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
         self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device, memory)
-        self.blocks = BlockManager(self.num_blocks, self.block_size)
+        self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
+        self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
@@ -149,7 +150,31 @@ class Engine:
         """Start ``seq`` whose prompt's KV already sits in ``table`` (received straight into the blocks)."""
         seq.block_table = table
         seq.num_computed = len(seq.prompt_ids)
+        self.register(seq)
         self.scheduler.add_running(seq)
+
+    def register(self, seq: Sequence) -> None:
+        """Put the blocks ``seq`` has filled since the last call into the prefix cache."""
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        if not self.blocks.caching or full <= seq.registered:
+            return
+        keys = self.scheduler.keys(seq, full * self.block_size)
+        for i in range(seq.registered, full):
+            self.blocks.register(seq.block_table[i], keys[i])
+        seq.registered = full
+
+    def cached_prefix(self, keys: list[int]) -> list[int]:
+        """Take the cached blocks of the longest prefix of ``keys`` (a new table; release it when done)."""
+        with self.blocks.lock:
+            return self.blocks.take(self.blocks.match(keys))
+
+    def _count_prefix(self, batch) -> None:
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            if not seq.counted and not seq.output_ids:
+                seq.counted = True
+                self.prompt_tokens += len(seq.prompt_ids)
+                self.cached_tokens += seq.cached_tokens
+                self.prefix_hits += seq.cached_tokens > 0
 
     def release(self, table: list[int]) -> None:
         self.blocks.release(table)
@@ -171,6 +196,10 @@ class Engine:
         out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
         if not batch.seqs:
             return out
+        for source, target in batch.copies:
+            self.pool.copy_block(source, target)
+            self.blocks.release([source])
+        self._count_prefix(batch)
         progress = self.on_schedule(batch) if self.on_schedule is not None else None
         scores, prompt_scores = self.runner.run(batch, progress.layer_done if progress is not None else None)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
@@ -178,6 +207,7 @@ class Engine:
             if i in prompt_scores:
                 add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
             seq.num_computed += chunk
+            self.register(seq)
         choices = choose(scores, sampling, self.tokenizer.eos_token_id) if sampling else []
         for seq, choice in zip(sampling, choices):
             delta = seq.append(choice)

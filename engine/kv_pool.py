@@ -42,6 +42,11 @@ class KVPool:
                 start = i
         return [([kf[s:e] for s, e in spans], [vf[s:e] for s, e in spans]) for kf, vf in self.flat]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in self.layers:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
     def gather(self, table: list[int], tokens: int, into: list | None = None) -> list:
         """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given)."""
         out = []

@@ -7,7 +7,12 @@ sequences from the waiting queue while blocks and the sequence limit allow.
 When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed (its prompt and the tokens generated so far). A
-sequence that cannot fit even alone is refused."""
+sequence that cannot fit even alone is refused.
+
+With the prefix cache, a sequence admitted from the queue first takes the
+cached blocks of its longest cached prefix and computes only the rest; when
+its whole prompt is cached, the last block is copied (``Batch.copies``, done
+before the forward) and only the last token is computed into the copy."""
 from __future__ import annotations
 
 import time
@@ -15,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .blocks import BlockManager
+from .prefix_hash import extend_hashes
 from .sequence import Sequence
 
 
@@ -23,6 +29,7 @@ class Batch:
     seqs: list[Sequence] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
     refused: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, chunk: int) -> None:
         self.seqs.append(seq)
@@ -37,8 +44,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, salt: str = ""):
         self.blocks = blocks
+        self.salt = salt
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -66,7 +74,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
-        seq.num_computed = 0
+        seq.num_computed = seq.registered = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -94,16 +102,46 @@ class Scheduler:
                 self.waiting.popleft()
                 batch.refused.append(seq)
                 continue
-            chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed + chunk):
+            hits = self._cached_prefix(seq)
+            computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1) if hits else seq.num_computed
+            chunk = min(seq.num_tokens - computed, budget)
+            shared = computed // self.blocks.block_size if hits else len(seq.block_table)
+            if self.blocks.blocks_for(computed + chunk) - shared > self.blocks.num_free - self._idle_among(hits):
                 break
             self.waiting.popleft()
             self.running.append(seq)
             seq.scheduled_at = seq.scheduled_at or time.perf_counter()
+            if hits:
+                self._reuse(seq, hits, computed, batch)
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
             budget -= chunk
         return batch
+
+    def keys(self, seq: Sequence, tokens: int) -> list[int]:
+        """Prefix-cache keys of the first full blocks of ``seq`` covering at most ``tokens`` tokens."""
+        return extend_hashes(seq.block_keys, seq.tokens(0, tokens), self.blocks.block_size, self.salt)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        if not self.blocks.caching or seq.num_computed or seq.block_table or seq.params.prompt_logprobs is not None:
+            return []
+        return self.blocks.match(self.keys(seq, seq.num_tokens))
+
+    def _idle_among(self, blocks: list[int]) -> int:
+        """Of these cached blocks, how many count as free now (taking them makes them not free)."""
+        return sum(1 for b in blocks if self.blocks.refs[b] == 0)
+
+    def _reuse(self, seq: Sequence, hits: list[int], computed: int, batch: Batch) -> None:
+        """Start ``seq`` on its cached blocks; a fully cached prompt gets a copy of its last block to compute into."""
+        bs = self.blocks.block_size
+        shared = hits[:computed // bs]
+        seq.block_table = self.blocks.take(shared)
+        if len(shared) < len(hits):  # held until the copy is made (so it cannot be evicted for the copy itself)
+            source = self.blocks.take([hits[len(shared)]])[0]
+            self.blocks.grow(seq.block_table, len(hits) * bs)
+            batch.copies.append((source, seq.block_table[-1]))
+        seq.num_computed = seq.cached_tokens = computed
+        seq.registered = len(shared)
 
     def _make_room(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
         while not self.blocks.can_grow(seq.block_table, tokens):

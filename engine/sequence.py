@@ -30,6 +30,10 @@ class Sequence:
         self.num_computed = 0
         self.preemptions = 0
         self.scheduled_at: float | None = None
+        self.block_keys: list[int] = []
+        self.registered = 0
+        self.cached_tokens = 0
+        self.counted = False
 
     @classmethod
     def create(cls, rid, prompt: str | list[int], params: SamplingParams, tokenizer, max_len: int) -> "Sequence":
