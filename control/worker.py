@@ -25,6 +25,7 @@ MIN_DRAIN_S = 0.3
 
 class WorkerLoop:
     role = "worker"
+    prefix_blocks = None  # the engine's BlockManager when it caches prefixes: its keys go to every router
 
     def __init__(self, host: str, port: int, drain_s: float = 20.0, token: bytes | None = None):
         self.inbox: queue.Queue = queue.Queue()
@@ -46,8 +47,11 @@ class WorkerLoop:
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
         if msg["op"] == "ping":
+            new = identity not in self.peers
             self.peers.add(identity)
             self.server.send(identity, "pong", info=self.describe(), t=msg.get("t"))
+            if new and self.prefix_blocks is not None:  # sent by the engine thread, in order with the updates
+                self.inbox.put({"op": "_kv_snapshot", "rid": "", "to": identity})
             return
         rid = msg.get("rid")
         if not rid:
@@ -118,6 +122,7 @@ class WorkerLoop:
             except queue.Empty:
                 pass
             self.tick()
+            self._kv_events()
         for rid in list(self.reply_to):
             self.fail(rid, 503, f"{self.role} worker shut down before the request finished", retry_after=1)
         time.sleep(0.1)
@@ -135,7 +140,19 @@ class WorkerLoop:
         waited = now - self.draining_since
         return self.forced.is_set() or waited > self.drain_s or (waited >= MIN_DRAIN_S and self.idle())
 
+    def _kv_events(self) -> None:
+        """Prefix-cache keys stored and evicted since the last call, to every router."""
+        if self.prefix_blocks is None or not self.peers:
+            return
+        stored, evicted = self.prefix_blocks.drain_events()
+        if stored or evicted:
+            for identity in list(self.peers):
+                self.server.send(identity, "kv_events", stored=stored, evicted=evicted)
+
     def _safe_handle(self, msg):
+        if msg["op"] == "_kv_snapshot":
+            self.server.send(msg["to"], "kv_events", reset=True, stored=self.prefix_blocks.keys(), evicted=[])
+            return
         try:
             self.handle(msg)
         except Exception as e:

@@ -60,6 +60,7 @@ class DecodeWorker(WorkerLoop):
         self.transport = None if colocated else transport
         shares = transport in ("shm", "nixl") and not colocated
         self.engine = Engine(engine, pool_memory=self._transport_pool if shares else None)
+        self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}
         self.completed = 0
@@ -83,6 +84,7 @@ class DecodeWorker(WorkerLoop):
         self.blocked: deque = deque()
         self.live: dict[str, Live] = {}
         self.landing: dict[str, list] = {}
+        self.held: dict[str, tuple[list, float]] = {}
         self.kv_landed = 0
 
     def info(self):
@@ -96,7 +98,8 @@ class DecodeWorker(WorkerLoop):
                 "kv_reserved_bytes": sum(self.reserved.values()), "preemptions": e.scheduler.preemptions,
                 "kv_landed_in_blocks": self.kv_landed,
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
-                "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0)}
+                "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0),
+                **e.prefix_info()}
 
     def busy(self):
         return bool(self.live) or bool(self.blocked)
@@ -131,10 +134,41 @@ class DecodeWorker(WorkerLoop):
                 self._try_start(rid)
         elif op == "generate" and self.colocated:
             self._generate(msg)
+        elif op == "hold" and not self.colocated:
+            self._hold(rid, msg.get("keys"))
         elif op == "abort":
             self._abort(rid)
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
+
+    def _hold(self, rid, keys):
+        """Keep the cached blocks of the prompt's longest cached prefix (``keys``: its block keys as the router
+        computed them) for ``rid``, whose KV will then come without them; answers ``held`` with their count."""
+        if not isinstance(keys, list) or any(type(k) is not int for k in keys) or rid in self.held:
+            return self.fail(rid, 400, "hold needs a list of block keys")
+        table = self.engine.cached_prefix(keys[:self.engine.max_len // self.engine.block_size])
+        self.held[rid] = (table, time.monotonic() + self.kv_timeout)
+        self.emit(rid, "held", blocks=len(table))
+
+    def _prefix(self, rid, seq, kv_tokens) -> list[int]:
+        """The held blocks that stand for the first ``len(prompt) - kv_tokens`` tokens (checked against the prompt's
+        own keys); the rest of the hold is let go. Raises RequestError when they do not cover them."""
+        table, _ = self.held.pop(rid, ([], 0.0))
+        skip = len(seq.prompt_ids) - kv_tokens
+        bs = self.engine.block_size
+        try:
+            if skip < 0 or skip % bs or skip // bs > len(table):
+                raise RequestError(f"{len(seq.prompt_ids)} prompt ids but KV for {kv_tokens} tokens and "
+                                   f"{len(table)} cached blocks held")
+            keys = self.engine.scheduler.keys(seq, skip)
+            if [self.engine.blocks.key_of[b] for b in table[:skip // bs]] != keys[:skip // bs]:
+                raise RequestError("the held blocks do not hold this prompt's prefix")
+        except RequestError:
+            self.engine.release(table)
+            raise
+        self.engine.release(table[skip // bs:])
+        del table[skip // bs:]
+        return table
 
     def _transport_pool(self, nbytes: int, device):
         """The KV pool (host memory) where the transport can write into its blocks: a shared-memory file for shm,
@@ -179,19 +213,20 @@ class DecodeWorker(WorkerLoop):
             params = SamplingParams.from_dict(msg["params"], resolved=True)
             seq = Sequence.resume(rid, msg["prompt_ids"], msg["first_token"], msg["emitted"], params,
                                   self.engine.tokenizer, self.engine.max_len)
-            if len(seq.prompt_ids) != received.layout.num_tokens:
-                raise RequestError(f"{len(seq.prompt_ids)} prompt ids but KV for {received.layout.num_tokens} tokens")
+            prefix = self._prefix(rid, seq, received.layout.num_tokens)
         except (KeyError, TypeError, RequestError) as e:
             received.release()
             return self.fail(rid, 400, f"bad decode request: {e}")
         if not self._reserve(rid, len(seq.prompt_ids), params):
+            self.engine.release(prefix)
             return received.release()
         if received.landed is not None:
             table = self.landing.pop(rid, None)
             if table is None:
                 self.reserved.pop(rid, None)
+                self.engine.release(prefix)
                 return self.fail(rid, 502, "KV landed but its blocks were released")
-            self.engine.adopt(seq, table)
+            self.engine.adopt(seq, prefix + table)
             self.kv_landed += 1
             self.live[rid] = Live(seq, received.phases)
             return
@@ -200,14 +235,14 @@ class DecodeWorker(WorkerLoop):
         else:
             with received.phases.measure("deserialize"):
                 views = unpack(received.buffer, received.layout)
-        self.blocked.append((seq, received, views))
+        self.blocked.append((seq, received, views, prefix))
         self._admit_blocked()
 
     def _admit_blocked(self):
         while self.blocked:
-            seq, received, views = self.blocked[0]
+            seq, received, views, prefix = self.blocked[0]
             with received.phases.measure("h2d"):
-                placed = self.engine.add_prefilled(seq, views)
+                placed = self.engine.add_prefilled(seq, views, prefix)
             if not placed:
                 return
             self.blocked.popleft()
@@ -230,7 +265,11 @@ class DecodeWorker(WorkerLoop):
         for entry in [b for b in self.blocked if b[0].rid == rid]:
             self.blocked.remove(entry)
             entry[1].release()
+            self.engine.release(entry[3])
             self.reserved.pop(rid, None)
+        held = self.held.pop(rid, None)
+        if held is not None:
+            self.engine.release(held[0])
         self._finish(rid)
         self.reply_to.pop(rid, None)
         if self.receiver:
@@ -238,6 +277,10 @@ class DecodeWorker(WorkerLoop):
 
     def tick(self):
         now = time.monotonic()
+        for rid, (table, deadline) in list(self.held.items()):
+            if deadline < now and rid not in self.waiting:
+                del self.held[rid]
+                self.engine.release(table)
         for rid, (_, deadline) in list(self.waiting.items()):
             if deadline < now:
                 del self.waiting[rid]

@@ -38,6 +38,8 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the paged pool")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one engine step may batch")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt (default: reuse the KV blocks of prompt prefixes seen before)")
     p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto",
                    help="decode steps as CUDA graphs over Triton kernels (auto: on CUDA when triton imports)")
     p.add_argument("--max-batched-tokens", type=int, default=None,
@@ -76,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill", action="append", default=[], help="prefill worker tcp://host:port (repeatable)")
     r.add_argument("--decode", action="append", default=[], help="decode worker tcp://host:port (repeatable)")
     r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
-    r.add_argument("--policy", default=None, help="least_outstanding | round_robin")
+    r.add_argument("--policy", default=None, help="least_outstanding | round_robin | kv_aware")
+    r.add_argument("--kv-weight", type=float, default=None, help="kv_aware: weight of load against cached prefix "
+                   "(0: prefix only)")
+    r.add_argument("--tokenizer", default=None, help="kv_aware: 'builtin' or a checkpoint dir (default: the one "
+                   "the workers report, when it exists here)")
     r.add_argument("--config", default=None, help="TOML file with a [router] table")
     r.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN)")
     r.add_argument("--api-key-file", default=None, help="file with the API key clients must send (or PDSERVE_API_KEY)")
@@ -105,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     u.add_argument("--decode", type=int, default=1, help="number of decode workers")
     u.add_argument("--colocated", action="store_true", help="single-machine baseline: workers do prefill+decode")
-    u.add_argument("--policy", default="least_outstanding")
+    u.add_argument("--policy", default="least_outstanding", help="least_outstanding | round_robin | kv_aware")
+    u.add_argument("--kv-weight", type=float, default=0.5, help="kv_aware: weight of load against cached prefix")
     u.add_argument("--ready-timeout", type=float, default=180.0)
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
@@ -139,7 +146,7 @@ def _engine_config(args):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
-                        decode_graphs=args.decode_graphs)
+                        decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True))
 
 
 def _transport_config(args, port=0):

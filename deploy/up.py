@@ -52,6 +52,8 @@ def engine_args(args) -> list[str]:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.ray_address:
         out += ["--ray-address", args.ray_address]
+    if not getattr(args, "prefix_caching", True):
+        out += ["--no-prefix-caching"]
     if args.transport == "mlx":
         out += ["--mlx-backend", args.mlx_backend]
     for key, value in args.kv_option:
@@ -107,7 +109,7 @@ def plan(args) -> list[list[str]]:
     if gpus:  # worker i on cuda:(i mod gpus); a later --device wins over the shared one
         cmds = [cmd + ["--device", f"cuda:{i % gpus}"] for i, cmd in enumerate(cmds)]
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
-                     "--max-queue", str(args.max_queue)]
+                     "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5))]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]

@@ -35,8 +35,8 @@ class BlockManager:
         self.key_of: list[int | None] = [None] * num_blocks
         self.by_key: dict[int, int] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, oldest first
-        self.stored: list[int] = []
-        self.evicted: list[int] = []
+        self.stored: set[int] = set()
+        self.evicted: set[int] = set()
         self.lock = threading.RLock()
 
     @property
@@ -60,7 +60,8 @@ class BlockManager:
         key = self.key_of[block]
         self.key_of[block] = None
         del self.by_key[key]
-        self.evicted.append(key)
+        self.stored.discard(key)
+        self.evicted.add(key)
         return block
 
     def grow(self, table: list[int], tokens: int) -> None:
@@ -126,14 +127,16 @@ class BlockManager:
             if self.key_of[block] is None and key not in self.by_key:
                 self.key_of[block] = key
                 self.by_key[key] = block
-                self.stored.append(key)
+                self.evicted.discard(key)
+                self.stored.add(key)
 
     def keys(self) -> list[int]:
         with self.lock:
             return list(self.by_key)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
+        """Keys stored and keys evicted since the last call (disjoint: the later event of a key wins)."""
         with self.lock:
-            stored, evicted = self.stored, self.evicted
-            self.stored, self.evicted = [], []
+            stored, evicted = sorted(self.stored), sorted(self.evicted)
+            self.stored, self.evicted = set(), set()
             return stored, evicted

@@ -63,6 +63,7 @@ class Engine:
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
+        self.tokenizer_source = "builtin" if cfg.model == "tiny-llama" else os.path.abspath(cfg.model)
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
@@ -95,6 +96,13 @@ class Engine:
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
+    def prefix_info(self) -> dict:
+        """What a worker reports about its prefix cache (and what the router needs to compute its keys)."""
+        return {"tokenizer": self.tokenizer_source, "kv_block_size": self.block_size,
+                "prefix_caching": self.blocks.caching, "prefix_cached_blocks": self.blocks.num_cached,
+                "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
+                "prefix_hits": self.prefix_hits}
+
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.kv_bytes_per_token
@@ -124,13 +132,15 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence, layers) -> bool:
-        """Start ``seq`` from its prompt's KV (canonical layers); False when no blocks are free for it now."""
-        table = self.reserve(len(seq.prompt_ids))
+    def add_prefilled(self, seq: Sequence, layers, prefix: list[int] | None = None) -> bool:
+        """Start ``seq`` from its prompt's KV (canonical layers; after the cached ``prefix`` blocks when given);
+        False when no blocks are free for it now."""
+        prefix = prefix or []
+        table = self.reserve(len(seq.prompt_ids) - len(prefix) * self.block_size)
         if table is None:
             return False
         self.pool.scatter(table, layers)
-        self.adopt(seq, table)
+        self.adopt(seq, prefix + table)
         return True
 
     def reserve(self, tokens: int) -> list[int] | None:

@@ -55,6 +55,8 @@ class PrefillWorker(WorkerLoop):
         self.pool_memory = None
         self.engine = Engine(engine, hold_after_first=True, pool_memory=self._pool_memory if transport == "nixl" else None)
         self.engine.on_schedule = self._scheduled
+        self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
+        self.kv_skipped_bytes = 0
         self.live: dict = {}
         self.sending: dict = {}
         self.kv_from_blocks = 0
@@ -89,7 +91,8 @@ class PrefillWorker(WorkerLoop):
                 "kv_from_blocks": self.kv_from_blocks, "kv_streamed": self.streamed,
                 "kv_staged_bytes": self.sender.staged_bytes,
                 "kv_gathered_bytes": getattr(self.sender, "gathered_bytes", 0), "kv_blocks": self.engine.num_blocks,
-                "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live)}
+                "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live),
+                "kv_skipped_bytes": self.kv_skipped_bytes, **self.engine.prefix_info()}
 
     def busy(self):
         return bool(self.live)
@@ -148,7 +151,8 @@ class PrefillWorker(WorkerLoop):
             self._count("queued", -1)
             return self.fail(rid, e.status, str(e))
         self.engine.add(seq)
-        self.live[rid] = [seq, msg.get("kv_dest"), queued_at, True]
+        skip = msg.get("kv_skip")
+        self.live[rid] = [seq, msg.get("kv_dest"), queued_at, True, skip if isinstance(skip, list) else []]
 
     def tick(self):
         if not self.engine.has_work:
@@ -175,7 +179,7 @@ class PrefillWorker(WorkerLoop):
             if entry is None:
                 self.engine.free(seq)
                 continue
-            self._first(seq, text, entry[1], entry[2])
+            self._first(seq, text, entry[1], entry[2], entry[4])
 
     def _scheduled(self, batch):
         """Before a step's forward: prompts whose last chunk it computes start streaming their KV now."""
@@ -185,13 +189,13 @@ class PrefillWorker(WorkerLoop):
             if entry is not None:
                 self._unqueue(entry)
                 if self.kv_stream and batch.samples(i) and isinstance(entry[1], str) and seq.rid not in self.aborted:
-                    streams.append((seq, entry[1]))
+                    streams.append((seq, entry[1], entry[4]))
         if not streams or (self.sender.one_at_a_time and self.pushing):
             return None  # one at a time: a stream would hold the transport for this whole forward
         self.progress = LayerProgress(self.engine.kv_shape[0], self.engine.device)
-        for seq, dest in streams:
-            layout = self._layout(len(seq.prompt_ids))
-            kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens), gate=self.progress)
+        for seq, dest, skip in streams:
+            layout, table = self._suffix(seq, skip)
+            kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens), gate=self.progress)
             self.streamed += 1
             self._start_push(seq, dest, layout, kv, self.progress)
         return self.progress
@@ -215,7 +219,7 @@ class PrefillWorker(WorkerLoop):
             self._unqueue(entry)
         self.engine.free(seq)
 
-    def _first(self, seq, text, dest, queued_at):
+    def _first(self, seq, text, dest, queued_at, skip=()):
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3))
@@ -230,13 +234,13 @@ class PrefillWorker(WorkerLoop):
         if not isinstance(dest, str):
             self.engine.free(seq)
             return self.fail(rid, 500, "prefill request has no kv_dest")
-        layout = self._layout(len(seq.prompt_ids))
+        layout, table = self._suffix(seq, skip)
         if self.sender.takes_pieces(self.engine.device):
-            kv = PiecewiseKV(layout, self.engine.pieces(seq.block_table, layout.num_tokens))
+            kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             return self._start_push(seq, dest, layout, kv, now)
         source = self.sender.alloc(layout, str(self.engine.device))
         try:
-            kv = self.engine.gather(seq, source.layers if source is not None else None)
+            kv = self.engine.pool.gather(table, layout.num_tokens, source.layers if source is not None else None)
         except Exception as e:
             log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:
@@ -250,6 +254,20 @@ class PrefillWorker(WorkerLoop):
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
         self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source, now)
+
+    def _suffix(self, seq, skip: list) -> tuple[KVLayout, list[int]]:
+        """The KV to send and its blocks: the prompt after the leading blocks whose keys the decode worker holds
+        (``skip``, from the router: only those equal to this prompt's own keys count; at least one token goes)."""
+        bs, n = self.engine.block_size, len(seq.prompt_ids)
+        m = 0
+        if skip:
+            own = self.engine.scheduler.keys(seq, n)
+            limit = min(len(skip), len(own), (n - 1) // bs)
+            while m < limit and skip[m] == own[m]:
+                m += 1
+        if m:
+            self.kv_skipped_bytes += m * bs * self.engine.kv_bytes_per_token
+        return self._layout(n - m * bs), seq.block_table[m:]
 
     def _layout(self, tokens: int) -> KVLayout:
         layers, heads, head_dim = self.engine.kv_shape

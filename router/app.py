@@ -32,7 +32,7 @@ def _groups(cfg: RouterConfig, inboxes: dict, token: bytes | None) -> dict:
     groups = {}
     for role in ("prefill", "decode", "colocated"):
         clients = [WorkerClient(a, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token) for a in getattr(cfg, role)]
-        groups[role] = WorkerGroup(role, clients, make_policy(cfg.policy))
+        groups[role] = WorkerGroup(role, clients, make_policy(cfg.policy, cfg.kv_weight))
     return groups
 
 
@@ -42,7 +42,8 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     inboxes: dict = {}
     groups = _groups(cfg, inboxes, token)
     admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
-    service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s)
+    service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
+                      kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None)
     service.inboxes = inboxes
     mode = "colocated" if cfg.colocated else "disaggregated"
 

@@ -14,6 +14,8 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
     policy: str = "least_outstanding"
+    kv_weight: float = 0.5
+    tokenizer: str = ""
     first_timeout_s: float = 300.0
     token_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
@@ -27,6 +29,8 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy!r} not in {sorted(POLICIES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.kv_weight < 0:
+            raise ValueError("kv_weight must be >= 0")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
         if self.colocated and (self.prefill or self.decode):

@@ -15,6 +15,12 @@ WORKER_GAUGES = {
     "kv_pool_bytes_in_use": ("pdserve_worker_kv_buffer_bytes_in_use", "Transport buffer bytes holding received KV"),
     "kv_held_bytes": ("pdserve_worker_kv_held_bytes", "KV bytes a prefill worker holds until they are sent"),
     "restarts": ("pdserve_worker_restarts", "Times pdserve up restarted this worker after it died"),
+    "prefix_prompt_tokens": ("pdserve_worker_prefix_prompt_tokens", "Prompt tokens a worker's engine started"),
+    "prefix_cached_tokens": ("pdserve_worker_prefix_tokens_saved", "Prompt tokens a worker took from its prefix cache "
+                             "instead of computing or receiving them"),
+    "prefix_cached_blocks": ("pdserve_worker_prefix_cached_blocks", "Blocks in a worker's prefix cache"),
+    "kv_skipped_bytes": ("pdserve_worker_kv_bytes_not_moved", "KV bytes a prefill worker did not send because the "
+                         "decode worker held them"),
 }
 
 
@@ -41,6 +47,8 @@ class Metrics:
         self.queue = Gauge("pdserve_admission_queue_depth", "Requests waiting for KV memory", registry=r)
         self.rejected = Counter("pdserve_admission_rejected", "Requests refused by admission control", ["status"], registry=r)
         self.worker = {k: Gauge(name, doc, ["role", "worker"], registry=r) for k, (name, doc) in WORKER_GAUGES.items()}
+        self.hit_rate = Gauge("pdserve_worker_prefix_hit_rate", "Share of a worker's prompt tokens served from its "
+                              "prefix cache", ["role", "worker"], registry=r)
 
     def observe_transfer(self, transport: str, phases: dict):
         for name in PHASE_NAMES:
@@ -60,5 +68,8 @@ class Metrics:
                 for key, gauge in self.worker.items():
                     if key in c.info:
                         gauge.labels(role, c.address).set(c.info[key])
+                if c.info.get("prefix_prompt_tokens"):
+                    self.hit_rate.labels(role, c.address).set(c.info.get("prefix_cached_tokens", 0)
+                                                              / c.info["prefix_prompt_tokens"])
                 if "kv_registrations" in c.info:
                     self.registrations.labels(role, c.address).set(c.info["kv_registrations"])

@@ -1,4 +1,5 @@
-"""Worker selection policies."""
+"""Worker selection policies. ``pick(workers, prompt)`` gets the request's
+``PromptKeys`` (or None); only ``kv_aware`` looks at it."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,7 @@ class RoundRobin:
     def __init__(self):
         self._counter = itertools.count()
 
-    def pick(self, workers):
+    def pick(self, workers, prompt=None):
         return workers[next(self._counter) % len(workers)]
 
 
@@ -16,17 +17,54 @@ class LeastOutstanding:
     def __init__(self):
         self._tie = itertools.count()
 
-    def pick(self, workers):
+    def pick(self, workers, prompt=None):
         low = min(w.outstanding for w in workers)
         tied = [w for w in workers if w.outstanding == low]
         return tied[next(self._tie) % len(tied)]
 
 
-POLICIES = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding}
+def cached_blocks(worker, prompt) -> int:
+    """How many leading blocks of the prompt ``worker`` reported holding (0 without an index or keys)."""
+    if prompt is None:
+        return 0
+    keys = prompt.keys(int(worker.info.get("kv_block_size") or 0), str(worker.info.get("model") or ""))
+    held = worker.kv_keys
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
 
 
-def make_policy(name: str):
+class KVAware:
+    """The worker holding the longest cached prefix of the prompt, balanced against load: score = cached share of
+    the prompt - ``weight`` x outstanding / (1 + most outstanding); ties go to the least loaded."""
+
+    def __init__(self, weight: float = 0.5):
+        self.weight = weight
+        self._tie = itertools.count()
+
+    def pick(self, workers, prompt=None):
+        if prompt is None or not prompt.ids:
+            return LeastOutstanding.pick(self, workers)
+        most = max(w.outstanding for w in workers)
+        total = len(prompt.ids)
+
+        def score(w):
+            share = cached_blocks(w, prompt) * int(w.info.get("kv_block_size") or 0) / total
+            return share - self.weight * w.outstanding / (1 + most)
+        best = max(score(w) for w in workers)
+        tied = [w for w in workers if score(w) >= best - 1e-9]
+        return LeastOutstanding.pick(self, tied)
+
+
+POLICIES = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding, "kv_aware": KVAware}
+
+
+def make_policy(name: str, kv_weight: float = 0.5):
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(kv_weight) if cls is KVAware else cls()

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 from .admission import estimate_prompt_tokens
 from .errors import ApiError
+from .policy import cached_blocks
+from .prompts import PromptKeys, load_tokens, prompt_ids
 
 _ids = itertools.count()
+log = logging.getLogger(__name__)
 
 KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
 
@@ -52,7 +56,12 @@ class StreamError(Exception):
 
 
 class Service:
-    def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0):
+    def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0,
+                 kv_aware: bool = False, tokenizer: str | None = None):
+        self.kv_aware = kv_aware
+        self.tokenizer_spec = tokenizer
+        self._tokens = None
+        self._tokens_tried = False
         self.groups = groups
         self.metrics = metrics
         self.admission = admission
@@ -78,8 +87,8 @@ class Service:
         if model not in known:
             raise ApiError(404, f"The model '{model}' does not exist; served: {sorted(known)}", param="model", code="model_not_found")
 
-    def _pick(self, role):
-        worker = self.groups[role].pick() if self.groups.get(role) else None
+    def _pick(self, role, prompt=None):
+        worker = self.groups[role].pick(prompt) if self.groups.get(role) else None
         if worker is None:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return worker
@@ -93,6 +102,38 @@ class Service:
             raise StreamError(int(msg.get("status") or 500), str(msg.get("message") or "worker error"), msg.get("retry_after"))
         return msg
 
+    def _router_tokens(self):
+        """The tokenizer KV-aware routing uses: the configured one, else the one the first worker reports."""
+        if not self._tokens_tried:
+            spec = self.tokenizer_spec or next((c.info["tokenizer"] for g in self.groups.values() for c in g.healthy()
+                                                if c.info.get("tokenizer")), None)
+            if spec is None:
+                return None
+            self._tokens, self._tokens_tried = load_tokens(spec), True
+            if self._tokens is None:
+                log.warning("kv_aware routing has no tokenizer (%s is not readable here; give --tokenizer): "
+                            "it balances load only", spec)
+        return self._tokens
+
+    async def _prompt(self, payload: dict):
+        if not self.kv_aware:
+            return None
+        tokens = self._router_tokens()
+        return PromptKeys(await asyncio.to_thread(prompt_ids, tokens, payload) if tokens is not None else None)
+
+    async def _hold(self, decode, prefill, rid, inbox, prompt) -> list:
+        """Ask the decode worker to keep the cached blocks of the prompt's prefix it reported; the keys of those it
+        kept (prefill then sends only the rest)."""
+        n = cached_blocks(decode, prompt)
+        bs = decode.info.get("kv_block_size")
+        if not n or bs != prefill.info.get("kv_block_size") or decode.info.get("model") != prefill.info.get("model"):
+            return []
+        keys = prompt.keys(int(bs), str(decode.info.get("model") or ""))[:n]
+        decode.owned.add(rid)
+        await decode.send("hold", rid=rid, keys=keys)
+        msg = await self._next(inbox, 10.0, "the decode worker's cached blocks")
+        return keys[:int(msg.get("blocks") or 0)] if msg["op"] == "held" else []
+
     async def generate(self, payload: dict, rid: str):
         """Async generator of ``Delta``/``Finished``; raises ``StreamError``."""
         t0 = time.perf_counter()
@@ -101,16 +142,21 @@ class Service:
         timing = {}
         max_new = payload["params"].get("max_tokens") or 1 << 20
         try:
+            prompt = await self._prompt(payload)
             if self.colocated:
-                first_worker = await self.admission.acquire(self.groups["colocated"], rid, estimate_prompt_tokens(payload) + max_new)
+                first_worker = await self.admission.acquire(self.groups["colocated"], rid,
+                                                            estimate_prompt_tokens(payload) + max_new, prompt)
                 decode_worker = first_worker
                 timing["transport"] = "none"
                 await self._dispatch(first_worker, involved, rid, "generate", **payload)
             else:
-                decode_worker = await self.admission.acquire(self.groups["decode"], rid, estimate_prompt_tokens(payload) + max_new)
-                first_worker = self._pick("prefill")
+                decode_worker = await self.admission.acquire(self.groups["decode"], rid,
+                                                             estimate_prompt_tokens(payload) + max_new, prompt)
+                first_worker = self._pick("prefill", prompt)
                 timing["transport"] = decode_worker.info.get("transport")
-                await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"), **payload)
+                skip = await self._hold(decode_worker, first_worker, rid, inbox, prompt)
+                await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"),
+                                     kv_skip=skip, **payload)
             first = await self._next(inbox, self.first_timeout_s, "the first token")
             while first["op"] != "first":
                 if first["op"] == "kv_sent":  # a streamed KV can be in place before the first token is out
@@ -163,6 +209,8 @@ class Service:
                     await self._abort(worker, rid)
             if not finished and decode_worker is not None and decode_worker not in involved:
                 await self._abort(decode_worker, rid)  # its KV may be on the way already
+            if decode_worker is not None:
+                decode_worker.owned.discard(rid)
 
     def _kv_sent(self, timing: dict, msg: dict) -> None:
         stream = msg.get("stream")

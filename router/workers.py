@@ -41,6 +41,7 @@ class WorkerClient:
         self.last_pong = 0.0
         self.outstanding = 0
         self.owned: set[str] = set()
+        self.kv_keys: set[int] = set()
         self._sock = self._monitor = None
         self._tasks: list[asyncio.Task] = []
 
@@ -132,6 +133,9 @@ class WorkerClient:
                 self.last_pong = time.monotonic()
                 self.info = msg.get("info") or {}
                 continue
+            if op == "kv_events":
+                self._on_kv_events(msg)
+                continue
             try:
                 items = unbatch(msg)
             except MessageError as e:
@@ -141,6 +145,18 @@ class WorkerClient:
                 inbox = self.inboxes.get(item.get("rid"))
                 if inbox is not None:
                     inbox.put_nowait(item)
+
+    def _on_kv_events(self, msg: dict) -> None:
+        """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored and
+        evicted."""
+        stored, evicted = msg.get("stored") or [], msg.get("evicted") or []
+        if not isinstance(stored, list) or not isinstance(evicted, list):
+            return
+        if msg.get("reset"):
+            self.kv_keys = set(stored)
+        else:
+            self.kv_keys.update(stored)
+        self.kv_keys.difference_update(evicted)
 
     def close(self):
         for task in self._tasks:
@@ -160,6 +176,6 @@ class WorkerGroup:
     def healthy(self) -> list[WorkerClient]:
         return [c for c in self.clients if c.healthy and not c.info.get("draining")]
 
-    def pick(self) -> WorkerClient | None:
+    def pick(self, prompt=None) -> WorkerClient | None:
         ready = self.healthy()
-        return self.policy.pick(ready) if ready else None
+        return self.policy.pick(ready, prompt) if ready else None
