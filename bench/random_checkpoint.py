@@ -22,6 +22,9 @@ SHAPES = {
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                        max_position_embeddings=40960, tie_word_embeddings=True)),
     # a prefill forward of 2,000 tokens takes seconds on a CPU while its 64 MB fp32 KV crosses 10 Gbit/s in ~55 ms
+    # multi-turn chat on a CPU: a 2,000-token system prompt costs a few hundred ms to prefill, a turn's suffix little
+    "chat-cpu": ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)),
     "stream-cpu": ("LlamaConfig", dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)),
 }

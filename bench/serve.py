@@ -7,8 +7,10 @@ loop) or Poisson arrivals at ``--rate``; stops after ``--requests`` or
 ``--duration``. Goodput counts requests within ``--slo-ttft-ms``/``--slo-tpot-ms``."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 
@@ -16,7 +18,7 @@ import httpx
 
 from .report import command_line
 from .stats import summary
-from .workload import arrivals, build
+from .workload import Request, arrivals, build, parse_range, synthetic_prompt
 
 PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")
@@ -37,10 +39,15 @@ def add_arguments(p):
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=0, help="multi-turn workload: this many conversations, each "
+                   "sending its turns one after another (the prompt grows by the reply and the next question)")
+    p.add_argument("--turns", type=int, default=8, help="multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=2000, help="multi-turn: characters of the system prompt all "
+                   "conversations share")
     p.add_argument("--out", default="bench/out/serve")
 
 
-async def one(client, url, model, endpoint, req, temperature) -> dict:
+async def one(client, url, model, endpoint, req, temperature, keep_text=False) -> dict:
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if endpoint == "chat":
@@ -48,7 +55,7 @@ async def one(client, url, model, endpoint, req, temperature) -> dict:
     else:
         path, body["prompt"] = "/v1/completions", req.prompt
     start = time.perf_counter()
-    stamps, usage, timing, error = [], None, {}, None
+    stamps, usage, timing, error, texts = [], None, {}, None, []
     try:
         async with client.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
@@ -65,6 +72,7 @@ async def one(client, url, model, endpoint, req, temperature) -> dict:
                         text = choice.get("text") or (choice.get("delta") or {}).get("content")
                         if text:
                             stamps.append(time.perf_counter())
+                            texts.append(text)
                     usage = chunk.get("usage") or usage
                     timing = chunk.get("pdserve") or timing
     except httpx.HTTPError as e:
@@ -73,6 +81,8 @@ async def one(client, url, model, endpoint, req, temperature) -> dict:
     out_tokens = (usage or {}).get("completion_tokens", len(stamps))
     row = {"error": error, "e2e_ms": (end - start) * 1e3, "output_tokens": out_tokens,
            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "pdserve": timing}
+    if keep_text:
+        row["text"] = "".join(texts)
     if stamps:
         row["ttft_ms"] = (stamps[0] - start) * 1e3
         row["itl_ms"] = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
@@ -80,7 +90,35 @@ async def one(client, url, model, endpoint, req, temperature) -> dict:
     return row
 
 
+async def run_conversations(args) -> tuple[list[dict], float]:
+    """Each conversation: system prompt, then per turn a question; the reply joins the prompt of the next turn."""
+    rng = random.Random(args.seed)
+    system = synthetic_prompt(rng, args.system_len)
+    _, qhi = parse_range(args.prompt_len)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
+        gate = asyncio.Semaphore(args.concurrency)
+        rows, start = [], time.perf_counter()
+
+        async def talk(c):
+            history = f"{system}\nConversation {c}.\n"
+            for turn in range(1, args.turns + 1):
+                history += f"User: {synthetic_prompt(rng, qhi)}\nAssistant:"
+                req = Request(history, rng.randint(*parse_range(args.max_tokens)))
+                async with gate:
+                    row = await one(client, args.url, model, "completions", req, args.temperature, keep_text=True)
+                row["turn"] = turn
+                rows.append(row)
+                _progress(len(rows), args.conversations * args.turns, start)
+                history += row.pop("text", "") + "\n"
+        await asyncio.gather(*(talk(c) for c in range(args.conversations)))
+        print(file=sys.stderr)
+        return rows, time.perf_counter() - start
+
+
 async def run_load(args) -> tuple[list[dict], float]:
+    if getattr(args, "conversations", 0):
+        return await run_conversations(args)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
         count = args.requests if not args.duration else 1_000_000
@@ -122,6 +160,10 @@ def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None) -> 
            "itl_ms": summary(x for r in timed for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok)}
     phases = {p: summary(r["pdserve"][p] for r in ok if isinstance(r["pdserve"].get(p), (int, float))) for p in PHASES}
     out["pdserve_ms"] = {p: s for p, s in phases.items() if s}
+    if any("turn" in r for r in rows):
+        out["ttft_ms_turn_1"] = summary(r["ttft_ms"] for r in timed if r.get("turn") == 1)
+        out["ttft_ms_turns_2_on"] = summary(r["ttft_ms"] for r in timed if r.get("turn", 1) > 1)
+        out["kv_bytes_turns_2_on"] = summary(r["pdserve"].get("kv_bytes", 0) for r in ok if r.get("turn", 1) > 1)
     return out
 
 
@@ -137,3 +179,13 @@ def run(args) -> int:
     print(paths.pop("markdown_text"))
     print("wrote " + ", ".join(paths.values()))
     return 0 if report["summary"]["errors"] == 0 else 1
+
+
+def _parser_defaults(**overrides) -> argparse.Namespace:
+    """``bench serve``'s arguments with their defaults, some overridden (for drivers that run it)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args

@@ -61,12 +61,13 @@ def test_a_repeated_prefix_is_computed_once_and_sent_once(reference):
 
 @pytest.mark.parametrize("policy,floor", [("kv_aware", 0.9), ("round_robin", 0.0)])
 def test_kv_aware_keeps_each_conversation_on_the_workers_holding_it(reference, policy, floor):
-    """2 prefill + 2 decode, 4 conversation threads of 4 turns each, interleaved."""
+    """2 prefill + 2 decode, 4 conversation threads of 4 turns each, interleaved (in an order that changes every
+    turn, so that taking turns does not by chance send a thread back to the same worker)."""
     cluster = Cluster("--prefill", "2", "--decode", "2", "--policy", policy, "--kv-weight", "0.1").wait_ready()
     try:
         threads = [f"Thread {t}: " + f"topic {t} " * 60 for t in range(4)]
         for turn in range(4):
-            for t in range(4):
+            for t in ([0, 1, 2, 3] if turn % 2 == 0 else [1, 0, 3, 2]):
                 threads[t] += f" turn {turn} question?"
                 got = complete(cluster.url, threads[t])
                 if turn == 0 and t == 0:
