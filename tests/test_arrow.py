@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, rea
 
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransportConfig, make_receiver, make_sender  # noqa: E402
 from kvtransfer.tensors import layout_of, materialize  # noqa: E402
-from tests.test_conformance import assert_bit_exact, random_kv  # noqa: E402
+from tests.test_conformance import assert_bit_exact, random_kv, roundtrip  # noqa: E402
 from tests.test_pieces import expected, pieces_of, pool  # noqa: E402
 
 
@@ -31,10 +31,7 @@ def test_parallel_streams_arrive_bit_exact(receiver, streams, dtype):
     try:
         for i, shape in enumerate([(7, 2, 300, 16), (1, 1, 1, 1), (2, 8, 64, 8)]):
             kv = random_kv(*shape, dtype, seed=i)
-            sender.send(receiver.address, f"p{i}", layout_of(kv), kv)
-            got = receiver.wait(f"p{i}", 5)
-            assert_bit_exact(kv, materialize(got, "cpu"))
-            got.release()
+            assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"p{i}")[0])
     finally:
         sender.close()
 
