@@ -28,7 +28,7 @@ import torch
 
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError, SamplingParams
-from engine.engine import Engine
+from engine.factory import make_engine
 from engine.requests import first_message, new_sequence
 from engine.sequence import Sequence
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
@@ -59,7 +59,7 @@ class DecodeWorker(WorkerLoop):
         self.shared_pool = self.pool_memory = None
         self.transport = None if colocated else transport
         shares = transport in ("shm", "nixl") and not colocated
-        self.engine = Engine(engine, pool_memory=self._transport_pool if shares else None)
+        self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None)
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}
@@ -76,7 +76,7 @@ class DecodeWorker(WorkerLoop):
                 self.receiver.share(self.shared_pool)
             elif self.pool_memory is not None:
                 self.receiver.share(self.pool_memory)
-            if self.receiver.lands_on(self.engine.device):
+            if getattr(self.engine, "paged", True) and self.receiver.lands_on(self.engine.device):
                 self.receiver.land = self._land
             self.receiver.start()
             self.kv_timeout = cfg.timeout_s
@@ -89,7 +89,7 @@ class DecodeWorker(WorkerLoop):
 
     def info(self):
         e = self.engine
-        return {"role": self.role, "model": e.name, "transport": self.transport,
+        return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
                 "kv_addr": self.receiver.address if self.receiver else None, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),

@@ -32,6 +32,8 @@ def byte_size(text: str) -> int:
 
 def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--model", default="tiny-llama", help="'tiny-llama' (built in) or a local Hugging Face checkpoint dir")
+    p.add_argument("--engine", default="torch", choices=["auto", "torch", "mlx"],
+                   help="model runner: torch, or mlx (mlx-lm's models; auto: mlx on macOS when mlx-lm is installed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
@@ -119,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     u.add_argument("--gpus", type=int, default=0, help="spread the workers over this many GPUs (worker i on "
                    "cuda:i mod N), e.g. --colocated --decode 2 --gpus 2: one replica per GPU")
+    u.add_argument("--prefill-engine", default=None, choices=["auto", "torch", "mlx"],
+                   help="engine of the prefill workers (default: --engine), e.g. a heterogeneous pair")
+    u.add_argument("--decode-engine", default=None, choices=["auto", "torch", "mlx"],
+                   help="engine of the decode (or colocated) workers (default: --engine)")
     u.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
                    help="prefill sends the KV after its forward ends (default: layer by layer while it runs)")
     _add_engine(u)
@@ -146,7 +152,8 @@ def _engine_config(args):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
-                        decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True))
+                        decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
+                        engine=args.engine)
 
 
 def _transport_config(args, port=0):

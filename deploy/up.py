@@ -41,7 +41,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def engine_args(args) -> list[str]:
-    out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
+    out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport,
+           "--engine", getattr(args, "engine", "torch")]
     if args.max_model_len:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.threads:
@@ -59,6 +60,12 @@ def engine_args(args) -> list[str]:
     for key, value in args.kv_option:
         out += ["--kv-option", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     return out
+
+
+def role_engine(args, role: str) -> list[str]:
+    """``--prefill-engine``/``--decode-engine`` (a later ``--engine`` wins over the shared one)."""
+    kind = getattr(args, f"{role}_engine", None)
+    return ["--engine", kind] if kind else []
 
 
 def rank_args(args, host: str) -> list[list[str]] | None:
@@ -91,19 +98,22 @@ def plan(args) -> list[list[str]]:
     if args.colocated:
         for _ in range(max(1, args.decode)):
             port = free_port(host)
-            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng + budget)
+            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng + budget
+                        + role_engine(args, "decode"))
             roles["colocated"].append(f"tcp://{host}:{port}")
     else:
         for i in range(args.prefill):
             port = free_port(host)
             rank = ranked[i]
             stream = [] if getattr(args, "kv_stream", True) else ["--no-kv-stream"]
-            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank + stream)
+            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank + stream
+                        + role_engine(args, "prefill"))
             roles["prefill"].append(f"tcp://{host}:{port}")
         for i in range(args.decode):
             port, kv = free_port(host), free_port(host)
             rank = ranked[args.prefill + i]
-            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget)
+            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget
+                        + role_engine(args, "decode"))
             roles["decode"].append(f"tcp://{host}:{port}")
     gpus = getattr(args, "gpus", 0)
     if gpus:  # worker i on cuda:(i mod gpus); a later --device wins over the shared one

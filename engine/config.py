@@ -5,6 +5,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DECODE_GRAPHS = ("auto", "off", "eager", "cuda")
+ENGINES = ("auto", "torch", "mlx")
 
 
 @dataclass
@@ -21,6 +22,7 @@ class EngineConfig:
     kv_budget_bytes: int = 0
     num_blocks: int | None = None
     prefix_caching: bool = True
+    engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
 
     def __post_init__(self):
@@ -37,6 +39,8 @@ class EngineConfig:
                 continue
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r} not in {ENGINES}")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):

@@ -31,6 +31,7 @@ from .config import EngineConfig
 from .engine import StepOutput
 from .errors import RequestError
 from .sampler import choose
+from .scheduler import Batch
 from .sequence import Sequence
 from .tiny import TINY_NAME, build_tiny_model
 from .tokenizer import ByteTokenizer, HFTokenizer
@@ -128,6 +129,13 @@ class MlxEngine:
     def keys(self, seq, tokens):
         return []
 
+    def cached_prefix(self, keys) -> list:
+        return []
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
     def prefix_info(self) -> dict:
         return {"tokenizer": "builtin" if self.cfg.model == TINY_NAME else os.path.abspath(self.cfg.model),
                 "kv_block_size": self.block_size, "prefix_caching": False, "engine": self.kind}
@@ -174,11 +182,18 @@ class MlxEngine:
         return scores
 
     def step(self) -> StepOutput:
+        """One decode step of the running batch, then a chunk of the oldest waiting prompt (which joins the batch
+        for the next step once it has its first token)."""
         out = StepOutput()
-        if self.waiting:
-            self._prefill(self.waiting[0], out)
         if self.running:
             self._decode(out)
+        if self.waiting:
+            seq = self.waiting[0]
+            if self.on_schedule is not None:
+                batch = Batch()
+                batch.add(seq, min(seq.num_tokens - seq.num_computed, self.budget))
+                self.on_schedule(batch)
+            self._prefill(seq, out)
         return out
 
     def _prefill(self, seq: Sequence, out: StepOutput) -> None:
@@ -234,7 +249,7 @@ class MlxEngine:
             else:
                 self.batch = None
 
-    def gather(self, seq: Sequence, skip_tokens: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The prompt's KV after ``skip_tokens``, canonical host tensors in the model's dtype (a copy)."""
         mx, n = self.mx, len(seq.prompt_ids)
         out = []

@@ -35,7 +35,7 @@ import torch
 
 from control.worker import WorkerLoop
 from engine import EngineConfig, RequestError
-from engine.engine import Engine
+from engine.factory import make_engine
 from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
@@ -53,7 +53,9 @@ class PrefillWorker(WorkerLoop):
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
         self.pool_memory = None
-        self.engine = Engine(engine, hold_after_first=True, pool_memory=self._pool_memory if transport == "nixl" else None)
+        self.engine = make_engine(engine, hold_after_first=True,
+                                  pool_memory=self._pool_memory if transport == "nixl" else None)
+        self.paged = getattr(self.engine, "paged", True)
         self.engine.on_schedule = self._scheduled
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_skipped_bytes = 0
@@ -62,7 +64,8 @@ class PrefillWorker(WorkerLoop):
         self.kv_from_blocks = 0
         self.transport = transport
         self.sender = make_sender(transport, self.cfg)
-        self.kv_stream = kv_stream and self.sender.streams_layers and self.sender.takes_pieces(self.engine.device)
+        self.kv_stream = kv_stream and self.paged and self.sender.streams_layers and \
+            self.sender.takes_pieces(self.engine.device)
         self.progress: LayerProgress | None = None
         self.streamed = 0
         if self.pool_memory is not None:
@@ -85,7 +88,7 @@ class PrefillWorker(WorkerLoop):
         return self.pool_memory
 
     def info(self):
-        return {"role": self.role, "model": self.engine.name, "transport": self.transport, "max_len": self.engine.max_len,
+        return {"role": self.role, "model": self.engine.name, "engine": getattr(self.engine, "kind", "torch"), "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
                 "kv_from_blocks": self.kv_from_blocks, "kv_streamed": self.streamed,
@@ -235,12 +238,16 @@ class PrefillWorker(WorkerLoop):
             self.engine.free(seq)
             return self.fail(rid, 500, "prefill request has no kv_dest")
         layout, table = self._suffix(seq, skip)
-        if self.sender.takes_pieces(self.engine.device):
+        if self.paged and self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             return self._start_push(seq, dest, layout, kv, now)
         source = self.sender.alloc(layout, str(self.engine.device))
         try:
-            kv = self.engine.pool.gather(table, layout.num_tokens, source.layers if source is not None else None)
+            if self.paged:
+                kv = self.engine.pool.gather(table, layout.num_tokens, source.layers if source is not None else None)
+            else:  # the MLX engine: one copy out of its caches, into the transport's memory where it has some
+                kv = self.engine.gather_prompt(seq, len(seq.prompt_ids) - layout.num_tokens)
+                kv = source.fill(kv).layers if source is not None else kv
         except Exception as e:
             log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:

@@ -70,7 +70,7 @@ def test_kv_from_one_engine_continues_in_the_other(model, prefill_kind, decode_k
         prefill.add(seq)
         while not seq.output_ids:
             prefill.step()
-        kv = prefill.gather(seq)
+        kv = prefill.gather_prompt(seq) if prefill_kind == "mlx" else prefill.gather(seq)
         prefill.free(seq)
         cont = Sequence.resume("d", seq.prompt_ids, seq.output_ids[0], seq.detok.emitted, params, decode.tokenizer,
                                decode.max_len)
