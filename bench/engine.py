@@ -24,6 +24,7 @@ from .report import command_line
 
 def add_arguments(p):
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--engine", default="torch", choices=["auto", "torch", "mlx"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -58,9 +59,14 @@ def _seqs(engine, prompts, max_tokens):
                             engine.max_len) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 
+def _vocab(engine) -> int:
+    spec = getattr(engine.model, "spec", None)
+    return min(spec.vocab_size, engine.tokenizer.vocab_size) if spec else engine.tokenizer.vocab_size
+
+
 def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: int = 8) -> dict:
     """Output tok/s of ``steps`` batched decode steps, timed after ``warmup`` untimed ones at the same size."""
-    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+    vocab = _vocab(engine)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
     seqs = _seqs(engine, prompts, [steps + warmup + 4] * batch)
     for s in seqs:
@@ -82,7 +88,7 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: in
 
 
 def offline(engine, requests: int, input_len, output_len, rng) -> dict:
-    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+    vocab = _vocab(engine)
     ins = [rng.randint(*input_len) for _ in range(requests)]
     outs = [min(rng.randint(*output_len), engine.max_len - i - 1) for i in ins]
     seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(n)] for n in ins], outs)
@@ -141,14 +147,14 @@ def run(args) -> int:
     import torch
 
     from engine import EngineConfig
-    from engine.engine import Engine
+    from engine.factory import make_engine
 
     rng = random.Random(args.seed)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                 max_num_seqs=max(args.max_num_seqs, max(batches)),
-                                 max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs))
-    graphs = engine.runner.graphs
+    engine = make_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                                      max_num_seqs=max(args.max_num_seqs, max(batches)), engine=args.engine,
+                                      max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs))
+    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
     for d in decode:
         print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)", file=sys.stderr)
@@ -167,7 +173,8 @@ def run(args) -> int:
           f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
     command = command_line("engine")
     base = decode[0]["tok_per_s"]
-    report = {"command": command, "model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype),
+    report = {"command": command, "model": engine.name, "engine": getattr(engine, "kind", "torch"),
+              "device": str(engine.device), "dtype": str(engine.dtype),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None},
               "kv_blocks": engine.num_blocks, "block_size": engine.block_size, "decode": decode, "hf_eager": hf,

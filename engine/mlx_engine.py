@@ -96,7 +96,7 @@ class MlxEngine:
         layer = self.model.layers[0].self_attn
         heads = getattr(layer, "n_kv_heads", None) or getattr(layer, "num_key_value_heads")
         head_dim = layer.k_proj.weight.shape[0] // heads if hasattr(layer, "k_proj") else layer.head_dim
-        self.mx_dtype = dtype or self.model.layers[0].self_attn.k_proj.weight.dtype
+        self.mx_dtype = dtype or self.model.layers[0].input_layernorm.weight.dtype  # norms stay unquantized
         self.dtype = TORCH_OF[str(self.mx_dtype).split(".")[-1]]
         self.device = torch.device("cpu")
         self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))

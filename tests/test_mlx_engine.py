@@ -95,3 +95,16 @@ def test_bf16_kv_lands_in_an_fp32_mlx_engine_converted():
     while not cont.finished:
         mlx.step()
     assert len(cont.output_ids) == 4
+
+
+def test_a_4bit_mlx_checkpoint_loads_and_decodes_batched_as_alone(tmp_path):
+    """An MLX-converted, 4-bit quantized checkpoint (``mlx_lm.convert``): it runs, and batching does not change it."""
+    from mlx_lm.convert import convert
+
+    src = write_family(tmp_path / "src", "llama")
+    convert(hf_path=src, mlx_path=str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    engine = mlx_engine(str(tmp_path / "q4"))
+    assert "QuantizedLinear" in type(engine.model.layers[0].self_attn.q_proj).__name__
+    ps = prompts(4, seed=9)
+    alone = [outputs(engine, [p])[0] for p in ps]
+    assert outputs(engine, ps) == alone and all(len(o) == 10 for o in alone)
