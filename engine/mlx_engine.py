@@ -158,13 +158,13 @@ class MlxEngine:
         mx.eval([c.keys for c in caches])
         return True
 
-    def _to_mx(self, t: torch.Tensor):
-        t = t.detach().to("cpu")
-        if t.dtype == torch.bfloat16:
-            a = self.mx.array(t.view(torch.int16).numpy()).view(self.mx.bfloat16)
-        else:
-            a = self.mx.array(t.numpy())
-        return a.astype(self.mx_dtype).transpose(1, 0, 2)[None]
+    def _to_mx(self, t):
+        """An MLX array ``[1, heads, tokens, dim]`` in the model's dtype from canonical KV (torch or MLX)."""
+        if isinstance(t, torch.Tensor):
+            t = t.detach().to("cpu").contiguous()
+            t = self.mx.array(t.view(torch.uint16).numpy()).view(self.mx.bfloat16) if t.dtype == torch.bfloat16 \
+                else self.mx.array(t.numpy())
+        return t.astype(self.mx_dtype).transpose(1, 0, 2)[None]
 
     def _join(self, seq, caches) -> None:
         batch = [self._batch_cache.merge([c]) for c in caches]
@@ -249,19 +249,13 @@ class MlxEngine:
             else:
                 self.batch = None
 
-    def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The prompt's KV after ``skip_tokens``, canonical host tensors in the model's dtype (a copy)."""
+    def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list:
+        """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),
+        evaluated; transports take them as they are (mlx) or as views of their memory."""
         mx, n = self.mx, len(seq.prompt_ids)
-        out = []
-        for cache in self.caches[seq.rid]:
-            pair = []
-            for a in (cache.keys, cache.values):
-                a = mx.contiguous(a[0, :, skip_tokens:n, :].transpose(1, 0, 2))
-                if a.dtype == mx.bfloat16:
-                    pair.append(torch.from_numpy(np.array(a.view(mx.int16))).view(torch.bfloat16))
-                else:
-                    pair.append(torch.from_numpy(np.array(a)))
-            out.append(tuple(pair))
+        out = [tuple(mx.contiguous(a[0, :, skip_tokens:n, :].transpose(1, 0, 2)) for a in (c.keys, c.values))
+               for c in self.caches[seq.rid]]
+        mx.eval(out)
         return out
 
     def release(self, table) -> None:

@@ -54,6 +54,8 @@ class Arena:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is contiguous and lies inside this arena's memory."""
+        if not isinstance(t, torch.Tensor):
+            return False
         start = t.data_ptr() - self.memory.data_ptr()
         end = start + t.numel() * t.element_size()
         return t.device == self.memory.device and t.is_contiguous() and 0 <= start and end <= self.memory.numel()

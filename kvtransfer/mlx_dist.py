@@ -31,7 +31,7 @@ from . import frames
 from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
-from .tensors import TORCH_DTYPES, check_layer, to_host
+from .tensors import TORCH_DTYPES, check_layer, from_mlx, is_mlx, to_host
 
 _group = None
 _group_lock = threading.Lock()
@@ -124,11 +124,16 @@ class MlxSender(SocketSender):
     def _send_layers(self, layout, layers, phases, dst) -> float:
         waited = [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
-            with phases.measure("d2h"):
-                k, v = to_host(k), to_host(v)
-            with phases.measure("serialize"):
-                check_layer(layout, k, v)
-                arrays = self._arrays(k, v)
+            if is_mlx(k) and is_mlx(v):  # MLX arrays go as they are (their bytes, viewed)
+                with phases.measure("serialize"):
+                    check_layer(layout, from_mlx(k), from_mlx(v))
+                    arrays = [mx.contiguous(a).view(mx.uint8).reshape(-1) for a in (k, v)]
+            else:
+                with phases.measure("d2h"):
+                    k, v = to_host(k), to_host(v)
+                with phases.measure("serialize"):
+                    check_layer(layout, k, v)
+                    arrays = self._arrays(k, v)
             with phases.measure("wire"):
                 try:
                     mx.eval(send_in_order(arrays, dst, self.group))

@@ -34,8 +34,36 @@ def layout_of(layers: list, num_tokens: int | None = None) -> KVLayout:
     return KVLayout(len(layers), int(heads), int(head_dim), int(num_tokens or tokens), dtype_name(k.dtype))
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous CPU tensor (no copy when it already is one)."""
+def is_mlx(t) -> bool:
+    return type(t).__module__.split(".")[0] == "mlx"
+
+
+def from_mlx(a) -> torch.Tensor:
+    """A host tensor over an MLX array's memory (unified memory: no copy when it is contiguous; bf16 too)."""
+    import mlx.core as mx
+    import numpy as np
+
+    a = mx.contiguous(a)
+    mx.eval(a)
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.asarray(a.view(mx.uint16))).view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(a))
+
+
+def to_mlx(t: torch.Tensor):
+    """An MLX array with a copy of a host tensor's values (same dtype, bf16 too)."""
+    import mlx.core as mx
+
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.view(torch.uint16).numpy()).view(mx.bfloat16)
+    return mx.array(t.numpy())
+
+
+def to_host(t) -> torch.Tensor:
+    """Contiguous CPU tensor (no copy when it already is one; an MLX array becomes a view of its memory)."""
+    if is_mlx(t):
+        return from_mlx(t)
     if t.device.type != "cpu":
         t = t.to("cpu", non_blocking=False)
     return t.contiguous()
@@ -92,7 +120,8 @@ def to_device(layers, device: str | torch.device) -> list[tuple[torch.Tensor, to
 
 
 def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Typed tensors on ``device`` from a ``ReceivedKV``, recording deserialize and h2d.
+    """Typed tensors on ``device`` (or MLX arrays, ``device="mlx"``) from a ``ReceivedKV``, recording deserialize
+    and h2d.
 
     Where the buffer already lives on ``device`` (host buffers for a CPU decode,
     GPU buffers of the nccl transport) the tensors are views of it and the caller
@@ -103,6 +132,12 @@ def materialize(received, device: str | torch.device) -> list[tuple[torch.Tensor
     else:
         with received.phases.measure("deserialize"):
             views = unpack(received.buffer, received.layout)
+    if device == "mlx":
+        try:
+            with received.phases.measure("h2d"):
+                return [(to_mlx(k), to_mlx(v)) for k, v in views]
+        finally:
+            received.release()
     device = torch.device(device)
     here = views[0][0].device
     if here.type == device.type and (device.index is None or here.index == device.index):

@@ -241,13 +241,12 @@ class PrefillWorker(WorkerLoop):
         if self.paged and self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             return self._start_push(seq, dest, layout, kv, now)
-        source = self.sender.alloc(layout, str(self.engine.device))
+        source = self.sender.alloc(layout, str(self.engine.device)) if self.paged else None
         try:
             if self.paged:
                 kv = self.engine.pool.gather(table, layout.num_tokens, source.layers if source is not None else None)
-            else:  # the MLX engine: one copy out of its caches, into the transport's memory where it has some
+            else:  # the MLX engine: MLX arrays (one copy out of its caches), sent as they are or viewed
                 kv = self.engine.gather_prompt(seq, len(seq.prompt_ids) - layout.num_tokens)
-                kv = source.fill(kv).layers if source is not None else kv
         except Exception as e:
             log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:

@@ -7,13 +7,13 @@ from multiprocessing.connection import Listener
 import torch
 
 from kvtransfer import KVLayout, TransportConfig, make_sender
-from kvtransfer.tensors import TORCH_DTYPES
+from kvtransfer.tensors import TORCH_DTYPES, to_mlx
 from tests.transports import send_placed
 
 
 def serve(sender, conn):
     with conn:
-        dest, tid, layout_dict, blobs, die_after, placed = conn.recv()
+        dest, tid, layout_dict, blobs, die_after, placed, as_mlx = conn.recv()
         layout = KVLayout.from_dict(layout_dict)
         dtype = TORCH_DTYPES[layout.dtype]
 
@@ -21,8 +21,9 @@ def serve(sender, conn):
             for i, (k, v) in enumerate(blobs):
                 if i == die_after:
                     os.kill(os.getpid(), signal.SIGKILL)
-                yield tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(layout.tensor_shape)
-                            for b in (k, v))
+                pair = tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(layout.tensor_shape)
+                             for b in (k, v))
+                yield tuple(to_mlx(t) for t in pair) if as_mlx else pair
         try:
             if placed:
                 conn.send(send_placed(sender, dest, tid, list(layers())))

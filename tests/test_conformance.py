@@ -1,6 +1,7 @@
 """One suite every transport passes: bit-exact round trips for every dtype and
 shape range, non-contiguous sources, concurrency, abort, a sender killed
 mid-transfer, and the size limit."""
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -160,3 +161,18 @@ def test_sender_killed_mid_transfer_fails_within_timeout(pair):
     with pytest.raises((TransferError, TimeoutError)):
         receiver.wait(tid, receiver.cfg.timeout_s)
     assert time.monotonic() - start < receiver.cfg.timeout_s + 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlx_array_sources_and_destinations(pair, dtype):
+    """KV held as MLX arrays goes out as it is and lands as MLX arrays, bit-exact."""
+    from kvtransfer.tensors import from_mlx, to_mlx
+
+    name, sender, receiver = pair
+    kv = random_kv(3, 2, 70, 8, dtype, seed=11)
+    arrays = [(to_mlx(k), to_mlx(v)) for k, v in kv]
+    sender.send(receiver.address, f"{name}-mlx-{dtype}", layout_of(kv), arrays)
+    got = materialize(receiver.wait(f"{name}-mlx-{dtype}", 10), "mlx")
+    assert type(got[0][0]).__module__.startswith("mlx")
+    assert_bit_exact(kv, [(from_mlx(k), from_mlx(v)) for k, v in got])

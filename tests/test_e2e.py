@@ -59,7 +59,10 @@ def test_non_stream_completion_reports_usage_and_phases(disagg):
     timing = body["pdserve"]
     assert TIMING_KEYS <= set(timing) and timing["transport"] == "tcp"
     assert timing["kv_bytes"] == 4 * 2 * 2 * 6 * 16 * 4
-    assert timing["wire"] > 0 and timing["ttft"] > 0 and timing["e2e"] >= timing["ttft"]
+    # a KV streamed behind the forward: the receiver's record minus the sender's wait for the compute can round to
+    # nothing on a loaded machine (3 KB here)
+    assert (timing["wire"] >= 0 if timing.get("streamed") else timing["wire"] > 0) and timing["transfer_total"] > 0
+    assert timing["ttft"] > 0 and timing["e2e"] >= timing["ttft"]
     assert timing["transfer_total"] == pytest.approx(sum(timing[p] for p in ("d2h", "serialize", "wire", "deserialize", "h2d")))
 
 

@@ -52,9 +52,9 @@ def test_a_repeated_prefix_is_computed_once_and_sent_once(reference):
             assert got["choices"][0]["token_ids"] == reference(SYSTEM + prompt)
         full, rest = first["pdserve"]["kv_bytes"], second["pdserve"]["kv_bytes"]
         assert 0 < rest < full / 10, (full, rest)
-        prefill = workers(cluster.url)["prefill"][0]
-        assert prefill["prefix_cached_tokens"] >= len(SYSTEM) // 16 * 16 - 16
-        assert prefill["kv_skipped_bytes"] > 0
+        want = len(SYSTEM) // 16 * 16 - 16  # the workers' counters reach the router with their next heartbeat
+        assert settle(cluster.url, "prefill", "prefix_cached_tokens", lambda got: got[0] >= want)[0] >= want
+        assert settle(cluster.url, "prefill", "kv_skipped_bytes", lambda got: got[0] > 0)[0] > 0
     finally:
         cluster.stop()
 
@@ -74,6 +74,7 @@ def test_kv_aware_keeps_each_conversation_on_the_workers_holding_it(reference, p
                     assert got["choices"][0]["token_ids"] == reference(threads[t])
                 threads[t] += " answer." * 3
             time.sleep(1.2)  # cache events reach the router between turns
+        time.sleep(1.5)  # and the counters, with the workers' heartbeats
         info = workers(cluster.url)
         prompt = sum(w["prefix_prompt_tokens"] for w in info["prefill"])
         cached = sum(w["prefix_cached_tokens"] for w in info["prefill"])

@@ -12,6 +12,7 @@ from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.generate import generate_many  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from kvtransfer.tensors import from_mlx  # noqa: E402
 from tests.test_paged_engine import GREEDY, prompts, write_family  # noqa: E402
 
 
@@ -71,6 +72,8 @@ def test_kv_from_one_engine_continues_in_the_other(model, prefill_kind, decode_k
         while not seq.output_ids:
             prefill.step()
         kv = prefill.gather_prompt(seq) if prefill_kind == "mlx" else prefill.gather(seq)
+        if prefill_kind == "mlx":
+            kv = [(from_mlx(k), from_mlx(v)) for k, v in kv]
         prefill.free(seq)
         cont = Sequence.resume("d", seq.prompt_ids, seq.output_ids[0], seq.detok.emitted, params, decode.tokenizer,
                                decode.max_len)

@@ -63,9 +63,13 @@ class ProxySender:
     def send(self, dest, tid, layout, layers, meta=None, die_after=-1, placed=False):
         import torch
 
-        blobs = [tuple(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in pair) for pair in layers]
+        from kvtransfer.tensors import is_mlx, to_host
+
+        as_mlx = bool(layers) and is_mlx(layers[0][0])
+        blobs = [tuple(to_host(t).contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in pair)
+                 for pair in layers]
         with Client(("127.0.0.1", self.world.port), authkey=self.world.key) as conn:
-            conn.send((dest, tid, layout.to_dict(), blobs, die_after, placed))
+            conn.send((dest, tid, layout.to_dict(), blobs, die_after, placed, as_mlx))
             if die_after >= 0:
                 return
             reply = conn.recv()
