@@ -20,7 +20,7 @@ from .report import command_line
 from .stats import summary
 from .workload import Request, arrivals, build, parse_range, synthetic_prompt
 
-PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "h2d", "transfer_total", "overlap", "exposed",
+PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")
 
 

@@ -235,6 +235,9 @@ class DecodeWorker(WorkerLoop):
         else:
             with received.phases.measure("deserialize"):
                 views = unpack(received.buffer, received.layout)
+        if views[0][0].dtype != self.engine.dtype:  # a heterogeneous pair: the sender's engine ran another dtype
+            with received.phases.measure("convert"):
+                views = [(k.to(self.engine.dtype), v.to(self.engine.dtype)) for k, v in views]
         self.blocked.append((seq, received, views, prefix))
         self._admit_blocked()
 

@@ -3,7 +3,9 @@
 Phases are wall-clock milliseconds; a phase a transport does not have is 0.
 ``d2h`` device-to-host copy on the sender, ``serialize`` turning tensors into
 wire bytes, ``wire`` first byte sent to last byte received, ``deserialize``
-turning bytes back into tensors, ``h2d`` host-to-device copy on the receiver.
+turning bytes back into tensors, ``convert`` changing the dtype where the
+receiving engine's differs from the sender's (a heterogeneous pair), ``h2d``
+host-to-device copy on the receiver.
 ``wire`` is what remains of the receiver's first-to-last-byte time once the
 sender's own work in between (and time it waited for prefill to produce layers)
 is taken out, so phases do not overlap and ``total`` is their sum. Benchmarks
@@ -15,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
-PHASES = ("d2h", "serialize", "wire", "deserialize", "h2d")
+PHASES = ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")
 
 
 @dataclass
@@ -24,6 +26,7 @@ class PhaseTimes:
     serialize: float = 0.0
     wire: float = 0.0
     deserialize: float = 0.0
+    convert: float = 0.0
     h2d: float = 0.0
     bytes: int = 0
 

@@ -5,7 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-PHASE_NAMES = ("d2h", "serialize", "wire", "deserialize", "h2d", "total")
+PHASE_NAMES = ("d2h", "serialize", "wire", "deserialize", "convert", "h2d", "total")
 WORKER_GAUGES = {
     "active": ("pdserve_worker_active_sequences", "Sequences a worker is generating"),
     "waiting": ("pdserve_worker_waiting_for_kv", "Decode requests waiting for their KV"),

@@ -245,7 +245,7 @@ class Service:
     def _close_timing(timing: dict, t0: float) -> dict:
         timing["e2e"] = (time.perf_counter() - t0) * 1e3
         kv = timing.pop("kv", None) or {}
-        timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "h2d")})
+        timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")})
         timing["transfer_total"] = kv.get("total", 0.0)
         timing["kv_bytes"] = kv.get("bytes", 0)
         timing.setdefault("decode", 0.0)
