@@ -24,7 +24,7 @@ from .report import command_line
 
 def add_arguments(p):
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--engine", default="torch", choices=["auto", "torch", "mlx"])
+    p.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)

@@ -209,6 +209,9 @@ class DecodeWorker(WorkerLoop):
             received = self.receiver.wait(rid, 0)
         except (TransferError, TimeoutError) as e:
             return self.fail(rid, 502, f"KV transfer failed: {e}")
+        early = (received.meta or {}).get("d2h_ms")  # the sender's copy out of its engine before the transfer began
+        if isinstance(early, (int, float)) and 0 <= early < 1e6:
+            received.phases.d2h += float(early)
         try:
             params = SamplingParams.from_dict(msg["params"], resolved=True)
             seq = Sequence.resume(rid, msg["prompt_ids"], msg["first_token"], msg["emitted"], params,

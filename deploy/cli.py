@@ -32,7 +32,7 @@ def byte_size(text: str) -> int:
 
 def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--model", default="tiny-llama", help="'tiny-llama' (built in) or a local Hugging Face checkpoint dir")
-    p.add_argument("--engine", default="torch", choices=["auto", "torch", "mlx"],
+    p.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"],
                    help="model runner: torch, or mlx (mlx-lm's models; auto: mlx on macOS when mlx-lm is installed)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

@@ -242,11 +242,14 @@ class PrefillWorker(WorkerLoop):
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             return self._start_push(seq, dest, layout, kv, now)
         source = self.sender.alloc(layout, str(self.engine.device)) if self.paged else None
+        meta = None
         try:
             if self.paged:
                 kv = self.engine.pool.gather(table, layout.num_tokens, source.layers if source is not None else None)
-            else:  # the MLX engine: MLX arrays (one copy out of its caches), sent as they are or viewed
+            else:  # the MLX engine: MLX arrays (one copy out of its caches, evaluated), sent as they are or viewed
+                start = time.perf_counter()
                 kv = self.engine.gather_prompt(seq, len(seq.prompt_ids) - layout.num_tokens)
+                meta = {"d2h_ms": (time.perf_counter() - start) * 1e3}  # decode adds it to the phases it reports
         except Exception as e:
             log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:
@@ -259,7 +262,7 @@ class PrefillWorker(WorkerLoop):
             kv = source
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
-        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source, now)
+        self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source, now, meta)
 
     def _suffix(self, seq, skip: list) -> tuple[KVLayout, list[int]]:
         """The KV to send and its blocks: the prompt after the leading blocks whose keys the decode worker holds
@@ -279,7 +282,7 @@ class PrefillWorker(WorkerLoop):
         layers, heads, head_dim = self.engine.kv_shape
         return KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
 
-    def _push(self, rid, dest, layout, kv, created, source, computed):
+    def _push(self, rid, dest, layout, kv, created, source, computed, meta=None):
         """(Sender thread) ``computed``: when the prompt's compute ended (``perf_counter``), or the step's
         ``LayerProgress`` while it is still running."""
         sent = False
@@ -292,7 +295,7 @@ class PrefillWorker(WorkerLoop):
                 return self.fail(rid, 504, f"KV lease of {self.cfg.lease_s:.0f}s expired before the transfer started")
             start = time.perf_counter()
             try:
-                phases = self.sender.send(dest, rid, layout, kv)
+                phases = self.sender.send(dest, rid, layout, kv, meta)
             except (TransferError, StepFailed) as e:
                 log.warning("KV push for %s failed: %s", rid, e)
                 return self.fail(rid, 502, f"KV transfer to decode failed: {e}")

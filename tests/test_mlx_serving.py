@@ -40,3 +40,20 @@ def test_mlx_engine_serves_and_equals_the_reference(reference, args):
         cluster.stop()
     assert [g["choices"][0]["token_ids"] for g in got] == reference
     assert "mlx" in engines
+
+
+def test_a_bf16_torch_prefill_and_an_fp32_mlx_decode_report_the_conversion():
+    """Prefill on torch in bf16, decode on MLX in fp32: the KV is converted at the receiver (``convert``); the MLX
+    prefill's copy out of its caches counts as ``d2h``."""
+    from tests.fleet import Fleet
+
+    for prefill, decode, phase in ((("--engine", "torch", "--dtype", "bfloat16"), ("--engine", "mlx"), "convert"),
+                                   (("--engine", "mlx"), ("--engine", "torch"), "d2h")):
+        fleet = Fleet().pair(prefill=prefill, decode=decode)
+        try:
+            body = httpx.post(fleet.url + "/v1/completions", timeout=120, json={
+                "model": "tiny-llama", "prompt": "tokens " * 30, "max_tokens": 6, "ignore_eos": True}).json()
+        finally:
+            fleet.stop()
+        assert body["usage"]["completion_tokens"] == 6
+        assert body["pdserve"][phase] > 0, body["pdserve"]
