@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--heartbeat", type=float, default=None, help="seconds between worker pings (dead after 3 missed)")
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
+    r.add_argument("--workers-file", default=None, help="JSON {prefill: [...], decode: [...]} of worker addresses, "
+                   "re-read every second (what `pdserve deploy ray` keeps current)")
 
     p = sub.add_parser("prefill", help="prefill worker")
     _add_worker(p)
@@ -128,6 +130,34 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
                    help="prefill sends the KV after its forward ends (default: layer by layer while it runs)")
     _add_engine(u)
+
+    dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
+    dsub = dp.add_subparsers(dest="deploy", required=True)
+    dr = dsub.add_parser("ray", help="start a deployment")
+    dr.add_argument("--address", default=None, help="Ray cluster to use (default: start a local one)")
+    dr.add_argument("--name", default="default")
+    dr.add_argument("--prefill", type=int, default=1)
+    dr.add_argument("--decode", type=int, default=1)
+    dr.add_argument("--gpus-per-worker", type=float, default=0)
+    dr.add_argument("--prefill-resources", default=None, help='JSON, e.g. \'{"pdserve-prefill": 0.01}\'')
+    dr.add_argument("--decode-resources", default=None, help='JSON, e.g. \'{"pdserve-decode": 0.01}\'')
+    dr.add_argument("--host", default=None, help="router bind address (default: its node's address)")
+    dr.add_argument("--port", type=int, default=8000)
+    dr.add_argument("--policy", default="least_outstanding")
+    dr.add_argument("--max-restarts", type=int, default=10)
+    dr.add_argument("--kv-budget", type=byte_size, default=0)
+    dr.add_argument("--cluster-token-file", default=None)
+    dr.add_argument("--api-key-file", default=None)
+    _add_engine(dr)
+    for verb, text in (("status", "roles, nodes, health, restarts"), ("scale", "add or drain workers"),
+                       ("down", "remove every actor and process of a deployment")):
+        d = dsub.add_parser(verb, help=text)
+        d.add_argument("--name", default="default")
+        if verb == "status":
+            d.add_argument("--json", action="store_true")
+        if verb == "scale":
+            d.add_argument("--prefill", type=int, default=None)
+            d.add_argument("--decode", type=int, default=None)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -176,6 +206,15 @@ def main(argv=None) -> int:
         from router.main import run_router
 
         return run_router(args)
+    if args.cmd == "deploy":
+        from . import ray_deploy
+
+        if args.deploy == "ray":
+            from .up import engine_args
+
+            args.worker_args = engine_args(args) + (["--kv-budget", str(args.kv_budget)] if args.kv_budget else [])
+            args.router_args = ["--policy", args.policy]
+        return getattr(ray_deploy, {"ray": "deploy_ray"}.get(args.deploy, args.deploy))(args)
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker
 

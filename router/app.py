@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -36,6 +37,51 @@ def _groups(cfg: RouterConfig, inboxes: dict, token: bytes | None) -> dict:
     return groups
 
 
+class Membership:
+    """Workers from ``workers_file`` (a deployment keeps it current): new addresses are connected, vanished ones
+    closed (their requests fail over as when a worker dies)."""
+
+    def __init__(self, cfg: RouterConfig, groups: dict, inboxes: dict, token: bytes | None):
+        self.cfg, self.groups, self.inboxes, self.token = cfg, groups, inboxes, token
+        self._seen = None
+
+    def read(self) -> dict | None:
+        try:
+            with open(self.cfg.workers_file) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        return {role: [a for a in data.get(role) or [] if isinstance(a, str) and a.startswith("tcp://")]
+                for role in ("prefill", "decode", "colocated")}
+
+    def apply(self, ctx, wanted: dict) -> None:
+        for role, addrs in wanted.items():
+            group = self.groups[role]
+            for client in [c for c in group.clients if c.address not in addrs]:
+                log.info("%s worker %s left the deployment", role, client.address)
+                client._fail_owned(f"{role} worker {client.address} left the deployment")
+                client.close()
+                group.clients.remove(client)
+            known = {c.address for c in group.clients}
+            for addr in addrs:
+                if addr not in known:
+                    log.info("%s worker %s joined the deployment", role, addr)
+                    client = WorkerClient(addr, role, self.inboxes, self.cfg.heartbeat_s, self.cfg.dead_after_s,
+                                          self.token)
+                    client.start(ctx)
+                    group.clients.append(client)
+
+    async def watch(self, ctx) -> None:
+        while True:
+            wanted = self.read()
+            if wanted is not None and wanted != self._seen:
+                self.apply(ctx, wanted)
+                self._seen = wanted
+            await asyncio.sleep(1.0)
+
+
 def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | None = None) -> FastAPI:
     """``token``: the cluster token for worker connections; ``api_key``: required as ``Authorization: Bearer``."""
     metrics = Metrics()
@@ -45,7 +91,10 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None)
     service.inboxes = inboxes
-    mode = "colocated" if cfg.colocated else "disaggregated"
+
+    def mode() -> str:
+        return "colocated" if service.colocated else "disaggregated"
+    membership = Membership(cfg, groups, inboxes, token)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -53,6 +102,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         for group in groups.values():
             for client in group.clients:
                 client.start(ctx)
+        watcher = asyncio.create_task(membership.watch(ctx)) if cfg.workers_file else None
 
         async def admit_periodically():
             while True:
@@ -63,6 +113,8 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         waker = asyncio.create_task(admit_periodically())
         yield
         waker.cancel()
+        if watcher is not None:
+            watcher.cancel()
         for group in groups.values():
             for client in group.clients:
                 client.close()
@@ -128,7 +180,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                 metrics.requests.labels(endpoint, "error").inc()
                 raise ApiError(e.status, e.message, headers=retry_header(e)) from None
             raise
-        metrics.ttft.labels(mode).observe(time.perf_counter() - t0)
+        metrics.ttft.labels(mode()).observe(time.perf_counter() - t0)
         if req.stream:
             opts = req.stream_options
             include_usage = bool(opts and opts.include_usage)
@@ -215,7 +267,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                     raise ev
                 elif isinstance(ev, Delta):
                     now = time.perf_counter()
-                    metrics.itl.labels(mode).observe(now - last)
+                    metrics.itl.labels(mode()).observe(now - last)
                     last = now
                     if (out := piece(choice, ev)) is not None:
                         yield out
@@ -242,7 +294,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                 await s.aclose()
 
     def finish(endpoint, choice: Choice, t0):
-        metrics.e2e.labels(mode).observe(time.perf_counter() - t0)
+        metrics.e2e.labels(mode()).observe(time.perf_counter() - t0)
         metrics.tokens.inc(choice.completion_tokens)
         metrics.requests.labels(endpoint, "ok").inc()
 
@@ -296,7 +348,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                           for c in g.clients] for role, g in groups.items() if g.clients}
         metrics.observe_workers(groups)
         ok = service.ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode, "workers": workers,
+        return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode(), "workers": workers,
                              "admission": {"queued": admission.queued, "in_flight": len(service.inboxes)}},
                             status_code=200 if ok else 503)
 

@@ -23,6 +23,7 @@ class RouterConfig:
     max_queue: int = 256
     queue_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
+    workers_file: str = ""  # JSON {"prefill": [...], "decode": [...], "colocated": [...]}, re-read every second
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -35,7 +36,7 @@ class RouterConfig:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated workers or prefill+decode workers, not both")
-        if not self.colocated and not (self.prefill and self.decode):
+        if not self.colocated and not (self.prefill and self.decode) and not self.workers_file:
             raise ValueError("need at least one prefill and one decode worker (or colocated workers)")
         for addr in self.prefill + self.decode + self.colocated:
             if not addr.startswith("tcp://"):

@@ -17,6 +17,7 @@ def run_router(args) -> int:
     overrides = dict(host=args.host, port=args.port, prefill=args.prefill, decode=args.decode,
                      colocated=args.colocated, policy=args.policy, max_queue=args.max_queue,
                      kv_weight=getattr(args, "kv_weight", None), tokenizer=getattr(args, "tokenizer", None),
+                     workers_file=getattr(args, "workers_file", None),
                      queue_timeout_s=args.queue_timeout, heartbeat_s=args.heartbeat,
                      dead_after_s=args.heartbeat * 3 if args.heartbeat else None)
     if args.config:

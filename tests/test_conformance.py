@@ -145,6 +145,21 @@ def test_kv_produced_in_sender_memory_moves_without_staging(pair):
         assert_bit_exact(kv, roundtrip(sender, receiver, kv, f"{name}-staged")[0])
         assert sender.staged_bytes - before == layout_of(kv).total_nbytes
 
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlx_array_sources_and_destinations(pair, dtype):
+    """KV held as MLX arrays goes out as it is and lands as MLX arrays, bit-exact."""
+    from kvtransfer.tensors import from_mlx, to_mlx
+
+    name, sender, receiver = pair
+    kv = random_kv(3, 2, 70, 8, dtype, seed=11)
+    arrays = [(to_mlx(k), to_mlx(v)) for k, v in kv]
+    sender.send(receiver.address, f"{name}-mlx-{dtype}", layout_of(kv), arrays)
+    got = materialize(receiver.wait(f"{name}-mlx-{dtype}", 10), "mlx")
+    assert type(got[0][0]).__module__.startswith("mlx")
+    assert_bit_exact(kv, [(from_mlx(k), from_mlx(v)) for k, v in got])
+
+
 
 def test_sender_killed_mid_transfer_fails_within_timeout(pair):
     """Last in the module: for mlx it breaks the fixed two-rank world."""
@@ -162,17 +177,3 @@ def test_sender_killed_mid_transfer_fails_within_timeout(pair):
         receiver.wait(tid, receiver.cfg.timeout_s)
     assert time.monotonic() - start < receiver.cfg.timeout_s + 1
 
-
-@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx not installed")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mlx_array_sources_and_destinations(pair, dtype):
-    """KV held as MLX arrays goes out as it is and lands as MLX arrays, bit-exact."""
-    from kvtransfer.tensors import from_mlx, to_mlx
-
-    name, sender, receiver = pair
-    kv = random_kv(3, 2, 70, 8, dtype, seed=11)
-    arrays = [(to_mlx(k), to_mlx(v)) for k, v in kv]
-    sender.send(receiver.address, f"{name}-mlx-{dtype}", layout_of(kv), arrays)
-    got = materialize(receiver.wait(f"{name}-mlx-{dtype}", 10), "mlx")
-    assert type(got[0][0]).__module__.startswith("mlx")
-    assert_bit_exact(kv, [(from_mlx(k), from_mlx(v)) for k, v in got])

@@ -65,6 +65,7 @@ class ProxySender:
 
         from kvtransfer.tensors import is_mlx, to_host
 
+        layers = list(layers)
         as_mlx = bool(layers) and is_mlx(layers[0][0])
         blobs = [tuple(to_host(t).contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in pair)
                  for pair in layers]

@@ -1,0 +1,274 @@
+"""A pdserve cluster on Ray: ``pdserve deploy ray|status|scale|down``.
+
+Every role is a detached, named actor in the namespace ``pdserve-<name>``
+(``router``, ``prefill-<i>``, ``decode-<i>``) that owns one pdserve process
+on its node (killed with the actor: it gets SIGKILL when its parent dies).
+Actors are placed by Ray from their resources: ``--gpus-per-worker``, and
+per role any custom resources (``--prefill-resources '{"pdserve-prefill":
+0.01}'``; a node started with ``--resources`` or the built-in
+``node:<ip>`` pins a role to kinds of hosts). Ray restarts a worker actor
+that died (``--max-restarts``); its new process has a new address. The
+router actor keeps a workers file current from the named actors every
+second, and the router re-reads it (``pdserve router --workers-file``): new
+workers join, gone ones leave, nobody writes addresses by hand.
+
+The cluster token (and the API key) reach the processes through the actors'
+runtime environment (``PDSERVE_CLUSTER_TOKEN``/``PDSERVE_API_KEY``), never on
+a command line. Without ``--address`` a local Ray cluster (token auth on) is
+started for the deployment and stopped by ``down``. What later commands need
+(Ray address, tokens, the local cluster's process groups) is kept in
+``~/.pdserve/deployments/<name>.json``, readable by the owner only."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROLES = ("prefill", "decode")
+
+
+def state_path(name: str) -> str:
+    return os.path.join(os.path.expanduser("~"), ".pdserve", "deployments", f"{name}.json")
+
+
+def _die_with_parent():
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """An actor's pdserve process: ``python -m deploy.cli <role> --host <node ip> --port <free> ...``."""
+
+    def __init__(self, role: str, argv: list[str], host: str | None = None, port: int = 0):
+        import ray
+
+        self.role = role
+        self.ip = host or ray.util.get_node_ip_address()
+        self.port = port or _free_port(self.ip)
+        self.node = ray.get_runtime_context().get_node_id()
+        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", role, "--host", self.ip,
+               "--port", str(self.port), *argv]
+        if role == "decode":
+            cmd += ["--kv-port", str(_free_port(self.ip))]
+        started = threading.Event()
+        threading.Thread(target=self._run, args=(cmd, started), daemon=True).start()
+        started.wait()
+
+    def _run(self, cmd, started):
+        """The process is started by, and dies with, this thread (which lives as long as the process)."""
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        started.set()
+        self.proc.wait()
+
+    def address(self) -> str:
+        return f"http://{self.ip}:{self.port}" if self.role == "router" else f"tcp://{self.ip}:{self.port}"
+
+    def describe(self) -> dict:
+        return {"role": self.role, "address": self.address(), "node": self.node, "node_ip": self.ip,
+                "pid": os.getpid(), "process": self.proc.pid, "alive": self.proc.poll() is None}
+
+    def drain(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM: the process finishes what it has (graceful shutdown), then exits."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+class RouterProcess(Process):
+    """The router, and the thread that keeps its workers file current from the deployment's named actors."""
+
+    def __init__(self, argv: list[str], host: str | None, port: int):
+        fd, self.file = tempfile.mkstemp(prefix="pdserve-workers-", suffix=".json")
+        os.close(fd)
+        self._write(self._members())
+        super().__init__("router", ["--workers-file", self.file, *argv], host, port)
+        threading.Thread(target=self._refresh, daemon=True).start()
+
+    @staticmethod
+    def _members() -> dict:
+        import ray
+
+        out = {role: [] for role in ROLES}
+        for name in sorted(ray.util.list_named_actors()):
+            role = name.split("-")[0]
+            if role in out:
+                try:
+                    out[role].append(ray.get(ray.get_actor(name).address.remote(), timeout=2))
+                except Exception:  # restarting or gone: left out until it answers again
+                    pass
+        return out
+
+    def _write(self, members: dict) -> None:
+        tmp = self.file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(members, f)
+        os.replace(tmp, self.file)
+
+    def _refresh(self):
+        while self.proc.poll() is None:
+            time.sleep(1.0)
+            self._write(self._members())
+
+
+def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None):
+    import ray
+
+    return ray.remote(cls).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0, num_gpus=gpus,
+                                   resources=resources or None, max_restarts=max_restarts, max_concurrency=4,
+                                   runtime_env={"env_vars": env})
+
+
+def _connect(state: dict):
+    import ray
+
+    os.environ.update(state.get("ray_env") or {})
+    if not ray.is_initialized():
+        ray.init(address=state["address"], namespace=state["namespace"], logging_level="ERROR",
+                 _node_ip_address=state.get("node_ip"))
+    return ray
+
+
+def _load(name: str) -> dict:
+    try:
+        with open(state_path(name)) as f:
+            return json.load(f)
+    except OSError:
+        raise SystemExit(f"pdserve deploy: no deployment named {name!r} ({state_path(name)} is missing)") from None
+
+
+def _save(name: str, state: dict) -> None:
+    path = state_path(name)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+
+
+def _add_workers(ray, state: dict, role: str, count: int) -> None:
+    existing = [n for n in ray.util.list_named_actors() if n.startswith(role + "-")]
+    used = {int(n.split("-")[1]) for n in existing}
+    index = 0
+    for _ in range(count):
+        while index in used:
+            index += 1
+        used.add(index)
+        resources = state["resources"].get(role)
+        _actor(Process, f"{role}-{index}", state["namespace"], state["env"], state["max_restarts"],
+               state["gpus_per_worker"], resources).remote(role, state["worker_args"])
+
+
+def deploy_ray(args) -> int:
+    from control.auth import load_token
+
+    name, env = args.name, {}
+    token = load_token(path=args.cluster_token_file)
+    env["PDSERVE_CLUSTER_TOKEN"] = token.decode() if token else secrets.token_urlsafe(32)
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            env["PDSERVE_API_KEY"] = f.read().strip()
+    state = {"name": name, "namespace": f"pdserve-{name}", "env": env, "max_restarts": args.max_restarts,
+             "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args,
+             "resources": {role: json.loads(getattr(args, f"{role}_resources") or "{}") for role in ROLES}}
+    if args.address:
+        state.update(address=args.address, ray_env={k: os.environ[k] for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
+                                                     if k in os.environ})
+    else:
+        from .raycluster import RayCluster
+
+        cluster = RayCluster(num_cpus=max(2, os.cpu_count() or 2)).start()
+        state.update(address=cluster.address, node_ip=cluster.head_ip, local_groups=[p.pid for p in cluster.procs],
+                     ray_env={k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"})
+    _save(name, state)
+    ray = _connect(state)
+    for role in ROLES:
+        _add_workers(ray, state, role, getattr(args, role))
+    router = _actor(RouterProcess, "router", state["namespace"], env, args.max_restarts).remote(
+        args.router_args, args.host, args.port)
+    url = ray.get(router.address.remote(), timeout=120)
+    state["url"] = url
+    _save(name, state)
+    print(f"pdserve deployment {name!r} on Ray {state['address']}: {url}", flush=True)
+    return 0
+
+
+def describe(ray) -> list[dict]:
+    from ray._private.state import actors  # the GCS actor table (the state API needs the dashboard)
+
+    namespace = ray.get_runtime_context().namespace
+    restarts = {a["Name"]: a["NumRestarts"] for a in actors().values()
+                if a.get("Name") and a.get("State") != "DEAD" and a.get("RayNamespace", namespace) == namespace}
+    out = []
+    for name in sorted(ray.util.list_named_actors()):
+        try:
+            info = ray.get(ray.get_actor(name).describe.remote(), timeout=5)
+        except Exception as e:
+            info = {"role": name.split("-")[0], "alive": False, "error": type(e).__name__}
+        out.append({"name": name, **info, "restarts": int(restarts.get(name, 0) or 0)})
+    return out
+
+
+def status(args) -> int:
+    state = _load(args.name)
+    rows = describe(_connect(state))
+    if args.json:
+        print(json.dumps({"url": state.get("url"), "actors": rows}))
+        return 0
+    print(f"deployment {args.name!r}: {state.get('url')} (Ray {state['address']})")
+    for r in rows:
+        print(f"  {r['name']:<12} {r.get('address', '-'):<28} node {r.get('node_ip', '-'):<15} "
+              f"{'up' if r.get('alive') else 'down':<5} restarts {r['restarts']}")
+    return 0
+
+
+def scale(args) -> int:
+    state = _load(args.name)
+    ray = _connect(state)
+    for role in ROLES:
+        want = getattr(args, role)
+        if want is None:
+            continue
+        names = sorted((n for n in ray.util.list_named_actors() if n.startswith(role + "-")),
+                       key=lambda n: int(n.split("-")[1]))
+        if want > len(names):
+            _add_workers(ray, state, role, want - len(names))
+        for name in names[want:][::-1]:  # drained first (no request dropped), then removed
+            actor = ray.get_actor(name)
+            ray.get(actor.drain.remote(), timeout=120)
+            ray.kill(actor, no_restart=True)
+    return 0
+
+
+def down(args) -> int:
+    state = _load(args.name)
+    ray = _connect(state)
+    for name in ray.util.list_named_actors():
+        ray.kill(ray.get_actor(name), no_restart=True)
+    ray.shutdown()
+    for pgid in state.get("local_groups") or []:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(2)
+    os.remove(state_path(args.name))
+    return 0

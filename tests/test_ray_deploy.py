@@ -1,0 +1,151 @@
+"""``pdserve deploy ray`` on a two-node local Ray cluster (127.0.0.2, 127.0.0.3): prefill pinned to one node and
+decode to the other, the openai SDK through it, a decode actor killed mid-stream and restarted, scaled down without
+a failed request, and ``down`` leaving nothing behind."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from engine import EngineConfig, SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.generate import generate_many  # noqa: E402
+
+NAME = f"test-{os.getpid()}"
+
+
+def cli(*args, timeout=240) -> str:
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "deploy", *args],
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "HOME": os.environ["HOME"]})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def status() -> dict:
+    return json.loads(cli("status", "--name", NAME, "--json"))
+
+
+def healthy(url, role) -> list:
+    try:
+        workers = httpx.get(url + "/health", timeout=5).json()["workers"]
+    except (httpx.HTTPError, ValueError):
+        return []
+    return [w for w in workers.get(role, []) if w["healthy"]]
+
+
+def eventually(check, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def deployment_processes() -> list[int]:
+    """pdserve processes started by this deployment's actors (their parent is a Ray worker of this cluster)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"deploy.cli" in cmd and any(a.startswith(b"--workers-file") or a in (b"127.0.0.2", b"127.0.0.3")
+                                        for a in cmd):
+            out.append(int(pid))
+    return out
+
+
+def test_deploy_serve_kill_restart_scale_down(ray_cluster):
+    reference = Engine(EngineConfig(threads=1))
+    prompt = "The deployment answers"
+    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
+    cli("ray", "--address", ray_cluster.address, "--name", NAME, "--prefill", "1", "--decode", "2", "--threads", "1",
+        "--prefill-resources", '{"node_b": 0.01}', "--decode-resources", '{"node:127.0.0.2": 0.01}', "--port", "0")
+    try:
+        url = status()["url"]
+        assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 2, 120)
+        actors = {a["name"]: a for a in status()["actors"]}
+        assert actors["prefill-0"]["node_ip"] == "127.0.0.3"
+        assert {actors["decode-0"]["node_ip"], actors["decode-1"]["node_ip"]} == {"127.0.0.2"}
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+
+        # kill one decode actor's process while streams run on both decode workers
+        results, victim = [], actors["decode-0"]
+        lock = threading.Lock()
+
+        started = threading.Semaphore(0)
+
+        def one():
+            try:
+                n = 0
+                for _ in client.completions.create(model="tiny-llama", prompt="long " * 20, max_tokens=900,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                    n += 1
+                    if n == 1:
+                        started.release()
+                outcome = ("ok", n)
+            except openai.APIError as e:
+                outcome = ("error", str(e))
+            with lock:
+                results.append((outcome, time.monotonic()))
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for _ in threads:  # every stream is under way
+            assert started.acquire(timeout=60)
+        killed_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        errors = [r for r in results if r[0][0] == "error"]
+        assert len(results) == 4 and [r for r in results if r[0][0] == "ok"], results
+        assert errors and all(ended - killed_at < 5 for _, ended in errors), (results, killed_at)
+        # Ray restarts the actor; its new process joins the router again
+        assert eventually(lambda: len(healthy(url, "decode")) == 2, 60), healthy(url, "decode")
+        assert {a["name"]: a for a in status()["actors"]}["decode-0"]["restarts"] >= 1
+        stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+
+        # scale down while requests run: the drained worker finishes its streams first
+        done = []
+
+        def busy():
+            try:
+                done.append(len(client.completions.create(model="tiny-llama", prompt="drain " * 10, max_tokens=60,
+                                                          extra_body={"ignore_eos": True}).choices[0].text))
+            except openai.APIError as e:
+                done.append(e)
+        threads = [threading.Thread(target=busy) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1)
+        cli("scale", "--name", NAME, "--decode", "1")
+        for t in threads:
+            t.join(120)
+        assert len(done) == 4 and not [d for d in done if isinstance(d, Exception)], done
+        assert eventually(lambda: len(healthy(url, "decode")) == 1, 30)
+        assert [a["name"] for a in status()["actors"]] == ["decode-0", "prefill-0", "router"]
+    finally:
+        cli("down", "--name", NAME)
+    ray.init(address=ray_cluster.address, namespace=f"pdserve-{NAME}", logging_level="ERROR",
+             _node_ip_address="127.0.0.2", ignore_reinit_error=True)
+    try:
+        assert ray.util.list_named_actors() == []
+    finally:
+        ray.shutdown()
+    assert eventually(lambda: not deployment_processes(), 20), deployment_processes()
