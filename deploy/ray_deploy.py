@@ -72,7 +72,8 @@ class Process:
 
     def _run(self, cmd, started):
         """The process is started by, and dies with, this thread (which lives as long as the process)."""
-        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        env = {**os.environ, "PDSERVE_RAY_NODE_IP": self.ip}  # the ray transport joins from this node
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, env=env)
         started.set()
         self.proc.wait()
 
@@ -138,9 +139,9 @@ def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: f
 
 
 def _connect(state: dict):
+    os.environ.update(state.get("ray_env") or {})  # before ray is imported: it reads its auth settings then
     import ray
 
-    os.environ.update(state.get("ray_env") or {})
     if not ray.is_initialized():
         ray.init(address=state["address"], namespace=state["namespace"], logging_level="ERROR",
                  _node_ip_address=state.get("node_ip"))
@@ -197,6 +198,7 @@ def deploy_ray(args) -> int:
         cluster = RayCluster(num_cpus=max(2, os.cpu_count() or 2)).start()
         state.update(address=cluster.address, node_ip=cluster.head_ip, local_groups=[p.pid for p in cluster.procs],
                      ray_env={k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"})
+    env.update(state["ray_env"], RAY_ADDRESS=state["address"])  # for the ray transport in the workers
     _save(name, state)
     ray = _connect(state)
     for role in ROLES:

@@ -149,3 +149,40 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
     finally:
         ray.shutdown()
     assert eventually(lambda: not deployment_processes(), 20), deployment_processes()
+
+
+def test_without_an_address_a_local_ray_cluster_is_started_and_down_stops_it(tmp_path):
+    """The same command on one machine: ``deploy ray`` starts a Ray cluster of its own (token auth on), serves
+    over the ray transport between actors, and ``down`` stops everything it started."""
+    name = f"local-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(tmp_path)
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "deploy", *args,
+                              "--name", name], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    run("ray", "--prefill", "1", "--decode", "1", "--threads", "1", "--transport", "ray", "--port", "0")
+    try:
+        state = json.load(open(os.path.join(tmp_path, ".pdserve", "deployments", f"{name}.json")))
+        assert oct(os.stat(os.path.join(tmp_path, ".pdserve", "deployments", f"{name}.json")).st_mode)[-3:] == "600"
+        assert state["ray_env"]["RAY_AUTH_MODE"] == "token" and state["local_groups"]
+        url = json.loads(run("status", "--json"))["url"]
+        assert eventually(lambda: healthy(url, "prefill") and healthy(url, "decode"), 120)
+        body = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "Over Ray", "max_tokens": 5, "ignore_eos": True}).json()
+        assert body["usage"]["completion_tokens"] == 5 and body["pdserve"]["transport"] == "ray"
+    finally:
+        run("down")
+    groups = state["local_groups"]
+    assert eventually(lambda: not any(_group_alive(g) for g in groups), 30)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
