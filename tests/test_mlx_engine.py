@@ -13,7 +13,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.generate import generate_many  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from kvtransfer.tensors import from_mlx  # noqa: E402
-from tests.test_paged_engine import GREEDY, prompts, write_family  # noqa: E402
+from tests.test_paged_engine import GREEDY, prompts, staggered, write_family  # noqa: E402
 
 
 def mlx_engine(model, **kw):
@@ -44,14 +44,7 @@ def test_greedy_tokens_equal_the_torch_engine_alone_and_batched(model):
 def test_sequences_joining_mid_run_and_long_prompts_in_chunks(model):
     torch_engine, mlx = Engine(EngineConfig(model=model, threads=1)), mlx_engine(model, max_batched_tokens=16)
     ps = prompts(5, seed=6)
-    seqs = [Sequence.create(f"s{i}", p, SamplingParams(max_tokens=8, **GREEDY), mlx.tokenizer, mlx.max_len)
-            for i, p in enumerate(ps)]
-    step = 0
-    while not all(s.finished for s in seqs):
-        if step < len(seqs):
-            mlx.add(seqs[step])
-        mlx.step()
-        step += 1
+    seqs, _ = staggered(mlx, ps, 8)
     assert [s.output_ids for s in seqs] == outputs(torch_engine, ps, 8)
     assert not mlx.running and mlx.batch is None
 

@@ -58,6 +58,18 @@ def check(seqs, hf, max_tokens):
         assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
 
+def staggered(engine, ps, max_tokens):
+    """One new sequence joins per step until all finish: ``(sequences, step outputs)``."""
+    seqs = [Sequence.create(f"s{i}", p, SamplingParams(max_tokens=max_tokens, **GREEDY), engine.tokenizer,
+                            engine.max_len) for i, p in enumerate(ps)]
+    outs = []
+    while not all(s.finished for s in seqs):
+        if len(outs) < len(seqs):
+            engine.add(seqs[len(outs)])
+        outs.append(engine.step())
+    return seqs, outs
+
+
 def engine_for(path, **kw):
     return Engine(EngineConfig(model=path, threads=1, block_size=kw.pop("block_size", 8), **kw))
 
@@ -105,16 +117,8 @@ def test_fixed_shape_decode_matches_hf(family):
 def test_joining_mid_run_and_chunked_prefill_match_hf(family):
     path, hf = family
     engine = engine_for(path, max_batched_tokens=16)
-    ps = prompts(5, seed=1)
-    seqs = [Sequence.create(f"s{i}", p, SamplingParams(max_tokens=10, **GREEDY), engine.tokenizer, engine.max_len)
-            for i, p in enumerate(ps)]
-    step = 0
-    while not all(s.finished for s in seqs):
-        if step < len(seqs):
-            engine.add(seqs[step])
-        out = engine.step()
-        assert out.batch_tokens <= 16 and not out.refused
-        step += 1
+    seqs, outs = staggered(engine, prompts(5, seed=1), 10)
+    assert all(out.batch_tokens <= 16 and not out.refused for out in outs)
     check(seqs, hf, 10)
     assert engine.blocks.num_free == engine.num_blocks
 
