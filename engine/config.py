@@ -1,16 +1,18 @@
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DECODE_GRAPHS = ("auto", "off", "eager", "cuda")
 ENGINES = ("auto", "torch", "mlx")
+TINY = "tiny-llama"
 
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny-llama"
+    model: str = TINY
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -24,6 +26,11 @@ class EngineConfig:
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
+
+    @property
+    def tokenizer_source(self) -> str:
+        """What the router loads to tokenize as this engine does: ``builtin``, or the checkpoint directory."""
+        return "builtin" if self.model == TINY else os.path.abspath(self.model)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

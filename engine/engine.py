@@ -63,7 +63,6 @@ class Engine:
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
-        self.tokenizer_source = "builtin" if cfg.model == "tiny-llama" else os.path.abspath(cfg.model)
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
@@ -98,7 +97,7 @@ class Engine:
 
     def prefix_info(self) -> dict:
         """What a worker reports about its prefix cache (and what the router needs to compute its keys)."""
-        return {"tokenizer": self.tokenizer_source, "kv_block_size": self.block_size,
+        return {"tokenizer": self.cfg.tokenizer_source, "kv_block_size": self.block_size,
                 "prefix_caching": self.blocks.caching, "prefix_cached_blocks": self.blocks.num_cached,
                 "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
                 "prefix_hits": self.prefix_hits}
@@ -179,7 +178,7 @@ class Engine:
             return self.blocks.take(self.blocks.match(keys))
 
     def _count_prefix(self, batch) -> None:
-        for seq, chunk in zip(batch.seqs, batch.chunks):
+        for seq in batch.seqs:
             if not seq.counted and not seq.output_ids:
                 seq.counted = True
                 self.prompt_tokens += len(seq.prompt_ids)

@@ -9,10 +9,10 @@ sequences in one forward. Scores go to the torch sampler on the host, so
 sampling, seeds and stops are exactly the torch engine's.
 
 The KV leaves and enters in the canonical layout (per layer ``[tokens,
-kv_heads, head_dim]`` host tensors): ``gather`` copies a prefilled
-sequence's KV out (the transpose from MLX's ``[1, heads, tokens, dim]``),
-``add_prefilled`` starts a sequence from received KV (converted to the
-model's dtype when the sender's differs). No paged pool, so no landing in
+kv_heads, head_dim]``): ``gather_prompt`` copies a prefilled sequence's KV
+out as MLX arrays (the transpose from MLX's ``[1, heads, tokens, dim]``),
+``add_prefilled`` starts a sequence from received KV, torch or MLX
+(converted to the model's dtype when the sender's differs). No paged pool, so no landing in
 blocks and no prefix cache here."""
 from __future__ import annotations
 
@@ -115,7 +115,6 @@ class MlxEngine:
         self.running: list[Sequence] = []
         self.caches: dict[str, list] = {}
         self.batch = None
-        self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         log.info("mlx engine: %s (%s), context %d", self.name, self.mx_dtype, self.max_len)
 
     @property
@@ -137,8 +136,7 @@ class MlxEngine:
         return self.block_size * self.kv_bytes_per_token
 
     def prefix_info(self) -> dict:
-        return {"tokenizer": "builtin" if self.cfg.model == TINY_NAME else os.path.abspath(self.cfg.model),
-                "kv_block_size": self.block_size, "prefix_caching": False, "engine": self.kind}
+        return {"tokenizer": self.cfg.tokenizer_source, "kv_block_size": self.block_size, "prefix_caching": False, "engine": self.kind}
 
     def add(self, seq: Sequence) -> None:
         if seq.params.prompt_logprobs is not None:
@@ -214,7 +212,6 @@ class MlxEngine:
             mx.eval([c.keys for c in caches])
             return
         self.waiting.popleft()
-        self.prompt_tokens += len(seq.prompt_ids)
         choice = choose(self._scores(logits), [seq], self.tokenizer.eos_token_id)[0]
         out.tokens.append((seq, seq.append(choice)))
         if self.hold_after_first:

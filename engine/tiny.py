@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from .config import TINY
 from .tokenizer import BYTE_OFFSET
 
-TINY_NAME = "tiny-llama"
+TINY_NAME = TINY
 TINY_SEED = 1234
 TINY_CONFIG = dict(
     vocab_size=320,

@@ -88,7 +88,8 @@ class PrefillWorker(WorkerLoop):
         return self.pool_memory
 
     def info(self):
-        return {"role": self.role, "model": self.engine.name, "engine": getattr(self.engine, "kind", "torch"), "transport": self.transport, "max_len": self.engine.max_len,
+        return {"role": self.role, "model": self.engine.name, "engine": getattr(self.engine, "kind", "torch"),
+                "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,
                 "kv_from_blocks": self.kv_from_blocks, "kv_streamed": self.streamed,

@@ -29,10 +29,14 @@ from .workers import WorkerClient, WorkerGroup
 log = logging.getLogger(__name__)
 
 
+def _client(cfg: RouterConfig, role: str, address: str, inboxes: dict, token: bytes | None) -> WorkerClient:
+    return WorkerClient(address, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token)
+
+
 def _groups(cfg: RouterConfig, inboxes: dict, token: bytes | None) -> dict:
     groups = {}
     for role in ("prefill", "decode", "colocated"):
-        clients = [WorkerClient(a, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token) for a in getattr(cfg, role)]
+        clients = [_client(cfg, role, a, inboxes, token) for a in getattr(cfg, role)]
         groups[role] = WorkerGroup(role, clients, make_policy(cfg.policy, cfg.kv_weight))
     return groups
 
@@ -61,15 +65,14 @@ class Membership:
             group = self.groups[role]
             for client in [c for c in group.clients if c.address not in addrs]:
                 log.info("%s worker %s left the deployment", role, client.address)
-                client._fail_owned(f"{role} worker {client.address} left the deployment")
+                client.fail_owned(f"{role} worker {client.address} left the deployment")
                 client.close()
                 group.clients.remove(client)
             known = {c.address for c in group.clients}
             for addr in addrs:
                 if addr not in known:
                     log.info("%s worker %s joined the deployment", role, addr)
-                    client = WorkerClient(addr, role, self.inboxes, self.cfg.heartbeat_s, self.cfg.dead_after_s,
-                                          self.token)
+                    client = _client(self.cfg, role, addr, self.inboxes, self.token)
                     client.start(ctx)
                     group.clients.append(client)
 

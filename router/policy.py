@@ -51,12 +51,10 @@ class KVAware:
         most = max(w.outstanding for w in workers)
         total = len(prompt.ids)
 
-        def score(w):
-            share = cached_blocks(w, prompt) * int(w.info.get("kv_block_size") or 0) / total
-            return share - self.weight * w.outstanding / (1 + most)
-        best = max(score(w) for w in workers)
-        tied = [w for w in workers if score(w) >= best - 1e-9]
-        return LeastOutstanding.pick(self, tied)
+        scores = [cached_blocks(w, prompt) * int(w.info.get("kv_block_size") or 0) / total
+                  - self.weight * w.outstanding / (1 + most) for w in workers]
+        best = max(scores)
+        return LeastOutstanding.pick(self, [w for w, s in zip(workers, scores) if s >= best - 1e-9])
 
 
 POLICIES = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding, "kv_aware": KVAware}

@@ -87,7 +87,7 @@ class WorkerClient:
                 log.warning("ping to %s failed: %s", self.address, e)
             await asyncio.sleep(self.heartbeat_s)
             if self.owned and not self.healthy:
-                self._fail_owned(f"{self.role} worker {self.address} stopped answering")
+                self.fail_owned(f"{self.role} worker {self.address} stopped answering")
 
     async def _watch(self, monitor):
         while True:
@@ -95,9 +95,9 @@ class WorkerClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 log.warning("%s worker %s disconnected", self.role, self.address)
                 self.last_pong = 0.0
-                self._fail_owned(f"{self.role} worker {self.address} disconnected")
+                self.fail_owned(f"{self.role} worker {self.address} disconnected")
 
-    def _fail_owned(self, message: str):
+    def fail_owned(self, message: str):
         for rid in list(self.owned):
             inbox = self.inboxes.get(rid)
             if inbox is not None:
