@@ -19,6 +19,7 @@ from control.auth import require_token_for
 
 from .arrow_wire import MAX_STREAMS, VERSION, AuthFactory, aligned
 from .base import ReceivedKV, TransferStatus
+from .heap import keep_freed_memory
 from .layout import KVLayout, LayoutError
 from .phases import PhaseTimes
 from .pieces import PiecewiseKV
@@ -90,6 +91,8 @@ class ArrowReceiver(TableReceiver):
     def start(self) -> None:
         require_token_for(self.cfg.host, self.cfg.token, "arrow KV receiver")
         opts = self.cfg.options
+        if self.cfg.flag("arrow_keep_heap", True):
+            keep_freed_memory()
         kwargs = {"middleware": {"auth": AuthFactory(self.cfg.token)}} if self.cfg.token else {}
         scheme = "grpc+tcp"
         if opts.get("arrow_tls_cert"):

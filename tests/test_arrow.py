@@ -1,6 +1,6 @@
 """Arrow Flight specifics beyond the conformance suite: parallel streams, a
-transfer's parts that never all arrive, and whole layers handed over without
-a receiver-side copy."""
+transfer's parts that never all arrive, whole layers handed over without a
+receiver-side copy, and the receiver's heap setting."""
 import importlib.util
 import threading
 
@@ -98,3 +98,37 @@ def test_a_part_that_never_arrives_fails_the_transfer_and_frees_the_landing(rece
     finally:
         sender.close()
         client.close()
+
+
+HEAP_PROBE = """
+import ctypes, sys
+from kvtransfer import TransportConfig, make_receiver
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+r = make_receiver("arrow", TransportConfig(options={"arrow_keep_heap": sys.argv[1]}))
+r.start()
+before = libc.mallinfo2().hblks
+block = libc.malloc(24 << 20)
+print(libc.mallinfo2().hblks - before)
+libc.free(block)
+r.close()
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.parametrize("keep,mapped", [("yes", 0), ("no", 1)])
+def test_receiver_keeps_large_blocks_in_the_heap(keep, mapped):
+    """gRPC's multi-megabyte receive buffers come from malloc: with the receiver's default they come from the heap
+    (pages already faulted in by the last transfer), not from a fresh mmap each time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE, keep], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == mapped
