@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from .arrow_receiver import ArrowReceiver
-from .arrow_wire import AUTH_HEADER, GRPC_OPTIONS, MAX_STREAMS, SCHEMA, VERSION, aligning_metadata, auth_value, column
+from .arrow_wire import (AUTH_HEADER, GRPC_OPTIONS, MAX_STREAMS, VERSION, aligning_metadata, auth_value, column,
+                         schema_for)
 from .base import KVSender, TransferError, TransportConfig
 from .layout import KVLayout
 from .phases import PhaseTimes
@@ -80,12 +81,11 @@ class ArrowSender(KVSender):
         return min(self.streams, layout.num_layers) if whole else 1
 
     def _put(self, dest, tid, layout, meta, part, parts, batches) -> None:
-        header = msgpack.packb({"v": VERSION, "tid": tid, "layout": layout.to_dict(), "meta": meta or {},
-                                "part": part, "parts": parts})
+        header = msgpack.packb({"v": VERSION, "tid": tid, "meta": meta or {}, "part": part, "parts": parts})
         headers = [(AUTH_HEADER.encode(), auth_value(self.cfg.token).encode())] if self.cfg.token else []
         options = fl.FlightCallOptions(timeout=self.cfg.timeout_s, headers=headers)
-        writer, reader = self._client(dest, part).do_put(fl.FlightDescriptor.for_command(header), SCHEMA,
-                                                         options=options)
+        writer, reader = self._client(dest, part).do_put(fl.FlightDescriptor.for_command(header),
+                                                         schema_for(layout), options=options)
         try:
             for batch, info, _ in batches:
                 writer.write_with_metadata(batch, info)
@@ -103,8 +103,10 @@ class ArrowSender(KVSender):
         """``(record batch, app metadata, layer)`` in order. A KV that exists in full is wrapped before the first
         byte goes out; one still being computed (a gated ``PiecewiseKV``, a generator) layer by layer as each is
         ready."""
+        schema = schema_for(layout)
+
         def wrap(index, at, k, v):
-            batch = pa.RecordBatch.from_arrays([column(k), column(v)], schema=SCHEMA)
+            batch = pa.RecordBatch.from_arrays([column(k), column(v)], schema=schema)
             info = {"layer": index, "at": at, "t": [phases.d2h, phases.serialize, waited[0] * 1e3]}
             return batch, pa.py_buffer(aligning_metadata(info, len(k))), index
 

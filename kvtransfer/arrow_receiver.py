@@ -17,7 +17,7 @@ import torch
 
 from control.auth import require_token_for
 
-from .arrow_wire import MAX_STREAMS, VERSION, AuthFactory, aligned
+from .arrow_wire import MAX_STREAMS, VERSION, AuthFactory, aligned, layout_dict
 from .base import ReceivedKV, TransferStatus
 from .heap import keep_freed_memory
 from .layout import KVLayout, LayoutError
@@ -109,13 +109,15 @@ class ArrowReceiver(TableReceiver):
         start = time.perf_counter()
         try:
             header = msgpack.unpackb(command)
-            layout = KVLayout.from_dict(header.get("layout"))
+            if not isinstance(header, dict) or header.get("v") != VERSION:
+                raise ValueError(f"bad header (wire version {VERSION} expected)")
             tid, part, parts = header.get("tid"), header.get("part", 0), header.get("parts", 1)
-            if header.get("v") != VERSION or not isinstance(tid, str) or not tid or len(tid) > 256:
-                raise ValueError("bad header (version or transfer id)")
+            if not isinstance(tid, str) or not tid or len(tid) > 256:
+                raise ValueError("bad header (transfer id)")
+            layout = KVLayout.from_dict(layout_dict(reader.schema))
             if type(parts) is not int or type(part) is not int or not 0 <= part < parts <= MAX_STREAMS:
                 raise ValueError(f"bad part {part} of {parts}")
-        except (ValueError, TypeError, LayoutError, msgpack.UnpackException) as e:
+        except (ValueError, TypeError, LayoutError, msgpack.UnpackException, pa.ArrowException) as e:
             self._refuse(str(e))
         if layout.total_nbytes > self.cfg.max_transfer_bytes:
             self._refuse(f"declared {layout.total_nbytes} bytes over limit {self.cfg.max_transfer_bytes}")

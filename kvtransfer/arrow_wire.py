@@ -3,9 +3,12 @@
 The decode side runs a Flight server; prefill ``do_put``s the KV, in
 ``parts`` parallel streams (one gRPC connection each; ``arrow_streams``, 1
 for KV still being computed). Each stream's descriptor command is a msgpack
-header ``{v, tid, layout, meta, part, parts}`` (wire version 2); stream
+header ``{v, tid, meta, part, parts}`` (wire version 3); stream
 ``part`` carries layers ``part, part + parts, ...`` in order. The schema has
-two uint8 columns, ``k`` and ``v``; each record batch carries one run of
+two uint8 columns, ``k`` and ``v``, and the canonical layout (JSON of
+``KVLayout.to_dict``: layers, heads, head size, tokens, dtype) in its
+metadata under ``pdserve.layout``, so any Arrow reader can type the bytes;
+each record batch carries one run of
 one layer's K bytes and the V bytes at the same place (a whole layer, or one
 piece of a paged pool), as Arrow arrays over the tensors' memory (no copy on
 the sender). Each batch's application metadata is msgpack ``{layer, at, t,
@@ -27,8 +30,10 @@ token itself never travels). TLS: ``arrow_tls_cert``/``arrow_tls_key`` on the
 receiver, ``arrow_tls_root`` (the CA to trust) on the sender."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import json
 import secrets
 import threading
 import time
@@ -37,13 +42,33 @@ import msgpack
 import pyarrow as pa
 import pyarrow.flight as fl
 
-VERSION = 2
+VERSION = 3
 MAX_STREAMS = 16
 AUTH_HEADER = "x-pdserve-auth"
 AUTH_WINDOW_S = 60.0
 GRPC_OPTIONS = [("grpc.http2.lookahead_bytes", 64 << 20), ("grpc.http2.bdp_probe", 1)]
 SCHEMA = pa.schema([("k", pa.uint8()), ("v", pa.uint8())])
+LAYOUT_KEY = b"pdserve.layout"
 FRAMING_BIAS = 15  # bytes before a batch's metadata and body in the receiver's buffer, modulo 16 (measured)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema(layout_json: str) -> pa.Schema:
+    return SCHEMA.with_metadata({LAYOUT_KEY: layout_json.encode()})
+
+
+def schema_for(layout) -> pa.Schema:
+    return _schema(json.dumps(layout.to_dict(), sort_keys=True))
+
+
+def layout_dict(schema: pa.Schema) -> dict:
+    """The layout a stream's schema declares; ``ValueError`` where it has none or not the two byte columns."""
+    if schema is None or schema.remove_metadata() != SCHEMA:
+        raise ValueError("schema is not two uint8 columns k and v")
+    raw = (schema.metadata or {}).get(LAYOUT_KEY)
+    if raw is None:
+        raise ValueError("schema metadata has no pdserve.layout")
+    return json.loads(raw)
 
 
 def column(view) -> pa.Array:

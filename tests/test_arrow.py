@@ -70,18 +70,18 @@ def test_a_part_that_never_arrives_fails_the_transfer_and_frees_the_landing(rece
     import pyarrow as pa
     import pyarrow.flight as fl
 
-    from kvtransfer.arrow_wire import SCHEMA, VERSION, aligning_metadata, column
+    from kvtransfer.arrow_wire import VERSION, aligning_metadata, column, schema_for
 
     layout = KVLayout(2, 1, 4, 8, "float32")
     released = threading.Event()
     target = pool(layout, 4, seed=1)
     receiver.land = lambda tid, lay: Landing(PiecewiseKV(lay, pieces_of(target, [0], lay.num_tokens)), released.set)
     client = fl.FlightClient(f"grpc+tcp://{receiver.address}")
-    header = msgpack.packb({"v": VERSION, "tid": "half", "layout": layout.to_dict(), "meta": {}, "part": 0, "parts": 2})
-    writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), SCHEMA)
+    header = msgpack.packb({"v": VERSION, "tid": "half", "meta": {}, "part": 0, "parts": 2})
+    writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), schema_for(layout))
     k = torch.randn(8, 1, 4)
     raw = memoryview(k.numpy()).cast("B")
-    writer.write_with_metadata(pa.RecordBatch.from_arrays([column(raw), column(raw)], schema=SCHEMA),
+    writer.write_with_metadata(pa.RecordBatch.from_arrays([column(raw), column(raw)], schema=schema_for(layout)),
                                pa.py_buffer(aligning_metadata({"layer": 0, "at": 0, "t": [0, 0, 0]}, len(raw))))
     writer.done_writing()
     assert reader.read() is None
@@ -98,6 +98,37 @@ def test_a_part_that_never_arrives_fails_the_transfer_and_frees_the_landing(rece
     finally:
         sender.close()
         client.close()
+
+
+@pytest.mark.parametrize("schema", ["bare", "other columns"])
+def test_a_stream_without_the_layout_in_its_schema_is_refused_and_the_receiver_keeps_serving(receiver, schema):
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    from kvtransfer.arrow_wire import SCHEMA, VERSION, layout_dict, schema_for
+
+    layout = KVLayout(2, 1, 4, 8, "bfloat16")
+    assert layout_dict(schema_for(layout)) == layout.to_dict()
+    declared = SCHEMA if schema == "bare" else pa.schema([("k", pa.float32())]).with_metadata(
+        schema_for(layout).metadata)
+    client = fl.FlightClient(f"grpc+tcp://{receiver.address}")
+    header = msgpack.packb({"v": VERSION, "tid": "no-layout", "meta": {}, "part": 0, "parts": 1})
+    writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), declared)
+    with pytest.raises(fl.FlightError, match="pdserve.layout|two uint8 columns"):
+        writer.done_writing()
+        reader.read()
+        writer.close()
+    client.close()
+    assert receiver.refused == 1
+    kv = random_kv(2, 1, 8, 4, torch.bfloat16, seed=3)
+    sender = make_sender("arrow", TransportConfig(timeout_s=10))
+    try:
+        sender.send(receiver.address, "after", layout, kv)
+        got = receiver.wait("after", 5)
+        assert_bit_exact(kv, materialize(got, "cpu"))
+        got.release()
+    finally:
+        sender.close()
 
 
 HEAP_PROBE = """
