@@ -1,8 +1,10 @@
-"""End to end on a two-GPU machine: ``pdserve up --transport nccl`` (prefill on
-cuda:0, decode on cuda:1, KV over NCCL) against plain in-process generation on
-cuda:0, token for token; prints and writes a JSON report.
+"""End to end on a GPU machine: ``pdserve up --transport nccl`` (prefill on
+cuda:0, decode on cuda:1, KV over NCCL), or another transport with
+``--transport`` (``--up-arg=--device=cuda`` puts both workers on cuda:0),
+against plain in-process generation on cuda:0, token for token; prints and
+writes a JSON report.
 
-    python -m bench.nccl_e2e [--out results.json]"""
+    python -m bench.nccl_e2e [--transport arrow --up-arg=--device=cuda] [--out results.json]"""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +39,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="nccl_e2e.json")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--transport", default="nccl")
+    ap.add_argument("--up-arg", action="append", default=[], help="extra argument for pdserve up (repeatable)")
     args = ap.parse_args()
     from deploy.up import free_port
     from engine import EngineConfig, SamplingParams
@@ -45,8 +49,8 @@ def main():
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "up", "--transport", "nccl",
-                             "--port", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "up", "--transport", args.transport,
+                             "--port", str(port), *args.up_arg])
     try:
         wait_healthy(url, proc)
         runner = Engine(EngineConfig(device="cuda:0", max_num_seqs=4))
@@ -60,7 +64,7 @@ def main():
             results.append({"prompt_chars": len(prompt), "equal": got == want, "tokens": len(got), "pdserve": body["pdserve"]})
         time.sleep(1.5)
         workers = httpx.get(url + "/health").json()["workers"]
-        report = {"all_equal": all(r["equal"] for r in results), "results": results,
+        report = {"transport": args.transport, "all_equal": all(r["equal"] for r in results), "results": results,
                   "prefill": workers["prefill"][0], "decode": workers["decode"][0]}
     finally:
         proc.send_signal(signal.SIGTERM)
