@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
@@ -53,19 +54,20 @@ class ArrowSender(KVSender):
             return self._clients[dest, part]
 
     def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
-        phases, waited = PhaseTimes(bytes=layout.total_nbytes), [0.0]
+        phases, waited, began = PhaseTimes(bytes=layout.total_nbytes), [0.0], time.perf_counter()
         parts = self._parts(layout, layers)
         try:
             with phases.measure("wire"):
                 if parts == 1:
-                    self._put(dest, transfer_id, layout, meta, 0, 1, self._batches(layout, layers, phases, waited))
+                    batches = self._batches(layout, layers, phases, waited)
+                    self._put(dest, transfer_id, layout, meta, 0, 1, batches, began)
                 else:
                     batches = list(self._batches(layout, layers, phases, waited))
                     split = [[b for b in batches if b[2] % parts == j] for j in range(parts)]
-                    futures = [self._pool.submit(self._put, dest, transfer_id, layout, meta, j, parts, split[j])
+                    futures = [self._pool.submit(self._put, dest, transfer_id, layout, meta, j, parts, split[j], began)
                                for j in range(1, parts)]
                     try:
-                        self._put(dest, transfer_id, layout, meta, 0, parts, split[0])
+                        self._put(dest, transfer_id, layout, meta, 0, parts, split[0], began)
                     finally:
                         errors = [f.exception() for f in futures]
                     if any(errors):
@@ -80,7 +82,7 @@ class ArrowSender(KVSender):
         whole = isinstance(layers, (list, tuple)) or (isinstance(layers, PiecewiseKV) and layers.gate is None)
         return min(self.streams, layout.num_layers) if whole else 1
 
-    def _put(self, dest, tid, layout, meta, part, parts, batches) -> None:
+    def _put(self, dest, tid, layout, meta, part, parts, batches, began: float) -> None:
         header = msgpack.packb({"v": VERSION, "tid": tid, "meta": meta or {}, "part": part, "parts": parts})
         headers = [(AUTH_HEADER.encode(), auth_value(self.cfg.token).encode())] if self.cfg.token else []
         options = fl.FlightCallOptions(timeout=self.cfg.timeout_s, headers=headers)
@@ -88,7 +90,8 @@ class ArrowSender(KVSender):
                                                          schema_for(layout), options=options)
         try:
             for batch, info, _ in batches:
-                writer.write_with_metadata(batch, info)
+                info["e"] = (time.perf_counter() - began) * 1e3
+                writer.write_with_metadata(batch, pa.py_buffer(aligning_metadata(info, batch.num_rows)))
             writer.done_writing()
             ack = reader.read()
         except BaseException:  # the stream ends short: the receiver fails the transfer; the cause goes up
@@ -100,7 +103,7 @@ class ArrowSender(KVSender):
             raise TransferError(f"transfer {tid} to {dest}: no acknowledgement")
 
     def _batches(self, layout, layers, phases, waited):
-        """``(record batch, app metadata, layer)`` in order. A KV that exists in full is wrapped before the first
+        """``(record batch, metadata dict, layer)`` in order. A KV that exists in full is wrapped before the first
         byte goes out; one still being computed (a gated ``PiecewiseKV``, a generator) layer by layer as each is
         ready."""
         schema = schema_for(layout)
@@ -108,7 +111,7 @@ class ArrowSender(KVSender):
         def wrap(index, at, k, v):
             batch = pa.RecordBatch.from_arrays([column(k), column(v)], schema=schema)
             info = {"layer": index, "at": at, "t": [phases.d2h, phases.serialize, waited[0] * 1e3]}
-            return batch, pa.py_buffer(aligning_metadata(info, len(k))), index
+            return batch, info, index
 
         if isinstance(layers, PiecewiseKV):
             with phases.measure("serialize"):

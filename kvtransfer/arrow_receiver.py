@@ -42,7 +42,7 @@ class _Incoming:
 
     def __init__(self, tid, layout: KVLayout, meta: dict, parts: int, landing, pool: BufferPool, start: float):
         self.tid, self.layout, self.meta, self.parts, self.landing, self.pool = tid, layout, meta, parts, landing, pool
-        self.start = start
+        self.began = start
         self.phases = PhaseTimes(bytes=layout.total_nbytes)
         self.kept: list = [None] * layout.num_layers
         self.buf = None
@@ -167,13 +167,17 @@ class ArrowReceiver(TableReceiver):
     def _receive_part(self, state: _Incoming, part: int, reader) -> None:
         layout, n = state.layout, state.layout.tensor_nbytes
         layers = iter(range(part, layout.num_layers, state.parts))
-        layer, at, dest = next(layers, None), 0, None
+        layer, at, dest, first = next(layers, None), 0, None, True
         while True:
             try:
                 chunk = reader.read_chunk()
             except StopIteration:
                 break
+            arrived = time.perf_counter()
             info = msgpack.unpackb(chunk.app_metadata.to_pybytes()) if chunk.app_metadata else {}
+            if first:
+                self._backdate(state, info.get("e"), arrived)
+                first = False
             batch = chunk.data
             if layer is None or batch is None or batch.num_columns != 2 or info.get("layer") != layer or info.get("at") != at:
                 raise ValueError(f"run out of order: expected layer {layer} at {at}")
@@ -201,6 +205,15 @@ class ArrowReceiver(TableReceiver):
                 raise ConnectionError(state.error or "aborted by receiver")
         if layer is not None:
             raise ValueError(f"part {part} ended before layer {layer} of {layout.num_layers}")
+
+    @staticmethod
+    def _backdate(state: _Incoming, sent_after_ms, arrived: float) -> None:
+        """Move the record's start back to when the sender began, as far as its first batch proves: it left the
+        sender ``sent_after_ms`` into the transfer and cannot have arrived before (the call's setup, which the
+        handler's clock misses)."""
+        if isinstance(sent_after_ms, float) and 0 <= sent_after_ms < 1e7:
+            with state.cond:
+                state.began = min(state.began, arrived - sent_after_ms / 1e3)
 
     def _finish_part(self, state: _Incoming) -> None:
         with state.cond:
@@ -245,7 +258,7 @@ class ArrowReceiver(TableReceiver):
             t0 = time.perf_counter()
             views = self._views(layout, state.kept, state.buf)
             phases.deserialize += (time.perf_counter() - t0) * 1e3
-        elapsed = (time.perf_counter() - state.start) * 1e3
+        elapsed = (time.perf_counter() - state.began) * 1e3
         phases.d2h, phases.serialize, computing = state.sender
         phases.wire = max(0.0, elapsed - phases.deserialize - phases.d2h - phases.serialize - computing)
         if state.landing is not None:

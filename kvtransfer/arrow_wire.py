@@ -12,9 +12,12 @@ each record batch carries one run of
 one layer's K bytes and the V bytes at the same place (a whole layer, or one
 piece of a paged pool), as Arrow arrays over the tensors' memory (no copy on
 the sender). Each batch's application metadata is msgpack ``{layer, at, t,
-p}``: the layer, the byte offset of the run in that layer's K (and V)
+e, p}``: the layer, the byte offset of the run in that layer's K (and V)
 tensor, the sender's cumulative d2h, serialize and compute-wait
-milliseconds, and padding that puts the batch's body on an aligned address
+milliseconds, the sender's milliseconds since the transfer began when it
+wrote the batch (a float64, so the size never changes; the receiver starts
+its record no later than a part's first arrival minus this, taking in the
+call setup its handler's clock misses), and padding that puts the batch's body on an aligned address
 in the receiver's gRPC buffer. Runs must cover each layer exactly once, in
 order. A layer that arrives whole and aligned is handed over as typed views
 of the received Arrow buffers, with no copy; runs of a paged sender are

@@ -131,6 +131,36 @@ def test_a_stream_without_the_layout_in_its_schema_is_refused_and_the_receiver_k
         sender.close()
 
 
+def test_the_call_setup_before_the_handler_runs_counts_as_wire(receiver, monkeypatch):
+    """The receiver's clock starts when its handler runs; a call that took 200 ms to get there is still in the
+    record (from the first batch's ``e``), and the record never exceeds the sender's own wall time."""
+    import time
+
+    sender = make_sender("arrow", TransportConfig(timeout_s=10))
+    client = sender._client
+
+    class SlowCall:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def do_put(self, *args, **kwargs):
+            time.sleep(0.2)
+            return self.inner.do_put(*args, **kwargs)
+
+    monkeypatch.setattr(sender, "_client", lambda dest, part: SlowCall(client(dest, part)))
+    layout = KVLayout(2, 1, 4, 8, "float32")
+    kv = random_kv(2, 1, 8, 4, torch.float32)
+    try:
+        start = time.perf_counter()
+        sender.send(receiver.address, "slow", layout, kv)
+        wall = (time.perf_counter() - start) * 1e3
+        got = receiver.wait("slow", 5)
+        assert 200 <= got.phases.wire and got.phases.total <= wall
+        got.release()
+    finally:
+        sender.close()
+
+
 HEAP_PROBE = """
 import ctypes, sys
 from kvtransfer import TransportConfig, make_receiver
