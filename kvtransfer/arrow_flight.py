@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,25 +34,41 @@ class ArrowSender(KVSender):
         self.streams = int(self.cfg.options.get("arrow_streams", 1))
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"arrow_streams must be 1..{MAX_STREAMS}")
-        self._clients: dict[tuple, fl.FlightClient] = {}
+        self._idle: dict[str, list[fl.FlightClient]] = {}
+        self._made = itertools.count()
+        self._closed = False
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(4 * self.streams, "arrow-send") if self.streams > 1 else None
 
-    def _client(self, dest: str, part: int) -> fl.FlightClient:
-        """One client per destination and part; distinct channel options keep gRPC from sharing a connection."""
+    @contextlib.contextmanager
+    def _client(self, dest: str):
+        """An idle client of ``dest``, or a new one: each stream in flight has a connection of its own (gRPC would
+        multiplex concurrent calls over one, which one receive thread and one flow-control window then share). A
+        client that saw a failure is closed rather than reused."""
         with self._lock:
-            if (dest, part) not in self._clients:
-                host, port = parse_address(dest)
-                options = GRPC_OPTIONS + [("pdserve.part", part)]
-                root = self.cfg.options.get("arrow_tls_root")
-                if root:
-                    with open(root, "rb") as f:
-                        client = fl.FlightClient(f"grpc+tls://{host}:{port}", tls_root_certs=f.read(),
-                                                 generic_options=options)
-                else:
-                    client = fl.FlightClient(f"grpc+tcp://{host}:{port}", generic_options=options)
-                self._clients[dest, part] = client
-            return self._clients[dest, part]
+            idle = self._idle.setdefault(dest, [])
+            client = idle.pop() if idle else None
+        client = client or self._connect(dest, next(self._made))
+        try:
+            yield client
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            if not self._closed:
+                self._idle[dest].append(client)
+                return
+        client.close()
+
+    def _connect(self, dest: str, n: int) -> fl.FlightClient:
+        """A client on a connection of its own: distinct channel options keep gRPC from sharing one."""
+        host, port = parse_address(dest)
+        options = GRPC_OPTIONS + [("pdserve.conn", n)]
+        root = self.cfg.options.get("arrow_tls_root")
+        if root:
+            with open(root, "rb") as f:
+                return fl.FlightClient(f"grpc+tls://{host}:{port}", tls_root_certs=f.read(), generic_options=options)
+        return fl.FlightClient(f"grpc+tcp://{host}:{port}", generic_options=options)
 
     def send(self, dest, transfer_id, layout: KVLayout, layers, meta=None) -> PhaseTimes:
         phases, waited, began = PhaseTimes(bytes=layout.total_nbytes), [0.0], time.perf_counter()
@@ -86,19 +103,20 @@ class ArrowSender(KVSender):
         header = msgpack.packb({"v": VERSION, "tid": tid, "meta": meta or {}, "part": part, "parts": parts})
         headers = [(AUTH_HEADER.encode(), auth_value(self.cfg.token).encode())] if self.cfg.token else []
         options = fl.FlightCallOptions(timeout=self.cfg.timeout_s, headers=headers)
-        writer, reader = self._client(dest, part).do_put(fl.FlightDescriptor.for_command(header),
-                                                         schema_for(layout), options=options)
-        try:
-            for batch, info, _ in batches:
-                info["e"] = (time.perf_counter() - began) * 1e3
-                writer.write_with_metadata(batch, pa.py_buffer(aligning_metadata(info, batch.num_rows)))
-            writer.done_writing()
-            ack = reader.read()
-        except BaseException:  # the stream ends short: the receiver fails the transfer; the cause goes up
-            with contextlib.suppress(fl.FlightError, pa.ArrowException, OSError):
-                writer.close()
-            raise
-        writer.close()
+        with self._client(dest) as client:
+            writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), schema_for(layout), options=options)
+            try:
+                for batch, info, _ in batches:
+                    info["e"] = (time.perf_counter() - began) * 1e3
+                    writer.write_with_metadata(batch, pa.py_buffer(aligning_metadata(info, batch.num_rows)))
+                writer.write_metadata(pa.py_buffer(msgpack.packb({"e": (time.perf_counter() - began) * 1e3})))
+                writer.done_writing()
+                ack = reader.read()
+            except BaseException:  # the stream ends short: the receiver fails the transfer; the cause goes up
+                with contextlib.suppress(fl.FlightError, pa.ArrowException, OSError):
+                    writer.close()
+                raise
+            writer.close()
         if ack is None or ack.to_pybytes() != b"ok":
             raise TransferError(f"transfer {tid} to {dest}: no acknowledgement")
 
@@ -152,8 +170,10 @@ class ArrowSender(KVSender):
 
     def close(self):
         with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+            self._closed = True
+            idle = [c for clients in self._idle.values() for c in clients]
+            self._idle.clear()
+        for client in idle:
+            client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)

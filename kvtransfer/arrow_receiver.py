@@ -167,7 +167,7 @@ class ArrowReceiver(TableReceiver):
     def _receive_part(self, state: _Incoming, part: int, reader) -> None:
         layout, n = state.layout, state.layout.tensor_nbytes
         layers = iter(range(part, layout.num_layers, state.parts))
-        layer, at, dest, first = next(layers, None), 0, None, True
+        layer, at, dest, began = next(layers, None), 0, None, state.began
         while True:
             try:
                 chunk = reader.read_chunk()
@@ -175,10 +175,10 @@ class ArrowReceiver(TableReceiver):
                 break
             arrived = time.perf_counter()
             info = msgpack.unpackb(chunk.app_metadata.to_pybytes()) if chunk.app_metadata else {}
-            if first:
-                self._backdate(state, info.get("e"), arrived)
-                first = False
+            began = min(began, self._sent_at(info.get("e"), arrived))
             batch = chunk.data
+            if batch is None and layer is None and set(info) == {"e"}:
+                continue  # the trailer: only its time
             if layer is None or batch is None or batch.num_columns != 2 or info.get("layer") != layer or info.get("at") != at:
                 raise ValueError(f"run out of order: expected layer {layer} at {at}")
             size = batch.num_rows
@@ -205,15 +205,16 @@ class ArrowReceiver(TableReceiver):
                 raise ConnectionError(state.error or "aborted by receiver")
         if layer is not None:
             raise ValueError(f"part {part} ended before layer {layer} of {layout.num_layers}")
+        with state.cond:
+            state.began = min(state.began, began)
 
     @staticmethod
-    def _backdate(state: _Incoming, sent_after_ms, arrived: float) -> None:
-        """Move the record's start back to when the sender began, as far as its first batch proves: it left the
-        sender ``sent_after_ms`` into the transfer and cannot have arrived before (the call's setup, which the
-        handler's clock misses)."""
+    def _sent_at(sent_after_ms, arrived: float) -> float:
+        """The latest the transfer can have begun, as one batch proves: it left the sender ``sent_after_ms`` into
+        the transfer and arrived no earlier (this takes in the call's setup, which the handler's clock misses)."""
         if isinstance(sent_after_ms, float) and 0 <= sent_after_ms < 1e7:
-            with state.cond:
-                state.began = min(state.began, arrived - sent_after_ms / 1e3)
+            return arrived - sent_after_ms / 1e3
+        return arrived
 
     def _finish_part(self, state: _Incoming) -> None:
         with state.cond:

@@ -16,14 +16,16 @@ e, p}``: the layer, the byte offset of the run in that layer's K (and V)
 tensor, the sender's cumulative d2h, serialize and compute-wait
 milliseconds, the sender's milliseconds since the transfer began when it
 wrote the batch (a float64, so the size never changes; the receiver starts
-its record no later than a part's first arrival minus this, taking in the
+its record no later than any batch's arrival minus this, taking in the
 call setup its handler's clock misses), and padding that puts the batch's body on an aligned address
 in the receiver's gRPC buffer. Runs must cover each layer exactly once, in
 order. A layer that arrives whole and aligned is handed over as typed views
 of the received Arrow buffers, with no copy; runs of a paged sender are
 copied once into a pooled buffer, and a decode pool's blocks named by the
 ``land`` hook take each run's one copy (``deserialize`` in the phases).
-Every stream is answered with one metadata message, ``ok``, once all parts
+After its last batch a stream carries one metadata-only message, msgpack
+``{e}`` (the same clock, read once the last batch was handed to gRPC), which
+bounds the start of the record the closest. Every stream is answered with one metadata message, ``ok``, once all parts
 of its transfer have landed.
 
 Auth: with a cluster token every call carries ``x-pdserve-auth:

@@ -3,6 +3,7 @@ transfer's parts that never all arrive, whole layers handed over without a
 receiver-side copy, and the receiver's heap setting."""
 import importlib.util
 import threading
+import time
 
 import msgpack
 import pytest
@@ -133,11 +134,11 @@ def test_a_stream_without_the_layout_in_its_schema_is_refused_and_the_receiver_k
 
 def test_the_call_setup_before_the_handler_runs_counts_as_wire(receiver, monkeypatch):
     """The receiver's clock starts when its handler runs; a call that took 200 ms to get there is still in the
-    record (from the first batch's ``e``), and the record never exceeds the sender's own wall time."""
+    record (from the batches' ``e``), and the record never exceeds the sender's own wall time."""
     import time
 
     sender = make_sender("arrow", TransportConfig(timeout_s=10))
-    client = sender._client
+    connect = sender._connect
 
     class SlowCall:
         def __init__(self, inner):
@@ -147,7 +148,10 @@ def test_the_call_setup_before_the_handler_runs_counts_as_wire(receiver, monkeyp
             time.sleep(0.2)
             return self.inner.do_put(*args, **kwargs)
 
-    monkeypatch.setattr(sender, "_client", lambda dest, part: SlowCall(client(dest, part)))
+        def close(self):
+            self.inner.close()
+
+    monkeypatch.setattr(sender, "_connect", lambda dest, n: SlowCall(connect(dest, n)))
     layout = KVLayout(2, 1, 4, 8, "float32")
     kv = random_kv(2, 1, 8, 4, torch.float32)
     try:
@@ -158,6 +162,40 @@ def test_the_call_setup_before_the_handler_runs_counts_as_wire(receiver, monkeyp
         assert 200 <= got.phases.wire and got.phases.total <= wall
         got.release()
     finally:
+        sender.close()
+
+
+def test_a_send_in_flight_keeps_its_connection_and_another_gets_its_own(receiver):
+    """gRPC would multiplex concurrent calls over one connection; each send in flight checks out its own client
+    and gives it back for the next."""
+    layout = KVLayout(2, 1, 4, 8, "float32")
+    kv = [random_kv(2, 1, 8, 4, torch.float32, seed=s) for s in range(3)]
+    sender = make_sender("arrow", TransportConfig(timeout_s=10))
+    made, connect, go = [], sender._connect, threading.Event()
+    sender._connect = lambda dest, n: made.append(n) or connect(dest, n)
+
+    def held_back():
+        yield kv[0][0]
+        go.wait(10)
+        yield kv[0][1]
+
+    first = threading.Thread(target=sender.send, args=(receiver.address, "held", layout, held_back()))
+    try:
+        first.start()
+        deadline = time.monotonic() + 10
+        while not made and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sender.send(receiver.address, "beside", layout, kv[1])
+        go.set()
+        first.join(10)
+        sender.send(receiver.address, "after", layout, kv[2])
+        assert made == [0, 1]
+        for tid, want in (("held", kv[0]), ("beside", kv[1]), ("after", kv[2])):
+            got = receiver.wait(tid, 5)
+            assert_bit_exact(want, materialize(got, "cpu"))
+            got.release()
+    finally:
+        go.set()
         sender.close()
 
 
