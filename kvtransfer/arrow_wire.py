@@ -1,38 +1,39 @@
 """Arrow Flight transport: what travels, and the cluster-token check.
 
 The decode side runs a Flight server; prefill ``do_put``s the KV, in
-``parts`` parallel streams (one gRPC connection each; ``arrow_streams``, 1
-for KV still being computed). Each stream's descriptor command is a msgpack
-header ``{v, tid, meta, part, parts}`` (wire version 3); stream
-``part`` carries layers ``part, part + parts, ...`` in order. The schema has
-two uint8 columns, ``k`` and ``v``, and the canonical layout (JSON of
+``parts`` parallel streams (``arrow_streams``, 1 for KV still being
+computed), every stream in flight on a gRPC connection of its own (the
+sender checks an idle one out per stream). Each stream's descriptor command is a msgpack
+header ``{v, tid, meta, part, parts}`` (wire version 3); stream ``part``
+carries layers ``part, part + parts, ...`` in order. The schema has two
+uint8 columns, ``k`` and ``v``, and the canonical layout (JSON of
 ``KVLayout.to_dict``: layers, heads, head size, tokens, dtype) in its
 metadata under ``pdserve.layout``, so any Arrow reader can type the bytes;
-each record batch carries one run of
-one layer's K bytes and the V bytes at the same place (a whole layer, or one
-piece of a paged pool), as Arrow arrays over the tensors' memory (no copy on
-the sender). Each batch's application metadata is msgpack ``{layer, at, t,
-e, p}``: the layer, the byte offset of the run in that layer's K (and V)
-tensor, the sender's cumulative d2h, serialize and compute-wait
-milliseconds, the sender's milliseconds since the transfer began when it
-wrote the batch (a float64, so the size never changes; the receiver starts
-its record no later than any batch's arrival minus this, taking in the
-call setup its handler's clock misses), and padding that puts the batch's body on an aligned address
-in the receiver's gRPC buffer. Runs must cover each layer exactly once, in
-order. A layer that arrives whole and aligned is handed over as typed views
-of the received Arrow buffers, with no copy; runs of a paged sender are
-copied once into a pooled buffer, and a decode pool's blocks named by the
-``land`` hook take each run's one copy (``deserialize`` in the phases).
-After its last batch a stream carries one metadata-only message, msgpack
-``{e}`` (the same clock, read once the last batch was handed to gRPC), which
-bounds the start of the record the closest. Every stream is answered with one metadata message, ``ok``, once all parts
-of its transfer have landed.
+each record batch carries one run of one layer's K bytes and the V bytes at
+the same place (a whole layer, or one piece of a paged pool), as Arrow
+arrays over the tensors' memory (no copy on the sender). Each batch's
+application metadata is msgpack ``{layer, at, t, e, p}``: the layer, the
+byte offset of the run in that layer's K (and V) tensor, the sender's
+cumulative d2h, serialize and compute-wait milliseconds, the sender's
+milliseconds since the transfer began when it wrote the batch (a float64, so
+the size never changes; the receiver starts its record no later than any
+batch's arrival minus this, taking in the call setup its handler's clock
+misses), and padding that puts the batch's body on an aligned address in the
+receiver's gRPC buffer. Runs must cover each layer exactly once, in order. A
+layer that arrives whole and aligned is handed over as typed views of the
+received Arrow buffers, with no copy; runs of a paged sender are copied once
+into a pooled buffer, and a decode pool's blocks named by the ``land`` hook
+take each run's one copy (``deserialize`` in the phases). After its last
+batch a stream carries one metadata-only message, msgpack ``{e}`` (the same
+clock, read once the last batch was handed to gRPC), which bounds the start
+of the record the closest. Every stream is answered with one metadata
+message, ``ok``, once all parts of its transfer have landed.
 
 Auth: with a cluster token every call carries ``x-pdserve-auth:
 <time>:<nonce>:<HMAC-SHA256(token, time:nonce)>``; a server middleware
 refuses a missing or wrong MAC, one older than 60 s and a reused nonce (the
-token itself never travels). TLS: ``arrow_tls_cert``/``arrow_tls_key`` on the
-receiver, ``arrow_tls_root`` (the CA to trust) on the sender."""
+token itself never travels). TLS: ``arrow_tls_cert``/``arrow_tls_key`` on
+the receiver, ``arrow_tls_root`` (the CA to trust) on the sender."""
 from __future__ import annotations
 
 import functools
