@@ -67,7 +67,7 @@ JSON = [  # (path, body, expected status)
 
 
 def still_serving(url):
-    r = httpx.post(url + "/v1/completions", json={**OK, "max_tokens": 2}, timeout=30)
+    r = httpx.post(url + "/v1/completions", json={**OK, "max_tokens": 2, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
