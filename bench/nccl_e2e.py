@@ -49,8 +49,8 @@ def main():
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "up", "--transport", args.transport,
-                             "--port", str(port), *args.up_arg])
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "up",
+                             "--transport", args.transport, "--port", str(port), *args.up_arg])
     try:
         wait_healthy(url, proc)
         runner = Engine(EngineConfig(device="cuda:0", max_num_seqs=4))
@@ -64,8 +64,8 @@ def main():
             results.append({"prompt_chars": len(prompt), "equal": got == want, "tokens": len(got), "pdserve": body["pdserve"]})
         time.sleep(1.5)
         workers = httpx.get(url + "/health").json()["workers"]
-        report = {"transport": args.transport, "all_equal": all(r["equal"] for r in results), "results": results,
-                  "prefill": workers["prefill"][0], "decode": workers["decode"][0]}
+        report = {"transport": args.transport, "all_equal": all(r["equal"] for r in results),
+                  "results": results, "prefill": workers["prefill"][0], "decode": workers["decode"][0]}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(90)

@@ -103,13 +103,16 @@ class ArrowSender(KVSender):
         header = msgpack.packb({"v": VERSION, "tid": tid, "meta": meta or {}, "part": part, "parts": parts})
         headers = [(AUTH_HEADER.encode(), auth_value(self.cfg.token).encode())] if self.cfg.token else []
         options = fl.FlightCallOptions(timeout=self.cfg.timeout_s, headers=headers)
+        def since() -> float:
+            return (time.perf_counter() - began) * 1e3
+
         with self._client(dest) as client:
             writer, reader = client.do_put(fl.FlightDescriptor.for_command(header), schema_for(layout), options=options)
             try:
                 for batch, info, _ in batches:
-                    info["e"] = (time.perf_counter() - began) * 1e3
+                    info["e"] = since()
                     writer.write_with_metadata(batch, pa.py_buffer(aligning_metadata(info, batch.num_rows)))
-                writer.write_metadata(pa.py_buffer(msgpack.packb({"e": (time.perf_counter() - began) * 1e3})))
+                writer.write_metadata(pa.py_buffer(msgpack.packb({"e": since()})))
                 writer.done_writing()
                 ack = reader.read()
             except BaseException:  # the stream ends short: the receiver fails the transfer; the cause goes up
