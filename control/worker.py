@@ -5,7 +5,12 @@ request id back to the router connection that asked, and graceful shutdown.
 Shutdown (SIGTERM/SIGINT): the worker announces ``draining`` to every router
 it has heard from (an unsolicited ``pong``), keeps serving what it already
 has until idle or ``drain_s`` passes, fails what is left with 503 and exits.
-A second signal exits at once."""
+A second signal exits at once.
+
+Routers ping every worker (``ping{t, every}``); a router not heard from for
+``max(ROUTER_LOST_S, 4 x every)`` is gone (killed, or cut off): the requests
+it asked for are aborted here, so their KV blocks come free, and a restarted
+router starts as a new peer."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +26,7 @@ from .server import ControlServer
 log = logging.getLogger(__name__)
 
 MIN_DRAIN_S = 0.3
+ROUTER_LOST_S = 5.0
 
 
 class WorkerLoop:
@@ -32,6 +38,8 @@ class WorkerLoop:
         self.server = ControlServer(host, port, self._on_message, token)
         self.reply_to: dict[str, bytes] = {}
         self.peers: set[bytes] = set()
+        self.heard: dict[bytes, tuple[float, float]] = {}  # router identity -> (last message, silence that means lost)
+        self._peers_checked = 0.0
         self.stopping = threading.Event()
         self.forced = threading.Event()
         self.drain_s = drain_s
@@ -43,9 +51,14 @@ class WorkerLoop:
         return {"role": self.role}
 
     def describe(self) -> dict:
-        return {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts}
+        return {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts,
+                "pid": os.getpid()}
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
+        every = msg.get("every") if msg["op"] == "ping" else None
+        lost_after = max(ROUTER_LOST_S, 4 * every) if isinstance(every, (int, float)) else \
+            self.heard.get(identity, (0.0, ROUTER_LOST_S))[1]
+        self.heard[identity] = (time.monotonic(), lost_after)
         if msg["op"] == "ping":
             new = identity not in self.peers
             self.peers.add(identity)
@@ -57,9 +70,14 @@ class WorkerLoop:
         if not rid:
             log.warning("dropping %s message without rid", msg["op"])
             return
-        if msg["op"] != "abort":
+        if msg["op"] == "abort":
+            self.on_abort(rid)
+        else:
             self.reply_to[rid] = identity
         self.inbox.put(msg)
+
+    def on_abort(self, rid: str) -> None:
+        """(Control thread) An abort is on its way to the engine thread: stop what cannot wait for it."""
 
     def emit(self, rid: str, op: str, **fields) -> None:
         identity = self.reply_to.get(rid)
@@ -123,6 +141,7 @@ class WorkerLoop:
                 pass
             self.tick()
             self._kv_events()
+            self._forget_lost_routers()
         for rid in list(self.reply_to):
             self.fail(rid, 503, f"{self.role} worker shut down before the request finished", retry_after=1)
         time.sleep(0.1)
@@ -139,6 +158,24 @@ class WorkerLoop:
                 self.server.send(identity, "pong", info=self.describe(), t=None)
         waited = now - self.draining_since
         return self.forced.is_set() or waited > self.drain_s or (waited >= MIN_DRAIN_S and self.idle())
+
+    def _forget_lost_routers(self) -> None:
+        """Abort the requests of routers that went silent (at most every half second)."""
+        now = time.monotonic()
+        if now - self._peers_checked < 0.5:
+            return
+        self._peers_checked = now
+        for identity, (seen, lost_after) in list(self.heard.items()):
+            if now - seen <= lost_after:
+                continue
+            del self.heard[identity]
+            self.peers.discard(identity)
+            rids = [rid for rid, peer in list(self.reply_to.items()) if peer == identity]
+            if rids:
+                log.warning("router %s silent for %.0fs: aborting its %d requests", identity.hex(), now - seen, len(rids))
+            for rid in rids:
+                self.on_abort(rid)
+                self.inbox.put({"op": "abort", "rid": rid})
 
     def _kv_events(self) -> None:
         """Prefix-cache keys stored and evicted since the last call, to every router."""

@@ -27,10 +27,9 @@ from collections import deque
 import torch
 
 from control.worker import WorkerLoop
-from engine import EngineConfig, RequestError, SamplingParams
+from engine import EngineConfig, RequestError
 from engine.factory import make_engine
-from engine.requests import first_message, new_sequence
-from engine.sequence import Sequence
+from engine.requests import first_message, new_sequence, resumed_sequence
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
 from kvtransfer.tensors import dtype_name, unpack
 
@@ -208,19 +207,18 @@ class DecodeWorker(WorkerLoop):
         try:
             received = self.receiver.wait(rid, 0)
         except (TransferError, TimeoutError) as e:
-            return self.fail(rid, 502, f"KV transfer failed: {e}")
+            return self.fail(rid, 502, f"KV transfer failed: {e}", stage="kv_recv")
         early = (received.meta or {}).get("d2h_ms")  # the sender's copy out of its engine before the transfer began
         if isinstance(early, (int, float)) and 0 <= early < 1e6:
             received.phases.d2h += float(early)
         try:
-            params = SamplingParams.from_dict(msg["params"], resolved=True)
-            seq = Sequence.resume(rid, msg["prompt_ids"], msg["first_token"], msg["emitted"], params,
-                                  self.engine.tokenizer, self.engine.max_len)
+            seq = resumed_sequence(self.engine, rid, msg["prompt_ids"], msg["first_token"], msg["emitted"],
+                                   msg["params"])
             prefix = self._prefix(rid, seq, received.layout.num_tokens)
         except (KeyError, TypeError, RequestError) as e:
             received.release()
             return self.fail(rid, 400, f"bad decode request: {e}")
-        if not self._reserve(rid, len(seq.prompt_ids), params):
+        if not self._reserve(rid, len(seq.prompt_ids), seq.params):
             self.engine.release(prefix)
             return received.release()
         if received.landed is not None:
@@ -256,9 +254,15 @@ class DecodeWorker(WorkerLoop):
             self.live[seq.rid] = Live(seq, received.phases)
 
     def _generate(self, msg):
-        rid = msg["rid"]
+        """Prompt to the end here; with ``resume`` (the router retrying a request whose client has its first token
+        from a worker that failed) from that first token on: prompt and token are computed again, no ``first``."""
+        rid, resume = msg["rid"], msg.get("resume")
         try:
-            seq = new_sequence(self.engine, rid, msg)
+            if isinstance(resume, dict):
+                seq = resumed_sequence(self.engine, rid, resume.get("prompt_ids"), resume.get("token"),
+                                       resume.get("emitted"), resume.get("params"))
+            else:
+                seq = new_sequence(self.engine, rid, msg)
         except RequestError as e:
             return self.fail(rid, e.status, str(e))
         if not self._reserve(rid, len(seq.prompt_ids), seq.params):

@@ -88,7 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--config", default=None, help="TOML file with a [router] table")
     r.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN)")
     r.add_argument("--api-key-file", default=None, help="file with the API key clients must send (or PDSERVE_API_KEY)")
-    r.add_argument("--heartbeat", type=float, default=None, help="seconds between worker pings (dead after 3 missed)")
+    r.add_argument("--heartbeat", type=float, default=None, help="seconds between worker pings (default 0.25; out "
+                   "of the picks after max(1s, 2 intervals) without a pong, its requests failed after max(3s, 6))")
+    r.add_argument("--retries", type=int, default=None, help="times a request that failed before decode streamed a "
+                   "token runs again on other workers (default 2)")
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
     r.add_argument("--workers-file", default=None, help="JSON {prefill: [...], decode: [...]} of worker addresses, "
@@ -121,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
+    u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
+                   "streamed a token runs again on other workers")
     u.add_argument("--gpus", type=int, default=0, help="spread the workers over this many GPUs (worker i on "
                    "cuda:i mod N), e.g. --colocated --decode 2 --gpus 2: one replica per GPU")
     u.add_argument("--prefill-engine", default=None, choices=["auto", "torch", "mlx"],
@@ -161,12 +166,14 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import compare, engine, goodput, idle, serve, soak, stream, transfer
+    from bench import chaos, compare, engine, goodput, idle, serve, soak, stream, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))
     soak.add_arguments(bsub.add_parser("soak", help="many streams for a long time: errors and memory growth"))
+    chaos.add_arguments(bsub.add_parser("chaos", help="streams while random workers are SIGKILLed: requests ok, "
+                                        "failed before the first byte or mid-stream, leaked KV blocks, RSS growth"))
     engine.add_arguments(bsub.add_parser("engine", help="engine throughput alone: batched decode, offline requests"))
     goodput.add_arguments(bsub.add_parser("goodput", help="highest request rate within the SLO, per pdserve up "
                                           "configuration (Poisson arrivals over a sweep of rates)"))

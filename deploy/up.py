@@ -119,7 +119,8 @@ def plan(args) -> list[list[str]]:
     if gpus:  # worker i on cuda:(i mod gpus); a later --device wins over the shared one
         cmds = [cmd + ["--device", f"cuda:{i % gpus}"] for i, cmd in enumerate(cmds)]
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
-                     "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5))]
+                     "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5)),
+                     "--retries", str(getattr(args, "retries", 2))]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]

@@ -41,6 +41,16 @@ def new_sequence(engine, rid: str, msg: dict) -> Sequence:
     return Sequence.create(rid, prompt, params, engine.tokenizer, engine.max_len)
 
 
+def resumed_sequence(engine, rid: str, prompt_ids, first_token, emitted, params) -> Sequence:
+    """A sequence that goes on from a first token chosen elsewhere, as ``first_message`` described it (decode after
+    prefill, or a colocated worker taking over a request whose first token its client already has)."""
+    try:
+        resolved = SamplingParams.from_dict(params, resolved=True)
+        return Sequence.resume(rid, prompt_ids, first_token, emitted, resolved, engine.tokenizer, engine.max_len)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RequestError(f"bad continuation of a first token: {e}") from None
+
+
 def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) -> dict:
     out = {
         "token": seq.output_ids[-1],

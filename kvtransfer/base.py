@@ -145,6 +145,10 @@ class KVSender(ABC):
     def send(self, dest: str, transfer_id: str, layout: KVLayout, layers: Iterable, meta: dict | None = None) -> PhaseTimes:
         """Move ``layers`` (an iterable of ``(k, v)`` tensors) to the receiver at ``dest``."""
 
+    def cancel(self, transfer_id: str) -> None:
+        """Stop a ``send`` of ``transfer_id`` in flight, where the transport can (its ``send`` then raises
+        ``TransferError`` at once instead of waiting out a dead link); otherwise nothing."""
+
     def close(self) -> None:
         pass
 

@@ -49,6 +49,7 @@ class SocketSender(KVSender):
     def __init__(self, cfg: TransportConfig | None = None):
         self.cfg = cfg or TransportConfig()
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
+        self._sending: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
 
     def _checkout(self, dest: str) -> tuple[socket.socket, float | None]:
@@ -75,6 +76,7 @@ class SocketSender(KVSender):
         sock, ok, t0 = None, False, time.perf_counter()
         try:
             sock, idle_for = self._checkout(dest)
+            self._sending[transfer_id] = sock
             payload = self._prepare(layout, layers, phases)
             with self._ordered():
                 extra = self._begin_fields(dest, idle_for, layout, payload)
@@ -94,11 +96,15 @@ class SocketSender(KVSender):
         except (OSError, ValueError, TransferError) as e:
             raise TransferError(f"transfer {transfer_id} to {dest} failed: {e}") from e
         finally:
+            self._sending.pop(transfer_id, None)
             if ok:
                 with self._lock:
                     self._idle.setdefault(dest, []).append((sock, time.monotonic()))
             elif sock is not None:
                 sock.close()
+
+    def cancel(self, transfer_id: str) -> None:
+        shut_down(self._sending.get(transfer_id))
 
     def _prepare(self, layout, layers, phases):
         """Work done before the first byte goes out (a non-streaming transport serializes here).
@@ -194,12 +200,22 @@ class TableReceiver(KVReceiver):
         self.table.abort(transfer_id)
 
 
+def shut_down(sock: socket.socket | None) -> None:
+    """Wake whoever is blocked on ``sock`` (its call fails at once); the owner closes it."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class SocketReceiver(TableReceiver):
     def __init__(self, cfg: TransportConfig | None = None, pool: BufferPool | None = None):
         super().__init__(cfg)
         self.pool = pool or BufferPool(self.cfg.pool_bytes)
         self._server: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        self._receiving: dict[str, socket.socket] = {}
         self._closing = False
         self.dropped_connections = 0
 
@@ -291,13 +307,22 @@ class SocketReceiver(TableReceiver):
             self._refused(sock, header, layout)
             raise
         current[0] = tid
-        result = self._receive_body(sock, tid, layout, header, start)
+        self._receiving[tid] = sock
+        try:
+            result = self._receive_body(sock, tid, layout, header, start)
+        finally:
+            self._receiving.pop(tid, None)
         current[0] = None
         self.table.done(tid, result)
         sock.sendall(frames.meta_frame(frames.ACK, {"tid": tid}))
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         raise NotImplementedError
+
+    def abort(self, transfer_id):
+        """A transfer still arriving stops at once (its connection is dropped, its landing released)."""
+        super().abort(transfer_id)
+        shut_down(self._receiving.get(transfer_id))
 
     def _refused(self, sock, header: dict, layout: KVLayout | None) -> None:
         """Called before a BEGIN is refused (a transport whose sender may already be sending cleans up here)."""
@@ -313,10 +338,7 @@ class SocketReceiver(TableReceiver):
         if self._server:
             self._server.close()
         for sock in list(self._conns):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut_down(sock)
 
 
 def phases_from(sender: dict, elapsed_ms: float, nbytes: int) -> PhaseTimes:

@@ -110,9 +110,7 @@ class PrefillWorker(WorkerLoop):
 
     def _on_message(self, identity, msg):
         op, rid = msg.get("op"), msg.get("rid")
-        if op == "abort":
-            self.aborted.add(rid)
-        elif op == "prefill" and isinstance(rid, str):
+        if op == "prefill" and isinstance(rid, str):
             if self.queued >= self.max_queue:
                 self.server.send(identity, "error", rid=rid, status=503, retry_after=1,
                                  message=f"prefill queue full ({self.max_queue} waiting)")
@@ -120,6 +118,10 @@ class PrefillWorker(WorkerLoop):
             self._count("queued", 1)
             self.received_at[rid] = time.perf_counter()
         super()._on_message(identity, msg)
+
+    def on_abort(self, rid):
+        self.aborted.add(rid)
+        self.sender.cancel(rid)  # a push to a decode worker that is gone or cut off would wait out its timeout
 
     def handle(self, msg):
         rid = msg["rid"]
@@ -299,7 +301,7 @@ class PrefillWorker(WorkerLoop):
                 phases = self.sender.send(dest, rid, layout, kv, meta)
             except (TransferError, StepFailed) as e:
                 log.warning("KV push for %s failed: %s", rid, e)
-                return self.fail(rid, 502, f"KV transfer to decode failed: {e}")
+                return self.fail(rid, 502, f"KV transfer to decode failed: {e}", stage="kv_send")
             end = time.perf_counter()
             if isinstance(computed, LayerProgress):
                 try:

@@ -49,8 +49,8 @@ class Admission:
             return True
         return self.by_worker[worker] + min(self.cost(worker, tokens), budget) <= budget
 
-    def _try(self, group, rid: str, tokens: int, prompt=None):
-        room = [w for w in group.healthy() if self.fits(w, tokens)]
+    def _try(self, group, rid: str, tokens: int, prompt=None, avoid=()):
+        room = [w for w in group.healthy(avoid) if self.fits(w, tokens)]
         if not room:
             return None
         worker = group.policy.pick(room, prompt)
@@ -63,19 +63,20 @@ class Admission:
         self.reserved[rid] = (worker, cost)
         self.by_worker[worker] += cost
 
-    async def acquire(self, group, rid: str, tokens: int, prompt=None):
-        """The worker that will hold this request's KV; raises ApiError (429/503) when there is no room."""
+    async def acquire(self, group, rid: str, tokens: int, prompt=None, avoid=()):
+        """The worker that will hold this request's KV (not one in ``avoid`` while another has room); raises
+        ApiError (429/503) when there is no room."""
         if not group.healthy():
             raise ApiError(503, f"no healthy {group.role} worker", headers={"Retry-After": str(self.retry_after_s)})
         if not self._waiters:
-            worker = self._try(group, rid, tokens, prompt)
+            worker = self._try(group, rid, tokens, prompt, avoid)
             if worker is not None:
                 return worker
         if len(self._waiters) >= self.max_queue:
             raise ApiError(429, f"server busy: {self.max_queue} requests already waiting for KV memory",
                            headers={"Retry-After": str(self.retry_after_s)})
         waiter = asyncio.get_running_loop().create_future()
-        entry = (waiter, group, rid, tokens, prompt)
+        entry = (waiter, group, rid, tokens, prompt, avoid)
         self._waiters.append(entry)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.timeout_s)
@@ -114,11 +115,11 @@ class Admission:
 
     def wake(self) -> None:
         while self._waiters:
-            waiter, group, rid, tokens, prompt = self._waiters[0]
+            waiter, group, rid, tokens, prompt, avoid = self._waiters[0]
             if waiter.done():
                 self._waiters.popleft()
                 continue
-            worker = self._try(group, rid, tokens, prompt)
+            worker = self._try(group, rid, tokens, prompt, avoid)
             if worker is None:
                 return
             self._waiters.popleft()

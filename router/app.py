@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def _client(cfg: RouterConfig, role: str, address: str, inboxes: dict, token: bytes | None) -> WorkerClient:
-    return WorkerClient(address, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token)
+    return WorkerClient(address, role, inboxes, cfg.heartbeat_s, cfg.dead_after_s, token, cfg.stale_after_s)
 
 
 def _groups(cfg: RouterConfig, inboxes: dict, token: bytes | None) -> dict:
@@ -92,7 +92,8 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     groups = _groups(cfg, inboxes, token)
     admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
-                      kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None)
+                      kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
+                      retry_wait_s=cfg.retry_wait_s)
     service.inboxes = inboxes
 
     def mode() -> str:
@@ -352,7 +353,8 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         metrics.observe_workers(groups)
         ok = service.ready()
         return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode(), "workers": workers,
-                             "admission": {"queued": admission.queued, "in_flight": len(service.inboxes)}},
+                             "admission": {"queued": admission.queued, "in_flight": len(service.inboxes),
+                                           "reserved": len(admission.reserved)}},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -18,8 +18,11 @@ class RouterConfig:
     tokenizer: str = ""
     first_timeout_s: float = 300.0
     token_timeout_s: float = 60.0
-    heartbeat_s: float = 1.0
-    dead_after_s: float = 3.0
+    heartbeat_s: float = 0.25
+    stale_after_s: float = 1.0  # no pong for this long: out of the picks
+    dead_after_s: float = 3.0  # no pong for this long: the requests it owns fail (and are retried)
+    retries: int = 2  # attempts after the first for a request whose client has seen at most the first token
+    retry_wait_s: float = 3.0  # a retry waits this long at most for a worker in the picks (else the error stands)
     max_queue: int = 256
     queue_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
@@ -30,6 +33,10 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy!r} not in {sorted(POLICIES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.retries < 0 or self.retry_wait_s < 0:
+            raise ValueError("retries and retry_wait_s must be >= 0")
+        if not 0 < self.heartbeat_s < self.stale_after_s <= self.dead_after_s:
+            raise ValueError("need 0 < heartbeat_s < stale_after_s <= dead_after_s")
         if self.kv_weight < 0:
             raise ValueError("kv_weight must be >= 0")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:

@@ -19,7 +19,9 @@ def run_router(args) -> int:
                      kv_weight=getattr(args, "kv_weight", None), tokenizer=getattr(args, "tokenizer", None),
                      workers_file=getattr(args, "workers_file", None),
                      queue_timeout_s=args.queue_timeout, heartbeat_s=args.heartbeat,
-                     dead_after_s=args.heartbeat * 3 if args.heartbeat else None)
+                     stale_after_s=max(1.0, args.heartbeat * 2) if args.heartbeat else None,
+                     dead_after_s=max(3.0, args.heartbeat * 6) if args.heartbeat else None,
+                     retries=getattr(args, "retries", None))
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:

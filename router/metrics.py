@@ -38,6 +38,8 @@ class Metrics:
                                 registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
         self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.retries = Counter("pdserve_request_retries", "Requests run again on other workers, by what failed",
+                               ["reason"], registry=r)
         self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)

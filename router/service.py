@@ -3,11 +3,14 @@
 Disaggregated: pick a prefill and a decode worker, ask prefill (with the
 decode worker's KV address), relay ``first`` as soon as it comes, then ask
 decode to continue and relay its ``tokens``/``done``. Colocated: one
-``generate`` to a colocated worker. Any ``error`` ends the stream; a stream
-that ends early aborts its work on every worker involved."""
+``generate`` to a colocated worker. A worker's failure before decode streamed
+a token runs the request again elsewhere (``router.retry``); any other
+``error`` ends the stream. An attempt that ends early aborts its work on
+every worker involved."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -18,6 +21,8 @@ from .admission import estimate_prompt_tokens
 from .errors import ApiError
 from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
+from .retry import RequestRun, StreamError, WorkerFailure
+from .workers import SOURCE
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
@@ -47,17 +52,11 @@ class Finished:
     timing: dict = field(default_factory=dict)
 
 
-class StreamError(Exception):
-    def __init__(self, status: int, message: str, retry_after=None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
 class Service:
     def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0,
-                 kv_aware: bool = False, tokenizer: str | None = None):
+                 kv_aware: bool = False, tokenizer: str | None = None, retries: int = 2, retry_wait_s: float = 3.0):
+        self.retries = retries
+        self.retry_wait_s = retry_wait_s
         self.kv_aware = kv_aware
         self.tokenizer_spec = tokenizer
         self._tokens = None
@@ -87,8 +86,8 @@ class Service:
         if model not in known:
             raise ApiError(404, f"The model '{model}' does not exist; served: {sorted(known)}", param="model", code="model_not_found")
 
-    def _pick(self, role, prompt=None):
-        worker = self.groups[role].pick(prompt) if self.groups.get(role) else None
+    def _pick(self, role, prompt=None, avoid=()):
+        worker = self.groups[role].pick(prompt, avoid) if self.groups.get(role) else None
         if worker is None:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return worker
@@ -99,7 +98,7 @@ class Service:
         except asyncio.TimeoutError:
             raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
         if msg["op"] == "error":
-            raise StreamError(int(msg.get("status") or 500), str(msg.get("message") or "worker error"), msg.get("retry_after"))
+            raise WorkerFailure(msg, msg.get(SOURCE))
         return msg
 
     def _router_tokens(self):
@@ -135,70 +134,91 @@ class Service:
         return keys[:int(msg.get("blocks") or 0)] if msg["op"] == "held" else []
 
     async def generate(self, payload: dict, rid: str):
-        """Async generator of ``Delta``/``Finished``; raises ``StreamError``."""
-        t0 = time.perf_counter()
+        """Async generator of ``Delta``/``Finished``; raises ``StreamError``. Runs the request again on other
+        workers after a failure that left its client with at most the first token (``router.retry``)."""
+        run = RequestRun(rid, payload, time.perf_counter())
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(run)) as events:
+                    async for ev in events:
+                        yield ev
+                return
+            except WorkerFailure as failure:
+                if not run.may_retry(failure, self.retries):
+                    raise
+                run.blame(failure)
+                if not await self._await_workers():
+                    raise
+                self.metrics.retries.labels(failure.reason).inc()
+                log.warning("request %s: retry %d after %s (%s)", rid, run.attempt, failure.reason, failure.message)
+            except ApiError as e:
+                if run.first is None:
+                    raise
+                raise StreamError(e.status, e.message) from None  # the response has started: end it with an error
+
+    async def _await_workers(self) -> bool:
+        """Before a retry: whether a worker of each role it needs is in the picks, waiting ``retry_wait_s`` at
+        most (for a restart, or the death of a hung worker to be noticed)."""
+        roles = ["colocated"] if self.colocated else ["prefill", "decode"]
+        end = time.monotonic() + self.retry_wait_s
+        while not all(self.groups[r].ready() for r in roles):
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def _attempt(self, run: RequestRun):
+        """One pass of the request through the workers, under its own id."""
+        rid, payload, timing = run.attempt_rid, run.payload, run.timing
         inbox = self.inboxes[rid] = asyncio.Queue()
-        involved, finished, decode_worker = [], False, None
-        timing = {}
-        max_new = payload["params"].get("max_tokens") or 1 << 20
+        involved, finished, decode_worker, first_worker = [], False, None, None
+        first = run.first
+        max_new = (first or payload)["params"].get("max_tokens") or 1 << 20
+        tokens = (first["prompt_tokens"] if first else estimate_prompt_tokens(payload)) + max_new
         try:
             prompt = await self._prompt(payload)
             if self.colocated:
-                first_worker = await self.admission.acquire(self.groups["colocated"], rid,
-                                                            estimate_prompt_tokens(payload) + max_new, prompt)
-                decode_worker = first_worker
+                decode_worker = first_worker = await self.admission.acquire(self.groups["colocated"], rid, tokens,
+                                                                             prompt, run.avoid)
+                run.workers = {"colocated": first_worker}
                 timing["transport"] = "none"
-                await self._dispatch(first_worker, involved, rid, "generate", **payload)
+                resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
+                await self._dispatch(first_worker, involved, rid, "generate", **payload, resume=resume)
             else:
-                decode_worker = await self.admission.acquire(self.groups["decode"], rid,
-                                                             estimate_prompt_tokens(payload) + max_new, prompt)
-                first_worker = self._pick("prefill", prompt)
+                decode_worker = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt, run.avoid)
+                first_worker = self._pick("prefill", prompt, run.avoid)
+                run.workers = {"prefill": first_worker, "decode": decode_worker}
                 timing["transport"] = decode_worker.info.get("transport")
                 skip = await self._hold(decode_worker, first_worker, rid, inbox, prompt)
                 await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"),
                                      kv_skip=skip, **payload)
-            first = await self._next(inbox, self.first_timeout_s, "the first token")
-            while first["op"] != "first":
-                if first["op"] == "kv_sent":  # a streamed KV can be in place before the first token is out
-                    first_worker.owned.discard(rid)
-                    self._kv_sent(timing, first)
-                first = await self._next(inbox, self.first_timeout_s, "the first token")
-            ttft = time.perf_counter() - t0
-            timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")}, ttft=ttft * 1e3)
-            prompt_tokens, completion = first["prompt_tokens"], 1
-            max_new = (first.get("params") or {}).get("max_tokens") or max_new
-            self.admission.adjust(rid, prompt_tokens + max_new)
-            yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
-                        first.get("prompt_logprobs"), prompt_tokens)
+            if first is None or not self.colocated:  # a colocated resume goes on from the first token itself
+                fresh = await self._first(inbox, timing, first_worker)
+            if first is not None and not self.colocated and fresh["token"] != first["token"]:
+                log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
+                         rid, fresh["token"], first["token"])
+            if first is None:
+                first = run.first = fresh
+                timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
+                              ttft=(time.perf_counter() - run.t0) * 1e3)
+                max_new = (first.get("params") or {}).get("max_tokens") or max_new
+                yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
+                            first.get("prompt_logprobs"), first["prompt_tokens"])
+            self.admission.adjust(rid, first["prompt_tokens"] + max_new)
             if first.get("finish_reason"):
                 finished = True
                 if not self.colocated:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
-                yield Finished(first["finish_reason"], prompt_tokens, 1, self._close_timing(timing, t0))
+                yield Finished(first["finish_reason"], first["prompt_tokens"], 1, self._close_timing(run))
                 return
             if not self.colocated:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
                                      prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"])
-            while True:
-                msg = await self._next(inbox, self.token_timeout_s, "the next token")
-                if msg["op"] == "kv_sent":
-                    first_worker.owned.discard(rid)
-                    self._kv_sent(timing, msg)
-                elif msg["op"] == "tokens":
-                    completion += len(msg["ids"])
-                    yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
-                elif msg["op"] == "done":
-                    completion = msg.get("completion_tokens", completion + len(msg["ids"]))
-                    yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
-                    timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
-                    if msg.get("phases"):
-                        timing["kv"] = msg["phases"]
-                        self.metrics.observe_transfer(timing["transport"], msg["phases"])
-                    if not self.colocated and "overlap" not in timing:
-                        await self._await_kv_sent(inbox, timing)
-                    finished = True
-                    yield Finished(msg["finish_reason"], prompt_tokens, completion, self._close_timing(timing, t0))
-                    return
+            async for ev in self._relay(run, inbox, first_worker):
+                yield ev
+            finished = True
+            for worker in involved:
+                worker.vouch()
         finally:
             self.inboxes.pop(rid, None)
             self.admission.release(rid)
@@ -211,6 +231,41 @@ class Service:
                 await self._abort(decode_worker, rid)  # its KV may be on the way already
             if decode_worker is not None:
                 decode_worker.owned.discard(rid)
+
+    async def _first(self, inbox, timing: dict, first_worker) -> dict:
+        """The ``first`` message (a streamed KV can be in place before the first token is out)."""
+        while True:
+            msg = await self._next(inbox, self.first_timeout_s, "the first token")
+            if msg["op"] == "first":
+                return msg
+            if msg["op"] == "kv_sent":
+                first_worker.owned.discard(msg["rid"])
+                self._kv_sent(timing, msg)
+
+    async def _relay(self, run: RequestRun, inbox, first_worker):
+        """Decode's tokens up to ``done``, then ``Finished``."""
+        timing, completion = run.timing, 1
+        while True:
+            msg = await self._next(inbox, self.token_timeout_s, "the next token")
+            if msg["op"] == "kv_sent":
+                first_worker.owned.discard(msg["rid"])
+                self._kv_sent(timing, msg)
+            elif msg["op"] == "tokens":
+                completion += len(msg["ids"])
+                run.streamed = True
+                yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
+            elif msg["op"] == "done":
+                completion = msg.get("completion_tokens", completion + len(msg["ids"]))
+                run.streamed = True
+                yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
+                timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
+                if msg.get("phases"):
+                    timing["kv"] = msg["phases"]
+                    self.metrics.observe_transfer(timing["transport"], msg["phases"])
+                if not self.colocated and "overlap" not in timing:
+                    await self._await_kv_sent(inbox, timing)
+                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion, self._close_timing(run))
+                return
 
     def _kv_sent(self, timing: dict, msg: dict) -> None:
         stream = msg.get("stream")
@@ -242,8 +297,12 @@ class Service:
             pass
 
     @staticmethod
-    def _close_timing(timing: dict, t0: float) -> dict:
-        timing["e2e"] = (time.perf_counter() - t0) * 1e3
+    def _close_timing(run: RequestRun) -> dict:
+        timing = run.timing
+        timing["e2e"] = (time.perf_counter() - run.t0) * 1e3
+        timing["retries"] = run.attempt
+        if run.reasons:
+            timing["retry_reasons"] = list(run.reasons)
         kv = timing.pop("kv", None) or {}
         timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")})
         timing["transfer_total"] = kv.get("total", 0.0)

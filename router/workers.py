@@ -1,10 +1,15 @@
 """Router side of the control plane: one zmq DEALER per worker (asyncio),
-heartbeats, and delivery of worker messages to the request that owns them.
+heartbeats, and delivery of worker messages to the request that owns them
+(each tagged with the client it came from, ``SOURCE``, so a failure names
+its worker).
 
-A worker is healthy while it answers pings (within ``dead_after_s``). A
-dropped connection (seen by a zmq socket monitor) marks it dead at once and
-fails the requests it owns; zmq keeps reconnecting, and the first pong after
-the worker is back makes it healthy again. With a cluster token the client
+A worker is in the picks while it answers pings within ``stale_after_s``
+(pings go every ``heartbeat_s``) and is not suspect; after ``dead_after_s``
+without a pong the requests it owns fail. A dropped connection (seen by a
+zmq socket monitor) does both at once; zmq keeps reconnecting, and the
+first pong after the worker is back puts it in the picks again. A worker a
+KV transfer failed to reach is suspect for ``suspect_s`` (doubling while it
+keeps failing, back to the start after a request through it succeeds). With a cluster token the client
 runs the handshake of ``control.auth`` first (and again whenever the worker
 answers ``auth_required``, e.g. after it restarted), and checks the worker's
 proof before it trusts it."""
@@ -23,10 +28,13 @@ from control.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode, un
 
 log = logging.getLogger(__name__)
 
+SOURCE = "_from"  # the WorkerClient a message came from (router-side only, never on the wire)
+SUSPECT_S, MAX_SUSPECT_S = 1.0, 30.0
+
 
 class WorkerClient:
-    def __init__(self, address: str, role: str, inboxes: dict, heartbeat_s: float = 1.0, dead_after_s: float = 3.0,
-                 token: bytes | None = None):
+    def __init__(self, address: str, role: str, inboxes: dict, heartbeat_s: float = 0.25, dead_after_s: float = 3.0,
+                 token: bytes | None = None, stale_after_s: float = 1.0):
         self.address = address
         self.token = token
         self.authed = token is None
@@ -37,6 +45,9 @@ class WorkerClient:
         self.inboxes = inboxes
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.stale_after_s = min(stale_after_s, dead_after_s)
+        self.suspect_until = 0.0
+        self.suspect_s = SUSPECT_S
         self.info: dict = {}
         self.last_pong = 0.0
         self.outstanding = 0
@@ -46,8 +57,27 @@ class WorkerClient:
         self._tasks: list[asyncio.Task] = []
 
     @property
-    def healthy(self) -> bool:
+    def alive(self) -> bool:
+        """Connected and answering within ``dead_after_s``: what it owns keeps running."""
         return time.monotonic() - self.last_pong < self.dead_after_s
+
+    @property
+    def healthy(self) -> bool:
+        """In the picks: answered within ``stale_after_s`` and not suspect."""
+        now = time.monotonic()
+        return now - self.last_pong < self.stale_after_s and now >= self.suspect_until
+
+    def suspect(self, why: str) -> None:
+        """Out of the picks for a while (a KV transfer to it failed), longer each time it fails again."""
+        now = time.monotonic()
+        if now < self.suspect_until + self.suspect_s:
+            self.suspect_s = min(MAX_SUSPECT_S, self.suspect_s * 2)
+        self.suspect_until = now + self.suspect_s
+        log.warning("%s worker %s suspect for %.1fs: %s", self.role, self.address, self.suspect_s, why)
+
+    def vouch(self) -> None:
+        """A request through it succeeded: the next failure starts from the shortest suspicion again."""
+        self.suspect_s = SUSPECT_S
 
     def start(self, ctx: zmq.asyncio.Context) -> None:
         self._sock = ctx.socket(zmq.DEALER)
@@ -80,13 +110,13 @@ class WorkerClient:
         while True:
             try:
                 if self.authed:
-                    await self.send("ping", t=time.monotonic())
+                    await self.send("ping", t=time.monotonic(), every=self.heartbeat_s)
                 elif self.token and time.monotonic() - self._hello_at > max(5.0, 3 * self.heartbeat_s):
                     await self._hello()
             except zmq.ZMQError as e:
                 log.warning("ping to %s failed: %s", self.address, e)
             await asyncio.sleep(self.heartbeat_s)
-            if self.owned and not self.healthy:
+            if self.owned and not self.alive:
                 self.fail_owned(f"{self.role} worker {self.address} stopped answering")
 
     async def _watch(self, monitor):
@@ -101,7 +131,8 @@ class WorkerClient:
         for rid in list(self.owned):
             inbox = self.inboxes.get(rid)
             if inbox is not None:
-                inbox.put_nowait({"op": "error", "rid": rid, "status": 503, "message": message, "retry_after": 1})
+                inbox.put_nowait({"op": "error", "rid": rid, "status": 503, "message": message, "retry_after": 1,
+                                  "lost": True, SOURCE: self})
         self.owned.clear()
 
     async def _recv_loop(self):
@@ -125,7 +156,7 @@ class WorkerClient:
                 continue
             if op == "welcome" and self.token and self._answered:
                 self.authed = True
-                await self.send("ping", t=time.monotonic())
+                await self.send("ping", t=time.monotonic(), every=self.heartbeat_s)
                 continue
             if not self.authed:
                 continue
@@ -144,6 +175,7 @@ class WorkerClient:
             for item in items:
                 inbox = self.inboxes.get(item.get("rid"))
                 if inbox is not None:
+                    item[SOURCE] = self
                     inbox.put_nowait(item)
 
     def _on_kv_events(self, msg: dict) -> None:
@@ -173,9 +205,17 @@ class WorkerGroup:
         self.clients = clients
         self.policy = policy
 
-    def healthy(self) -> list[WorkerClient]:
-        return [c for c in self.clients if c.healthy and not c.info.get("draining")]
+    def healthy(self, avoid=()) -> list[WorkerClient]:
+        """The workers to pick from: those in the picks, else (all late on their pong at once, as on a loaded
+        machine) those still alive; without the ones in ``avoid`` unless only those are left."""
+        ready = [c for c in self.clients if c.healthy and not c.info.get("draining")] or \
+            [c for c in self.clients if c.alive and time.monotonic() >= c.suspect_until and not c.info.get("draining")]
+        return [c for c in ready if c not in avoid] or ready
 
-    def pick(self, prompt=None) -> WorkerClient | None:
-        ready = self.healthy()
+    def ready(self) -> bool:
+        """Some worker is in the picks by its own heartbeat (no fallback)."""
+        return any(c.healthy and not c.info.get("draining") for c in self.clients)
+
+    def pick(self, prompt=None, avoid=()) -> WorkerClient | None:
+        ready = self.healthy(avoid)
         return self.policy.pick(ready, prompt) if ready else None

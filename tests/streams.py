@@ -18,6 +18,8 @@ class StreamClient(threading.Thread):
         self.finished = False
         self.ended_at: float | None = None
         self.first_at: float | None = None
+        self.ids: list[int] = []
+        self.pdserve: dict | None = None  # the final chunk's timing block
         self.client = httpx.Client(timeout=timeout)  # built here: building it in the thread can stall behind other streams
 
     def run(self):
@@ -34,7 +36,9 @@ class StreamClient(threading.Thread):
                     if "error" in chunk:
                         self.error = chunk["error"]
                     elif chunk["choices"]:
-                        self.tokens += len(chunk["choices"][0].get("token_ids") or [])
+                        self.ids += chunk["choices"][0].get("token_ids") or []
+                        self.tokens = len(self.ids)
+                        self.pdserve = chunk.get("pdserve") or self.pdserve
                         self.first_at = self.first_at or time.monotonic()
                         self.finished = self.finished or bool(chunk["choices"][0].get("finish_reason"))
         except httpx.HTTPError as e:

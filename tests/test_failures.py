@@ -84,7 +84,7 @@ def test_decode_killed_mid_stream_fails_its_streams_fast_and_comes_back():
         assert eventually(lambda: f.worker_info("d1")["completed"] >= 2)
 
 
-def test_prefill_killed_mid_prefill_errors_and_others_continue(slow_model):
+def test_prefill_killed_mid_prefill_is_retried_on_the_other(slow_model):
     model = slow_model.rsplit("/", 1)[1]
     with Fleet("--model", slow_model) as f:
         f.worker("p1", "prefill")
@@ -99,8 +99,9 @@ def test_prefill_killed_mid_prefill_errors_and_others_continue(slow_model):
         assert victim.tokens == 0, "prefill finished before the kill; the prompt is too short for this machine"
         killed_at = time.monotonic()
         f.signal("p1", signal.SIGKILL)
-        victim.join(30)
-        assert victim.error and victim.tokens == 0 and victim.ended_at - killed_at < 5
+        victim.join(60)
+        assert not victim.error and victim.finished and victim.tokens == 4, victim.error
+        assert victim.pdserve["retries"] == 1 and victim.pdserve["retry_reasons"] == ["prefill_lost"]
         assert eventually(lambda: decode_is_clean(f, "d"))
         r = complete(f.url, {"model": model, "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200, r.text

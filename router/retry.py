@@ -1,0 +1,85 @@
+"""Retrying a request on other workers before its client has seen anything a retry could change.
+
+A request runs as one or more attempts, each under its own id (``rid``, then ``rid~1``, ``rid~2``, ...), so a
+worker never mixes one attempt's messages with another's. A worker's ``error`` with status 502 or 503 ends the
+attempt: the worker died or stopped answering (the router fails what it owned, ``lost``), the KV transfer failed
+(``stage``: ``kv_send`` from the prefill side, ``kv_recv`` from the decode side), its queue or KV budget was full,
+or it shut down. If decode has streamed no token yet, the request runs again, at most ``retries`` times, on
+workers other than the ones that failed it where others are healthy; the worker a KV transfer could not reach is
+also suspect for a while (out of every request's picks).
+
+The first token comes from prefill before the KV moves, so a failed handoff can come after the client has it. A
+retry then keeps that token: a prefill worker computes the prompt's KV again and sends it to another decode worker,
+which continues from the token the client already has (colocated: the worker recomputes prompt + first token
+itself). Nothing the client saw is replayed or changed. Once decode has streamed a token, a failure ends the stream
+with an error event. Other errors (400s, 500s, timeouts) are never retried."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RETRYABLE_STATUS = (502, 503)
+
+
+class StreamError(Exception):
+    def __init__(self, status: int, message: str, retry_after=None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+class WorkerFailure(StreamError):
+    """An ``error`` message from (or on behalf of) a worker; ``msg`` is the message, ``source`` its client."""
+
+    def __init__(self, msg: dict, source):
+        super().__init__(int(msg.get("status") or 500), str(msg.get("message") or "worker error"),
+                         msg.get("retry_after"))
+        self.msg = msg
+        self.source = source
+
+    @property
+    def reason(self) -> str:
+        """The label of ``pdserve_request_retries_total``."""
+        if self.msg.get("stage") in ("kv_send", "kv_recv"):
+            return "kv_transfer"
+        role = getattr(self.source, "role", "worker")
+        if self.msg.get("lost"):
+            return f"{role}_lost"
+        return f"{role}_unavailable" if self.status == 503 else f"{role}_error"
+
+
+@dataclass
+class RequestRun:
+    """One request across its attempts."""
+    rid: str
+    payload: dict
+    t0: float
+    attempt: int = 0
+    first: dict | None = None  # the first-token message the client was given
+    streamed: bool = False  # decode tokens reached the client: no retry any more
+    avoid: set = field(default_factory=set)
+    workers: dict = field(default_factory=dict)  # role -> the client the current attempt uses
+    reasons: list = field(default_factory=list)
+    timing: dict = field(default_factory=dict)
+
+    @property
+    def attempt_rid(self) -> str:
+        return self.rid if self.attempt == 0 else f"{self.rid}~{self.attempt}"
+
+    def may_retry(self, failure: StreamError, retries: int) -> bool:
+        return isinstance(failure, WorkerFailure) and failure.status in RETRYABLE_STATUS and not self.streamed \
+            and self.attempt < retries
+
+    def blame(self, failure: WorkerFailure) -> None:
+        """Keep the next attempt off the workers that failed this one; a decode worker the KV could not reach
+        is suspect for every request."""
+        stage, workers = failure.msg.get("stage"), self.workers
+        if failure.source is not None:
+            self.avoid.add(failure.source)
+        if stage == "kv_send" and workers.get("decode") is not None:
+            self.avoid.add(workers["decode"])
+            workers["decode"].suspect(failure.message)
+        if stage == "kv_recv" and workers.get("prefill") is not None:
+            self.avoid.add(workers["prefill"])
+        self.reasons.append(failure.reason)
+        self.attempt += 1
