@@ -72,6 +72,59 @@ class Netns:
         return False
 
 
+class RemoteHost:
+    """One network namespace joined to this one by a veth pair, shaped with ``tc tbf`` both ways: a second host
+    for a test or benchmark (``wrap`` runs a command on it, ``address`` is its side, ``local`` this side).
+    ``cut`` takes the link down (no reset reaches either end: packets just stop), ``restore`` brings it back."""
+
+    def __init__(self, rate: str = "1gbit", tag: str | None = None):
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+            raise LinkError("a namespace host needs root and the ip and tc commands (iproute2)")
+        tag = tag or f"{os.getpid() % 100000}"
+        self.rate, self.ns, self.dev, self.peer_dev = rate, f"pdhost{tag}", f"pdh{tag}", f"pdhp{tag}"
+        octet = 1 + os.getpid() % 250
+        self.local, self.address = f"10.232.{octet}.1", f"10.232.{octet}.2"
+
+    def _run(self, *cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    def _shape(self, prefix: list[str], dev: str):
+        self._run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "64kb",
+                  "latency", "200ms")
+
+    def __enter__(self):
+        try:
+            self._run("ip", "netns", "add", self.ns)
+            self._run("ip", "link", "add", self.dev, "type", "veth", "peer", "name", self.peer_dev)
+            self._run("ip", "link", "set", self.peer_dev, "netns", self.ns)
+            self._run("ip", "addr", "add", f"{self.local}/30", "dev", self.dev)
+            self._run("ip", "link", "set", self.dev, "up")
+            inside = ["ip", "netns", "exec", self.ns]
+            self._run(*inside, "ip", "addr", "add", f"{self.address}/30", "dev", self.peer_dev)
+            self._run(*inside, "ip", "link", "set", self.peer_dev, "up")
+            self._run(*inside, "ip", "link", "set", "lo", "up")
+            self._shape([], self.dev)
+            self._shape(inside, self.peer_dev)
+        except subprocess.CalledProcessError as e:
+            self.__exit__()
+            raise LinkError(f"setting up the namespace host failed: {e.stderr.decode().strip() or e}") from None
+        return self
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def cut(self):
+        self._run("ip", "link", "set", self.dev, "down")
+
+    def restore(self):
+        self._run("ip", "link", "set", self.dev, "up")
+
+    def __exit__(self, *exc):
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.dev], capture_output=True)
+        return False
+
+
 def make_link(spec: str):
     if spec == "loopback":
         return Loopback()

@@ -27,20 +27,22 @@ class Fleet:
         self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env)
         return self.procs[name]
 
-    def worker(self, name: str, role: str, *extra: str) -> str:
+    def worker(self, name: str, role: str, *extra: str, host: str = "127.0.0.1", wrap=None) -> str:
+        """``host``: the address it binds; ``wrap``: a function that makes the command run elsewhere (a namespace)."""
         port = free_port()
         cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", role, "--port", str(port)]
         if role == "decode":
             cmd += ["--kv-port", str(free_port())]
-        self._spawn(name, cmd + self.engine_args + list(extra))
-        self.addrs[name] = f"tcp://127.0.0.1:{port}"
+        cmd += ["--host", host] + self.engine_args + list(extra)
+        self._spawn(name, wrap(cmd) if wrap else cmd)
+        self.addrs[name] = f"tcp://{host}:{port}"
         return self.addrs[name]
 
     def router(self, *extra: str, name: str = "router") -> str:
         port = free_port()
         cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "router", "--port", str(port)]
         for wname, addr in self.addrs.items():
-            role = self.cmds[wname][5]
+            role = next(r for r in ("prefill", "decode") if r in self.cmds[wname])
             cmd += [f"--{'colocated' if '--colocated' in self.cmds[wname] else role}", addr]
         self._spawn(name, cmd + list(extra))
         self.url = f"http://127.0.0.1:{port}"

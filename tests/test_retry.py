@@ -1,0 +1,133 @@
+"""A dead worker costs no request that has not streamed decode tokens: ``pdserve up`` with one worker SIGKILLed, then
+requests at once; requests in flight on a killed prefill or colocated worker run again elsewhere; a 2-minute chaos
+run. And the piece a retry after the first token rests on: a sequence resumed from its first token goes on exactly
+as the uninterrupted one."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from deploy.local import Cluster
+from engine import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.generate import generate_many
+from engine.requests import resumed_sequence
+from tests.checkpoints import SLOW, write_checkpoint
+from tests.streams import StreamClient
+from tests.test_failures import LONG, SHORT, eventually
+
+EIGHT = 8
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("slow"), SLOW)
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def at_once(url: str, body: dict, n: int = EIGHT) -> list[int]:
+    """``n`` requests sent together; their status codes."""
+    def one(_):
+        return httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def all_back(url: str) -> bool:
+    h = health(url)
+    return all(w["healthy"] and w["kv_blocks_free"] == w["kv_blocks"] for ws in h["workers"].values() for w in ws) \
+        and h["admission"] == {"queued": 0, "in_flight": 0, "reserved": 0}
+
+
+def test_up_decode_killed_then_eight_requests_at_once_all_succeed():
+    cluster = Cluster("--decode", "2").wait_ready()
+    try:
+        clients = [StreamClient(cluster.url, LONG) for _ in range(4)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.wait_tokens(3)
+        victim = max(health(cluster.url)["workers"]["decode"], key=lambda w: w["active"])
+        on_victim = victim["active"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert at_once(cluster.url, SHORT) == [200] * EIGHT
+        for c in clients:
+            c.join(60)
+        failed = [c for c in clients if c.error]
+        assert len(failed) == on_victim >= 1 and all(c.ended_at - killed_at <= 5 for c in failed)
+        assert all(c.finished and c.tokens == LONG["max_tokens"] for c in clients if not c.error)
+        assert eventually(lambda: all_back(cluster.url), 60, 0.5)  # `up` restarted it
+    finally:
+        cluster.stop()
+
+
+def kill_busy(url: str, role: str, busy: str) -> dict:
+    """SIGKILL a worker of ``role`` that has work in hand (``busy``: the counter that says so)."""
+    victim = None
+    end = time.monotonic() + 30
+    while victim is None and time.monotonic() < end:
+        victim = next((w for w in health(url)["workers"][role] if w.get(busy)), None)
+        time.sleep(0.02)
+    assert victim is not None, f"no {role} worker got busy"
+    os.kill(victim["pid"], signal.SIGKILL)
+    return victim
+
+
+@pytest.mark.parametrize("up_args,role,busy", [
+    (("--prefill", "2", "--decode", "2"), "prefill", "prefilling"),
+    (("--colocated", "--decode", "2"), "colocated", "active"),
+], ids=["prefill", "colocated"])
+def test_up_worker_killed_with_prompts_in_hand_they_and_eight_more_all_succeed(slow_model, up_args, role, busy):
+    model = slow_model.rsplit("/", 1)[1]
+    body = {"model": model, "prompt": "x" * 2500, "max_tokens": 4, "ignore_eos": True}
+    cluster = Cluster("--model", slow_model, *up_args).wait_ready()
+    try:
+        clients = [StreamClient(cluster.url, body) for _ in range(4)]
+        for c in clients:
+            c.start()
+        kill_busy(cluster.url, role, busy)
+        assert at_once(cluster.url, {**body, "prompt": "hello"}) == [200] * EIGHT
+        for c in clients:
+            c.join(120)
+        assert all(c.finished and not c.error and c.tokens == 4 for c in clients), [c.error for c in clients]
+        assert sum(c.pdserve["retries"] for c in clients) >= 1
+        metrics = httpx.get(cluster.url + "/metrics").text
+        assert f'pdserve_request_retries_total{{reason="{role}_lost"}}' in metrics
+        assert eventually(lambda: all_back(cluster.url), 60, 0.5)
+    finally:
+        cluster.stop()
+
+
+def test_a_sequence_resumed_from_its_first_token_goes_on_as_the_whole_one():
+    engine = Engine(EngineConfig(model="tiny-llama", threads=1))
+    prompt = list(range(5, 60))
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    _, whole = generate_many(engine, [prompt], [params])[0]
+    seq = resumed_sequence(engine, "r", prompt, whole.output_ids[0], 0, params.to_dict())
+    engine.add(seq)  # no KV: prompt and first token are computed again, as a colocated retry does
+    while not seq.finished:
+        engine.step()
+    assert seq.output_ids == whole.output_ids
+
+
+def test_two_minutes_of_chaos_lose_no_request_before_its_first_byte(tmp_path):
+    out = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "bench", "chaos",
+                           "--duration", "120", "--kill-every", "20", "--streams", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert report["failed_before_first_byte"] == 0 and report["ok"] > 100
+    assert sum(1 for k in report["kills"] if "pid" in k) >= 4
+    assert report["leaked_blocks"] == 0 and all(b["healthy_at_end"] for b in report["kv_blocks"])
+    assert max(g for g in report["rss_growth_pct"].values() if g is not None) < 5
