@@ -1,1 +1,6 @@
-"""Benchmarks: KV transfer A/B (more to come: serving load, colocated comparison)."""
+"""Benchmarks, each a ``pdserve bench`` command writing JSON and Markdown (most also PNG) with the command that made
+them: ``transfer`` (KV transfer A/B between two processes, loopback or a shaped namespace link), ``serve`` (load
+against any OpenAI-compatible endpoint), ``compare`` (colocated vs disaggregated per transport), ``soak`` (long
+runs: errors and RSS growth), ``chaos`` (workers SIGKILLed under load), ``goodput`` (highest rate within an SLO per
+configuration), ``stream`` (layer-wise KV streaming on and off), ``idle`` and ``engine`` (the engine alone); plus
+GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``, ``nccl_e2e``, ``device_*.sh``)."""

@@ -140,6 +140,7 @@ async def chaos(url: str, args) -> dict:
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         health = await settle(client, url, args.settle)
         before = {w["address"]: w for w in workers(health)}
+        args.rss_pids = {"router": args.router_pid, **{a: w["pid"] for a, w in before.items()}}
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         start = time.monotonic()
         stop_at = start + args.duration
@@ -225,9 +226,7 @@ def write_report(report: dict, out: str) -> list[str]:
 def run(args) -> int:
     cluster = Cluster(*shlex.split(args.up_args)).wait_ready()
     try:
-        with httpx.Client(timeout=10) as client:
-            health = client.get(cluster.url + "/health").json()
-        args.rss_pids = {"router": router_pid(cluster.proc.pid), **{w["address"]: w["pid"] for w in workers(health)}}
+        args.router_pid = router_pid(cluster.proc.pid)
         report = asyncio.run(chaos(cluster.url, args))
     finally:
         cluster.stop()

@@ -169,49 +169,32 @@ class Service:
 
     async def _attempt(self, run: RequestRun):
         """One pass of the request through the workers, under its own id."""
-        rid, payload, timing = run.attempt_rid, run.payload, run.timing
+        rid, timing = run.attempt_rid, run.timing
         inbox = self.inboxes[rid] = asyncio.Queue()
-        involved, finished, decode_worker, first_worker = [], False, None, None
-        first = run.first
-        max_new = (first or payload)["params"].get("max_tokens") or 1 << 20
-        tokens = (first["prompt_tokens"] if first else estimate_prompt_tokens(payload)) + max_new
+        run.workers, involved, finished = {}, [], False
         try:
-            prompt = await self._prompt(payload)
-            if self.colocated:
-                decode_worker = first_worker = await self.admission.acquire(self.groups["colocated"], rid, tokens,
-                                                                             prompt, run.avoid)
-                run.workers = {"colocated": first_worker}
-                timing["transport"] = "none"
-                resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
-                await self._dispatch(first_worker, involved, rid, "generate", **payload, resume=resume)
-            else:
-                decode_worker = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt, run.avoid)
-                first_worker = self._pick("prefill", prompt, run.avoid)
-                run.workers = {"prefill": first_worker, "decode": decode_worker}
-                timing["transport"] = decode_worker.info.get("transport")
-                skip = await self._hold(decode_worker, first_worker, rid, inbox, prompt)
-                await self._dispatch(first_worker, involved, rid, "prefill", kv_dest=decode_worker.info.get("kv_addr"),
-                                     kv_skip=skip, **payload)
-            if first is None or not self.colocated:  # a colocated resume goes on from the first token itself
+            first_worker = await self._send_prompt(run, rid, inbox, involved)
+            fresh = None
+            if run.first is None or not self.colocated:  # a colocated resume goes on from the first token itself
                 fresh = await self._first(inbox, timing, first_worker)
-            if first is not None and not self.colocated and fresh["token"] != first["token"]:
-                log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
-                         rid, fresh["token"], first["token"])
-            if first is None:
+            if run.first is None:
                 first = run.first = fresh
                 timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
                               ttft=(time.perf_counter() - run.t0) * 1e3)
-                max_new = (first.get("params") or {}).get("max_tokens") or max_new
                 yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
                             first.get("prompt_logprobs"), first["prompt_tokens"])
-            self.admission.adjust(rid, first["prompt_tokens"] + max_new)
+            elif fresh is not None and fresh["token"] != run.first["token"]:
+                log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
+                         rid, fresh["token"], run.first["token"])
+            first, decode_worker = run.first, run.workers.get("decode")
+            self.admission.adjust(rid, first["prompt_tokens"] + (first["params"].get("max_tokens") or 0))
             if first.get("finish_reason"):
                 finished = True
-                if not self.colocated:  # a KV streamed during prefill may be on its way: decode drops it
+                if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
                 yield Finished(first["finish_reason"], first["prompt_tokens"], 1, self._close_timing(run))
                 return
-            if not self.colocated:
+            if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
                                      prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"])
             async for ev in self._relay(run, inbox, first_worker):
@@ -227,10 +210,34 @@ class Service:
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)
-            if not finished and decode_worker is not None and decode_worker not in involved:
-                await self._abort(decode_worker, rid)  # its KV may be on the way already
-            if decode_worker is not None:
-                decode_worker.owned.discard(rid)
+            holder = run.workers.get("decode")
+            if holder is not None:
+                if not finished and holder not in involved:
+                    await self._abort(holder, rid)  # its KV may be on the way already
+                holder.owned.discard(rid)
+
+    async def _send_prompt(self, run: RequestRun, rid: str, inbox, involved: list):
+        """Reserve KV memory on the worker that will decode, send the prompt to the one that computes it (the
+        same, colocated); returns the latter. Records both in ``run.workers`` as soon as they are chosen."""
+        payload, first = run.payload, run.first
+        max_new = (first or payload)["params"].get("max_tokens") or 1 << 20
+        tokens = (first["prompt_tokens"] if first else estimate_prompt_tokens(payload)) + max_new
+        prompt = await self._prompt(payload)
+        if self.colocated:
+            worker = run.workers["colocated"] = await self.admission.acquire(self.groups["colocated"], rid, tokens,
+                                                                              prompt, run.avoid)
+            run.timing["transport"] = "none"
+            resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
+            await self._dispatch(worker, involved, rid, "generate", **payload, resume=resume)
+            return worker
+        decode = run.workers["decode"] = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt,
+                                                                      run.avoid)
+        prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid)
+        run.timing["transport"] = decode.info.get("transport")
+        skip = await self._hold(decode, prefill, rid, inbox, prompt)
+        await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
+                             **payload)
+        return prefill
 
     async def _first(self, inbox, timing: dict, first_worker) -> dict:
         """The ``first`` message (a streamed KV can be in place before the first token is out)."""

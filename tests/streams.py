@@ -52,3 +52,9 @@ class StreamClient(threading.Thread):
         while self.tokens < n and self.ended_at is None and time.monotonic() < end:
             time.sleep(0.02)
         assert self.tokens >= n, f"stream saw {self.tokens} tokens (error={self.error})"
+
+
+def started(clients: list[StreamClient]) -> list[StreamClient]:
+    for c in clients:
+        c.start()
+    return clients

@@ -17,8 +17,8 @@ from bench.link import LinkError, RemoteHost
 from control.auth import TOKEN_ENV, new_token
 from tests.checkpoints import SLOW, write_checkpoint
 from tests.fleet import Fleet
-from tests.streams import StreamClient
-from tests.test_failures import complete, decode_is_clean, eventually, prefill_is_clean
+from tests.streams import StreamClient, started
+from tests.test_failures import complete, decode_is_clean, eventually, prefill_is_clean, two_decodes
 
 BIG = {"model": "tiny-llama", "prompt": "The quick brown fox. " * 43, "max_tokens": 8, "temperature": 0,
        "ignore_eos": True}
@@ -122,9 +122,7 @@ def test_router_killed_under_load_workers_free_everything_and_serve_a_new_one(sl
     body = {"model": model, "prompt": "once upon a time", "max_tokens": 3000, "ignore_eos": True}
     with Fleet("--model", slow_model) as f:
         f.pair()
-        clients = [StreamClient(f.url, body) for _ in range(3)]
-        for c in clients:
-            c.start()
+        clients = started([StreamClient(f.url, body) for _ in range(3)])
         for c in clients:
             c.wait_tokens(2)
         f.signal("router", signal.SIGKILL)
@@ -162,19 +160,12 @@ class Straggler(threading.Thread):
 def test_straggling_decode_completes_its_requests_and_leaks_nothing():
     body = {"model": "tiny-llama", "prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True,
             "temperature": 0}
-    with Fleet() as f:
-        f.worker("p", "prefill")
-        f.worker("d1", "decode")
-        f.worker("d2", "decode")
-        f.router("--policy", "round_robin")
-        f.wait_healthy()
+    with two_decodes() as f:
         want = reference_ids(f.url, body)
         slow = Straggler(f.procs["d1"].pid)
         slow.start()
         try:
-            clients = [StreamClient(f.url, body) for _ in range(4)]
-            for c in clients:
-                c.start()
+            clients = started([StreamClient(f.url, body) for _ in range(4)])
             for c in clients:
                 c.join(120)
             assert all(c.finished and not c.error and c.ids == want for c in clients), [c.error for c in clients]
@@ -184,3 +175,19 @@ def test_straggling_decode_completes_its_requests_and_leaks_nothing():
         assert eventually(lambda: all(decode_is_clean(f, d) for d in ("d1", "d2")) and prefill_is_clean(f, "p"), 10)
         assert httpx.get(f.url + "/health").json()["admission"] == {"queued": 0, "in_flight": 0, "reserved": 0}
         assert [complete(f.url).status_code for _ in range(4)] == [200] * 4
+
+
+def test_a_hung_decode_is_out_of_the_picks_within_a_second_and_back_when_it_answers():
+    with two_decodes() as f:
+        f.signal("d1", signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            assert eventually(lambda: not f.worker_info("d1")["healthy"], 3, 0.02)
+            assert time.monotonic() - stopped_at < 1.0 + 0.3  # 1 s without a pong, plus a ping interval
+            assert [complete(f.url).status_code for _ in range(6)] == [200] * 6  # all through d2, none waits on d1
+        finally:
+            f.signal("d1", signal.SIGCONT)
+        assert eventually(lambda: f.worker_info("d1")["healthy"], 2)
+        done = f.worker_info("d1")["completed"]
+        assert [complete(f.url).status_code for _ in range(4)] == [200] * 4
+        assert eventually(lambda: f.worker_info("d1")["completed"] == done + 2, 2)  # counters come with pongs

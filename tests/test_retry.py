@@ -19,7 +19,7 @@ from engine.engine import Engine
 from engine.generate import generate_many
 from engine.requests import resumed_sequence
 from tests.checkpoints import SLOW, write_checkpoint
-from tests.streams import StreamClient
+from tests.streams import StreamClient, started
 from tests.test_failures import LONG, SHORT, eventually
 
 EIGHT = 8
@@ -51,9 +51,7 @@ def all_back(url: str) -> bool:
 def test_up_decode_killed_then_eight_requests_at_once_all_succeed():
     cluster = Cluster("--decode", "2").wait_ready()
     try:
-        clients = [StreamClient(cluster.url, LONG) for _ in range(4)]
-        for c in clients:
-            c.start()
+        clients = started([StreamClient(cluster.url, LONG) for _ in range(4)])
         for c in clients:
             c.wait_tokens(3)
         victim = max(health(cluster.url)["workers"]["decode"], key=lambda w: w["active"])
@@ -92,9 +90,7 @@ def test_up_worker_killed_with_prompts_in_hand_they_and_eight_more_all_succeed(s
     body = {"model": model, "prompt": "x" * 2500, "max_tokens": 4, "ignore_eos": True}
     cluster = Cluster("--model", slow_model, *up_args).wait_ready()
     try:
-        clients = [StreamClient(cluster.url, body) for _ in range(4)]
-        for c in clients:
-            c.start()
+        clients = started([StreamClient(cluster.url, body) for _ in range(4)])
         kill_busy(cluster.url, role, busy)
         assert at_once(cluster.url, {**body, "prompt": "hello"}) == [200] * EIGHT
         for c in clients:
