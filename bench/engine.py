@@ -41,6 +41,13 @@ def add_arguments(p):
     p.add_argument("--compare-eager", action="store_true",
                    help="also time decode with the fixed-shape path off (same engine, same run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of a shape (--model llama-3-70b) made on the GPUs, no checkpoint")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-budget", default="0", help="KV pool per rank, e.g. 8G (default: the engine's)")
+    p.add_argument("--hbm-tbps", type=float, default=None, help="nominal memory bandwidth per GPU for the limit "
+                   "line (default: known GPUs: H200 4.8, H100 3.35)")
     p.add_argument("--out", default="bench/out/engine")
 
 
@@ -151,13 +158,23 @@ def run(args) -> int:
 
     rng = random.Random(args.seed)
     batches = [int(b) for b in args.batches.split(",")]
+    from deploy.cli import byte_size
+
     engine = make_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                       max_num_seqs=max(args.max_num_seqs, max(batches)), engine=args.engine,
-                                      max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs))
+                                      max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs,
+                                      tp=args.tp, load_format=args.load_format, max_model_len=args.max_model_len,
+                                      kv_budget_bytes=byte_size(args.kv_budget)))
     graphs = getattr(getattr(engine, "runner", None), "graphs", None)
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
+    limit = hbm_limit(engine, args)
     for d in decode:
-        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)", file=sys.stderr)
+        if limit:
+            d["hbm_limit_tok_per_s"] = limit["tok_per_s"](d["batch"], args.prompt_len + args.decode_steps // 2 + 10)
+            d["fraction_of_limit"] = d["tok_per_s"] / d["hbm_limit_tok_per_s"]
+        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)"
+              + (f", {d['fraction_of_limit']:.0%} of the HBM limit {d['hbm_limit_tok_per_s']:.0f}" if limit else ""),
+              file=sys.stderr)
     eager = []
     if args.compare_eager and graphs is not None:
         engine.runner.graphs = None
@@ -180,12 +197,16 @@ def run(args) -> int:
               "kv_blocks": engine.num_blocks, "block_size": engine.block_size, "decode": decode, "hf_eager": hf,
               "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "captured": bool(graphs.graphs),
                                                             "replays": graphs.replays},
-              "decode_without_graphs": eager, "offline": off}
+              "decode_without_graphs": eager, "offline": off, "tp": engine.group.size if hasattr(engine, "group") else 1,
+              "hbm": {k: v for k, v in limit.items() if k != "tok_per_s"} if limit else None}
     lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |"
+             + (" HBM limit tok/s | of limit |" if limit else "")
              + (" without graphs tok/s |" if eager else "") + (" HF eager tok/s | pdserve / HF |" if hf else ""),
-             "|---|---|---|---|" + ("---|" if eager else "") + ("---|---|" if hf else "")]
+             "|---|---|---|---|" + ("---|---|" if limit else "") + ("---|" if eager else "") + ("---|---|" if hf else "")]
     for i, d in enumerate(decode):
         row = f"| {d['batch']} | {d['tok_per_s']:.1f} | {d['step_ms']:.2f} | {d['tok_per_s'] / base:.1f}x |"
+        if limit:
+            row += f" {d['hbm_limit_tok_per_s']:.0f} | {d['fraction_of_limit']:.0%} |"
         if eager:
             row += f" {eager[i]['tok_per_s']:.1f} |"
         if hf:
@@ -200,4 +221,29 @@ def run(args) -> int:
     with open(args.out + ".md", "w") as f:
         f.write(f"# Engine throughput ({engine.name}, {engine.device}, {engine.dtype})\n\n`{command}`\n\n{text}")
     print(text)
+    if hasattr(engine, "close"):
+        engine.close()
     return 0
+
+
+NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35}
+
+
+def hbm_limit(engine, args) -> dict | None:
+    """The decode rate if every step only read this rank's weights and its batch's KV once at the GPU's nominal
+    bandwidth (ranks read in parallel): ``tok_per_s(batch, context)``; None off CUDA or for an unknown GPU."""
+    import torch
+
+    if engine.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(engine.device)
+    tbps = args.hbm_tbps or next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
+    if not tbps:
+        return None
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = engine.kv_bytes_per_token
+
+    def tok_per_s(batch: int, context: int) -> float:
+        return batch / ((weights + batch * context * kv) / (tbps * 1e12))
+    return {"gpu": name, "nominal_tb_per_s": tbps, "weight_bytes_per_rank": weights, "kv_bytes_per_token_per_rank": kv,
+            "tok_per_s": tok_per_s}

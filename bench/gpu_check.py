@@ -18,6 +18,7 @@ PROMPTS = ["Hello", "The capital of France is", "x" * 300, "a b c d e f g", "Onc
 
 def scores_of(engine, ids):
     from engine import SamplingParams
+    from engine.model_runner import step_rows
     from engine.scheduler import Batch
     from engine.sequence import Sequence
 
@@ -27,7 +28,7 @@ def scores_of(engine, ids):
     batch = Batch()
     batch.add(seq, len(ids))
     try:
-        _, prompt_scores = engine.runner.run(batch)
+        _, prompt_scores = engine.runner.run(step_rows(batch))
     finally:
         engine.blocks.release(seq.block_table)
     return prompt_scores[0]

@@ -11,28 +11,11 @@ import json
 import os
 import time
 
-SHAPES = {
-    "mistral-7b": ("MistralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                         max_position_embeddings=32768, sliding_window=None, rope_theta=1e6)),
-    "llama-3-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                       max_position_embeddings=8192, rope_theta=5e5)),
-    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                       max_position_embeddings=40960, tie_word_embeddings=True)),
-    # a prefill forward of 2,000 tokens takes seconds on a CPU while its 64 MB fp32 KV crosses 10 Gbit/s in ~55 ms
-    # multi-turn chat on a CPU: a 2,000-token system prompt costs a few hundred ms to prefill, a turn's suffix little
-    "chat-cpu": ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)),
-    "stream-cpu": ("LlamaConfig", dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                       num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)),
-}
+from engine.models.presets import SHAPES, preset_config
 
 
 def main(argv=None) -> int:
     import torch
-    import transformers
     from safetensors.torch import save_file
 
     from engine.models import build
@@ -46,9 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="override the number of layers")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    cls, fields = SHAPES[args.shape]
-    config = getattr(transformers, cls)(**{**fields, **({"num_hidden_layers": args.layers} if args.layers else {})})
-    config.architectures = [cls.replace("Config", "ForCausalLM")]
+    config = preset_config(args.shape, {"num_hidden_layers": args.layers} if args.layers else None)
     dtype = getattr(torch, args.dtype)
     config.dtype = dtype
     os.makedirs(args.out, exist_ok=True)

@@ -76,6 +76,22 @@ class WorkerLoop:
             self.reply_to[rid] = identity
         self.inbox.put(msg)
 
+    def watch_group(self, engine) -> None:
+        """Fail and exit when a rank of ``engine``'s tensor-parallel group dies (nothing without TP)."""
+        group = getattr(engine, "group", None)
+        if group is not None and group.size > 1:
+            group.on_lost = self._rank_lost
+
+    def _rank_lost(self, rank: int, code) -> None:
+        """(Watcher thread) A rank of this worker's group exited: its collectives can only hang or fail now."""
+        log.error("tensor-parallel rank %d of this %s worker exited (code %s): failing %d requests and exiting",
+                  rank, self.role, code, len(self.reply_to))
+        for rid in list(self.reply_to):
+            self.fail(rid, 503, f"tensor-parallel rank {rank} of the {self.role} worker died; it restarts",
+                      stage="tp_rank_lost")
+        time.sleep(0.3)  # let the errors leave
+        os._exit(70)
+
     def on_abort(self, rid: str) -> None:
         """(Control thread) An abort is on its way to the engine thread: stop what cannot wait for it."""
 
@@ -197,4 +213,7 @@ class WorkerLoop:
             self.fail(msg.get("rid"), 500, f"internal error: {e}")
 
     def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
         self.server.close()

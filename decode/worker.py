@@ -59,6 +59,7 @@ class DecodeWorker(WorkerLoop):
         self.transport = None if colocated else transport
         shares = transport in ("shm", "nixl") and not colocated
         self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None)
+        self.watch_group(self.engine)
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes
         self.reserved: dict[str, int] = {}

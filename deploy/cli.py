@@ -47,6 +47,11 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens one engine step may compute; longer prompts are prefilled in chunks (default: 8192 "
                         "on a GPU, 2048 on the CPU)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: processes with one device each "
+                   "(cuda:K..K+N-1 from --device cuda:K; gloo ranks on the CPU)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights made on each rank's device at load; --model is then a shape name "
+                        "(llama-3-70b, mistral-7b, ...) or a directory with a config.json")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")
@@ -134,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine of the decode (or colocated) workers (default: --engine)")
     u.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
                    help="prefill sends the KV after its forward ends (default: layer by layer while it runs)")
+    for role in ("prefill", "decode"):
+        u.add_argument(f"--{role}-tp", type=int, default=None, help=f"tensor-parallel ranks of each {role} "
+                       f"worker (default: --tp){' (colocated workers too)' if role == 'decode' else ''}")
+        u.add_argument(f"--{role}-device", default=None, help=f"device of the {role} workers (default: --device), "
+                       "e.g. --prefill-tp 2 --decode-device cuda:1")
     _add_engine(u)
 
     dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
@@ -190,7 +200,7 @@ def _engine_config(args):
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
                         decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
-                        engine=args.engine)
+                        engine=args.engine, tp=args.tp, load_format=args.load_format)
 
 
 def _transport_config(args, port=0):

@@ -48,7 +48,8 @@ def engine_args(args) -> list[str]:
     if args.threads:
         out += ["--threads", str(args.threads)]
     out += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-            "--decode-graphs", args.decode_graphs]
+            "--decode-graphs", args.decode_graphs, "--tp", str(getattr(args, "tp", 1)),
+            "--load-format", getattr(args, "load_format", "auto")]
     if args.max_batched_tokens:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.ray_address:
@@ -63,9 +64,13 @@ def engine_args(args) -> list[str]:
 
 
 def role_engine(args, role: str) -> list[str]:
-    """``--prefill-engine``/``--decode-engine`` (a later ``--engine`` wins over the shared one)."""
-    kind = getattr(args, f"{role}_engine", None)
-    return ["--engine", kind] if kind else []
+    """``--prefill-engine``/``-tp``/``-device`` and the decode ones (a later flag wins over the shared one)."""
+    out = []
+    for flag in ("engine", "tp", "device"):
+        value = getattr(args, f"{role}_{flag}", None)
+        if value is not None:
+            out += [f"--{flag}", str(value)]
+    return out
 
 
 def rank_args(args, host: str) -> list[list[str]] | None:
@@ -116,8 +121,17 @@ def plan(args) -> list[list[str]]:
                         + role_engine(args, "decode"))
             roles["decode"].append(f"tcp://{host}:{port}")
     gpus = getattr(args, "gpus", 0)
-    if gpus:  # worker i on cuda:(i mod gpus); a later --device wins over the shared one
-        cmds = [cmd + ["--device", f"cuda:{i % gpus}"] for i, cmd in enumerate(cmds)]
+    if gpus:  # each worker on the next of its TP ranks' GPUs (mod gpus); a later --device wins over the shared one
+        placed, cursor = [], 0
+        for cmd in cmds:
+            if getattr(args, f"{cmd[5]}_device", None):
+                placed.append(cmd)
+                continue
+            tp = int(cmd[len(cmd) - 1 - cmd[::-1].index("--tp") + 1])
+            first = cursor % gpus if cursor % gpus + tp <= gpus else 0
+            placed.append(cmd + ["--device", f"cuda:{first}"])
+            cursor = first + tp
+        cmds = placed
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
                      "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5)),
                      "--retries", str(getattr(args, "retries", 2))]

@@ -7,6 +7,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DECODE_GRAPHS = ("auto", "off", "eager", "cuda")
 ENGINES = ("auto", "torch", "mlx")
+LOAD_FORMATS = ("auto", "dummy")
 TINY = "tiny-llama"
 
 
@@ -26,11 +27,15 @@ class EngineConfig:
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
+    tp: int = 1  # tensor-parallel ranks (processes, one device each); see engine.parallel
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
 
     @property
     def tokenizer_source(self) -> str:
         """What the router loads to tokenize as this engine does: ``builtin``, or the checkpoint directory."""
-        return "builtin" if self.model == TINY else os.path.abspath(self.model)
+        if self.model == TINY or (self.load_format == "dummy" and not os.path.isdir(self.model)):
+            return "builtin"
+        return os.path.abspath(self.model)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -50,5 +55,9 @@ class EngineConfig:
             raise ValueError(f"engine {self.engine!r} not in {ENGINES}")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
+        if type(self.tp) is not int or self.tp < 1:
+            raise ValueError("tp must be a positive integer")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} not in {LOAD_FORMATS}")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("kv_budget_bytes must be >= 0 and num_blocks positive")

@@ -20,9 +20,10 @@ from .config import EngineConfig
 from .kv_pool import KVPool
 from . import paged
 from .graphs import DecodeGraphs
-from .loader import load
-from .model_runner import ModelRunner
+from .loader import load, rank_device
+from .model_runner import ModelRunner, StepRow, step_rows
 from .models.llama import use_kernels
+from .parallel.group import SINGLE, TPGroup
 from .sampler import choose
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -41,23 +42,34 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None):
+    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None,
+                 group: TPGroup | None = None, device=None, tp_kv: str | None = None):
         """``pool_memory(nbytes, device)``: where the KV pool lives (a zeroed uint8 tensor on ``device``, or None
-        for memory of its own)."""
+        for memory of its own). With ``cfg.tp > 1`` and no ``group`` this is rank 0: it starts the other ranks
+        (``parallel.launch``; ``tp_kv``: their KV work) and sends them every step; a follower passes its
+        ``group`` and ``device``."""
         self.cfg = cfg
-        loaded = load(cfg)
+        if group is None and cfg.tp > 1:
+            from .parallel.launch import start_group
+
+            device = rank_device(cfg.device, 0, cfg.tp)
+            group = start_group(cfg, device, tp_kv)
+        self.group = group or SINGLE
+        loaded = load(cfg, self.group, device)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
         self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
         if self.device.type == "cuda":  # cuDNN attention plans each new shape anew: every prompt length would pay it
             torch.backends.cuda.enable_cudnn_sdp(False)
             torch.cuda.set_device(self.device)  # kernels launched by Triton go to the current device
         spec = self.model.spec
-        self.kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
+        self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)
+        self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.dtype.itemsize
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_blocks or self._default_blocks(cfg)
+        self.num_blocks = self.group.min_int(cfg.num_blocks or self._default_blocks(cfg), self.device)
+        self._fit_context()
         memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
-        self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+        self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, self.heads.kv_heads, spec.head_dim,
                            self.dtype, self.device, memory)
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
@@ -119,14 +131,16 @@ class Engine:
             budget = min(whole, free_memory(self.device) // 2)
             if self.device.type == "cpu":
                 budget = min(budget, CPU_DEFAULT_BUDGET)
-        blocks = budget // self.block_bytes
+        return max(budget // self.block_bytes, 2)
+
+    def _fit_context(self) -> None:
+        """Limit the context to what the pool holds (a sequence needs its blocks plus one)."""
         least = -(-self.max_len // self.block_size) + 1
-        if blocks < least:
-            fits = max(2, (blocks - 1) * self.block_size)
-            log.warning("KV budget %d bytes holds %d blocks: context limited to %d tokens (of %d); give a larger "
-                        "--kv-budget or a smaller --max-model-len", budget, blocks, fits, self.max_len)
+        if self.num_blocks < least:
+            fits = max(2, (self.num_blocks - 1) * self.block_size)
+            log.warning("the KV pool holds %d blocks: context limited to %d tokens (of %d); give a larger "
+                        "--kv-budget or a smaller --max-model-len", self.num_blocks, fits, self.max_len)
             self.max_len = fits
-        return max(blocks, 2)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -205,12 +219,15 @@ class Engine:
         out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
         if not batch.seqs:
             return out
+        rows = step_rows(batch)
+        progress = self.on_schedule(batch) if self.on_schedule is not None else None
+        if self.group.plan is not None:  # the other ranks run the same step (after any KV work just planned)
+            self.group.plan.step(rows, batch.copies)
         for source, target in batch.copies:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         self._count_prefix(batch)
-        progress = self.on_schedule(batch) if self.on_schedule is not None else None
-        scores, prompt_scores = self.runner.run(batch, progress.layer_done if progress is not None else None)
+        scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if i in prompt_scores:
@@ -226,6 +243,29 @@ class Engine:
             elif self.hold_after_first:
                 self.scheduler.remove(seq)
         return out
+
+
+    def follow_step(self, rows: list, copies: list, kv=None) -> None:
+        """(A follower rank) Rank 0's step: its block copies, then the forward of its rows (``StepRow.to_wire``);
+        ``kv.progress()``: the layer gate of KV pushes streaming from this step, if any."""
+        for source, target in copies:
+            self.pool.copy_block(source, target)
+        progress = kv.take_progress() if kv is not None else None
+        try:
+            self.runner.run([StepRow(*r) for r in rows], progress.layer_done if progress is not None else None)
+        except Exception as e:
+            if progress is not None:
+                progress.fail(e)
+            raise
+        if progress is not None:
+            progress.finish()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing otherwise)."""
+        if self.group.plan is not None:
+            from .parallel.launch import stop_group
+
+            stop_group(self.group)
 
 
 def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: int) -> None:

@@ -12,13 +12,30 @@ import torch
 
 from .config import EngineConfig
 from .models import build
-from .models.weights import load_state, load_weights
+from .models.presets import SHAPES, preset_config
+from .models.weights import load_dummy, load_state, load_weights
+from .parallel.group import SINGLE, TPGroup
 from .tiny import TINY_NAME, build_tiny_model
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def rank_device(name: str, rank: int, size: int) -> torch.device:
+    """The device of ``rank`` in a group of ``size``: ``cuda`` (or ``auto`` with GPUs) puts rank r on ``cuda:r``,
+    ``cuda:k`` on ``cuda:k+r``; CPU ranks share the CPU."""
+    if size == 1:
+        return pick_device(name)
+    base = pick_device(name)
+    if base.type != "cuda":
+        return base
+    first = torch.device(name).index or 0 if name.startswith("cuda") else 0
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(f"--tp {size} from cuda:{first} needs {first + size} GPUs; this machine has {count}")
+    return torch.device("cuda", first + rank)
 
 
 def pick_device(name: str) -> torch.device:
@@ -55,41 +72,31 @@ class Loaded:
     suppress: list[int] | None
 
 
-def load(cfg: EngineConfig) -> Loaded:
+def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None = None) -> Loaded:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    if cfg.model == TINY_NAME:
+    device = device or pick_device(cfg.device)
+    suppress = None
+    if cfg.model == TINY_NAME and cfg.load_format != "dummy":
         hf = build_tiny_model()
         dtype = pick_dtype(cfg.dtype, device)
-        model = build(hf.config)
+        model = build(hf.config, group)
         load_state(model, hf.state_dict())
         model = model.to(device=device, dtype=dtype)
         tokenizer, name, suppress = ByteTokenizer(), TINY_NAME, list(hf.generation_config.suppress_tokens or []) or None
         config = hf.config
-    elif os.path.isdir(cfg.model):
-        from transformers import AutoConfig, GenerationConfig
-
-        config = AutoConfig.from_pretrained(cfg.model)
+    elif os.path.isdir(cfg.model) or cfg.load_format == "dummy":
+        config = _config(cfg)
         dtype = pick_dtype(cfg.dtype, device, config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = build(config)
-        finally:
-            torch.set_default_dtype(previous)
-        model = model.to_empty(device=device)
-        model.rotary.reset()
-        model.tie()
-        load_weights(model, cfg.model)
-        tokenizer, name = HFTokenizer(cfg.model), os.path.basename(os.path.normpath(cfg.model))
-        try:
-            suppress = list(GenerationConfig.from_pretrained(cfg.model).suppress_tokens or []) or None
-        except OSError:
-            suppress = None
+        model = _empty(config, group, dtype, device)
+        if cfg.load_format == "dummy":
+            load_dummy(model)
+        else:
+            load_weights(model, cfg.model)
+        tokenizer, name, suppress = _tokenizer(cfg)
     else:
-        raise ValueError(f"model {cfg.model!r} is neither {TINY_NAME!r} nor a local checkpoint directory")
+        raise ValueError(f"model {cfg.model!r} is neither {TINY_NAME!r} nor a local checkpoint directory "
+                         f"(with --load-format dummy also a shape: {', '.join(sorted(SHAPES))})")
     model.fuse()
     model.eval()
     max_len = getattr(config, "max_position_embeddings", None) or 2048
@@ -97,3 +104,43 @@ def load(cfg: EngineConfig) -> Loaded:
         max_len = min(max_len, cfg.max_model_len)
     log.info("loaded %s on %s as %s (context %d)", name, device, dtype, max_len)
     return Loaded(model, tokenizer, cfg.served_name or name, max_len, device, dtype, suppress)
+
+
+def _config(cfg: EngineConfig):
+    if not os.path.isdir(cfg.model):
+        return preset_config(cfg.model)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.model)
+
+
+def _empty(config, group: TPGroup, dtype: torch.dtype, device: torch.device):
+    """The model's (shard's) parameters allocated on ``device``, uninitialised, rotary tables computed."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build(config, group)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    model.rotary.reset()
+    model.tie()
+    return model
+
+
+def _tokenizer(cfg: EngineConfig):
+    """``(tokenizer, served name, suppressed ids)``: a directory's own tokenizer and generation config, else bytes."""
+    if not os.path.isdir(cfg.model):
+        return ByteTokenizer(), cfg.model, None
+    name = os.path.basename(os.path.normpath(cfg.model))
+    has_tokenizer = any(os.path.exists(os.path.join(cfg.model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_tokenizer:
+        return ByteTokenizer(), name, None
+    from transformers import GenerationConfig
+
+    try:
+        suppress = list(GenerationConfig.from_pretrained(cfg.model).suppress_tokens or []) or None
+    except OSError:
+        suppress = None
+    return HFTokenizer(cfg.model), name, suppress

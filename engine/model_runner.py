@@ -1,14 +1,41 @@
-"""Runs one scheduled batch: packs the new tokens of every sequence, their
+"""Runs one scheduled step: packs the new tokens of every row, their
 positions and KV slots, calls the model once over the pool, and returns the
-next-token scores of the sequences that sample this step (plus, for requests
-that asked for prompt logprobs, the scores of every prompt position)."""
+next-token scores of the rows that sample this step (plus, for requests
+that asked for prompt logprobs, the scores of every prompt position).
+
+A step is a list of ``StepRow`` (``step_rows`` makes them from a scheduled
+batch): plain data, so rank 0 of a tensor-parallel group sends the same
+rows to every other rank and all run the same forward."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttnMeta, build_meta, token_slot
 from .kv_pool import KVPool
 from .scheduler import Batch
+
+
+@dataclass
+class StepRow:
+    ids: list  # the new tokens of one sequence this step
+    start: int  # the position of the first of them
+    table: list  # the sequence's block table
+    samples: bool  # the step ends the sequence's known tokens: its next token is chosen
+    prompt_scores: bool  # the scores of every position are wanted (prompt logprobs)
+
+    def to_wire(self) -> list:
+        return [self.ids, self.start, self.table, self.samples, self.prompt_scores]
+
+
+def step_rows(batch: Batch) -> list[StepRow]:
+    rows = []
+    for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+        start = seq.num_computed
+        wants = seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids)
+        rows.append(StepRow(seq.tokens(start, start + chunk), start, seq.block_table, batch.samples(i), wants))
+    return rows
 
 
 class ModelRunner:
@@ -22,20 +49,19 @@ class ModelRunner:
         self.half_on_cuda = torch.device(device).type == "cuda" and pool.layers[0][0].dtype in (torch.float16,
                                                                                                  torch.bfloat16)
 
-    def _meta(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    def _meta(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.pool.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
-        for seq, chunk in zip(batch.seqs, batch.chunks):
-            start, end = seq.num_computed, seq.num_computed + chunk
-            ids += seq.tokens(start, end)
-            pos = range(start, end)
+        for row in rows:
+            end = row.start + len(row.ids)
+            ids += row.ids
+            pos = range(row.start, end)
             positions += pos
-            table = seq.block_table
-            slots += [token_slot(table, p, bs) for p in pos]
-            starts.append(starts[-1] + chunk)
+            slots += [token_slot(row.table, p, bs) for p in pos]
+            starts.append(starts[-1] + len(row.ids))
             lens.append(end)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) + [n] for s, n in zip(batch.seqs, lens)]
+        width = max(len(r.table) for r in rows)
+        tables = [list(r.table) + [0] * (width - len(r.table)) + [n] for r, n in zip(rows, lens)]
         packed = torch.tensor([ids, positions, slots], dtype=torch.long).to(self.device, non_blocking=True)
         tables = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
         rotary = self.model.rotary
@@ -51,62 +77,52 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, batch: Batch, on_layer=None) -> tuple[torch.Tensor, dict]:
-        """``(scores of the sampling sequences in batch order, {batch index: prompt-position scores})``.
+    def run(self, rows: list[StepRow], on_layer=None) -> tuple[torch.Tensor, dict]:
+        """``(scores of the sampling rows in order, {row index: prompt-position scores})``.
         With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly.
         ``on_layer(i)``: called as the eager forward finishes each layer."""
-        decode = [i for i in range(len(batch.seqs)) if self._decodes(batch, i)] if self.graphs is not None else []
+        decode = [i for i, r in enumerate(rows) if self._decodes(r)] if self.graphs is not None else []
         if not decode or not self.graphs.fits(len(decode)):
-            return self._run_eager(batch, on_layer)
-        graph_scores = self._run_graph([batch.seqs[i] for i in decode])
-        decode = set(decode)
-        if len(decode) == len(batch.seqs):
+            return self._run_eager(rows, on_layer)
+        graph_scores = self._run_graph([rows[i] for i in decode])
+        if len(decode) == len(rows):
             return graph_scores, {}
-        rest, index = Batch(), []
-        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
-            if i not in decode:
-                rest.add(seq, chunk)
-                index.append(i)
-        eager_scores, rest_prompt = self._run_eager(rest, on_layer)
-        rows, g, e = [], iter(graph_scores), iter(eager_scores)
-        for i in range(len(batch.seqs)):
+        decode = set(decode)
+        index = [i for i in range(len(rows)) if i not in decode]
+        eager_scores, rest_prompt = self._run_eager([rows[i] for i in index], on_layer)
+        out, g, e = [], iter(graph_scores), iter(eager_scores)
+        for i, row in enumerate(rows):
             if i in decode:
-                rows.append(next(g))
-            elif batch.samples(i):
-                rows.append(next(e))
-        return torch.stack(rows), {index[j]: v for j, v in rest_prompt.items()}
+                out.append(next(g))
+            elif row.samples:
+                out.append(next(e))
+        return torch.stack(out), {index[j]: v for j, v in rest_prompt.items()}
 
-    def _run_eager(self, batch: Batch, on_layer=None) -> tuple[torch.Tensor, dict]:
-        ids, positions, meta = self._meta(batch)
+    def _run_eager(self, rows: list[StepRow], on_layer=None) -> tuple[torch.Tensor, dict]:
+        ids, positions, meta = self._meta(rows)
         meta.on_layer = on_layer
         hidden = self.model(ids, positions, meta, self.pool.layers)
-        rows, prompt_scores = [], {}
-        for i, seq in enumerate(batch.seqs):
+        picked, prompt_scores = [], {}
+        for i, row in enumerate(rows):
             start, end = meta.query_starts[i], meta.query_starts[i + 1]
-            if seq.params.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
+            if row.prompt_scores:
                 prompt_scores[i] = self._scores(hidden[start:end])
-            if batch.samples(i):
-                rows.append(end - 1)
-        scores = self._scores(hidden[rows]) if rows else hidden.new_empty((0, 0))
+            if row.samples:
+                picked.append(end - 1)
+        scores = self._scores(hidden[picked]) if picked else hidden.new_empty((0, 0))
         return scores, prompt_scores
 
     @staticmethod
-    def _decodes(batch: Batch, i: int) -> bool:
+    def _decodes(row: StepRow) -> bool:
         """One new token that samples and needs no prompt scores: what the captured decode step computes."""
-        seq = batch.seqs[i]
-        wants_prompt = seq.params.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids)
-        return batch.chunks[i] == 1 and batch.samples(i) and not wants_prompt
+        return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
-    def _run_graph(self, seqs: list) -> torch.Tensor:
+    def _run_graph(self, rows: list[StepRow]) -> torch.Tensor:
         bs = self.pool.block_size
-        ids, positions, slots, lens = [], [], [], []
-        for seq in seqs:
-            p = seq.num_computed
-            ids += seq.tokens(p, p + 1)
-            positions.append(p)
-            slots.append(token_slot(seq.block_table, p, bs))
-            lens.append(p + 1)
-        logits = self.graphs.run(ids, positions, slots, [s.block_table for s in seqs], lens).clone()
+        positions = [r.start for r in rows]
+        slots = [token_slot(r.table, r.start, bs) for r in rows]
+        logits = self.graphs.run([r.ids[0] for r in rows], positions, slots, [list(r.table) for r in rows],
+                                 [p + 1 for p in positions]).clone()
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

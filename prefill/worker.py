@@ -55,6 +55,7 @@ class PrefillWorker(WorkerLoop):
         self.pool_memory = None
         self.engine = make_engine(engine, hold_after_first=True,
                                   pool_memory=self._pool_memory if transport == "nixl" else None)
+        self.watch_group(self.engine)
         self.paged = getattr(self.engine, "paged", True)
         self.engine.on_schedule = self._scheduled
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None

@@ -15,8 +15,10 @@ BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM"}
 
 
-def build(hf_config) -> LlamaForCausalLM:
+def build(hf_config, group=None) -> LlamaForCausalLM:
+    """The model of ``hf_config`` (this rank's shard of it with a tensor-parallel ``group``)."""
     arch = (getattr(hf_config, "architectures", None) or [BY_MODEL_TYPE.get(getattr(hf_config, "model_type", ""), "?")])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
-    return LlamaForCausalLM(ModelSpec.from_hf(hf_config, **ARCHITECTURES[arch]))
+    spec = ModelSpec.from_hf(hf_config, **ARCHITECTURES[arch])
+    return LlamaForCausalLM(spec) if group is None else LlamaForCausalLM(spec, group)

@@ -3,7 +3,8 @@ Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k per head).
 Parameter names follow the Hugging Face checkpoints, so their tensors load
 by name. ``forward`` takes the packed new tokens of a batch, their positions
 and the attention metadata, and returns hidden states; ``logits`` projects
-the rows asked for."""
+the rows asked for. Built with a tensor-parallel group, each module holds
+its rank's shard (``engine.parallel``) and the forward is the same."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,9 @@ import torch
 from torch import nn
 
 from ..attention import AttnMeta, attend
+from ..parallel.group import SINGLE, TPGroup
+from ..parallel.heads import HeadShard
+from ..parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from .rope import Rotary
 
 
@@ -69,25 +73,27 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelSpec, rotary: Rotary):
+    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
         self.s, self.rotary = s, rotary
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        shard = HeadShard(s.num_heads, s.num_kv_heads, group.size, group.rank)
+        self.heads, self.kv_heads, d = shard.heads, shard.kv_heads, s.head_dim
+        q = [(group.rank * self.heads * d, self.heads * d)]
+        kv = [(shard.kv_start * d, self.kv_heads * d)]
+        self.q_proj = ColumnParallelLinear(s.hidden_size, q, bias=s.qkv_bias)
+        self.k_proj = ColumnParallelLinear(s.hidden_size, kv, bias=s.qkv_bias)
+        self.v_proj = ColumnParallelLinear(s.hidden_size, kv, bias=s.qkv_bias)
+        self.o_proj = RowParallelLinear(q[0][0], q[0][1], s.hidden_size, group)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.scale = s.head_dim ** -0.5
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
-        s, n = self.s, x.shape[0]
-        q, k, v = self.qkv_proj(x).split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                                          s.num_kv_heads * s.head_dim], dim=-1)
-        q, k, v = q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim), \
-            v.view(n, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
+        n, d = x.shape[0], self.s.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
         return self.o_proj(attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
@@ -96,11 +102,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
 
-    def __init__(self, s: ModelSpec):
+    def __init__(self, s: ModelSpec, group: TPGroup = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        if s.intermediate_size % group.size:
+            raise ValueError(f"--tp {group.size} does not divide the MLP width {s.intermediate_size}")
+        part = s.intermediate_size // group.size
+        rows = [(group.rank * part, part)]
+        self.gate_proj = ColumnParallelLinear(s.hidden_size, rows)
+        self.up_proj = ColumnParallelLinear(s.hidden_size, rows)
+        self.down_proj = RowParallelLinear(rows[0][0], part, s.hidden_size, group)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -111,10 +121,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, rotary: Rotary):
+    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Attention(s, rotary)
-        self.mlp = MLP(s)
+        self.self_attn = Attention(s, rotary, group)
+        self.mlp = MLP(s, group)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
@@ -124,20 +134,21 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, s: ModelSpec, rotary: Rotary):
+    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary) for _ in range(s.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary, group) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, group: TPGroup = SINGLE):
         super().__init__()
-        self.spec = spec
+        self.spec, self.group = spec, group
+        self.heads = HeadShard(spec.num_heads, spec.num_kv_heads, group.size, group.rank)
         self.rotary = rotary = Rotary(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
-        self.model = Backbone(spec, rotary)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.model = Backbone(spec, rotary, group)
+        self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, group)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

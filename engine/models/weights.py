@@ -1,12 +1,16 @@
 """Weights from a local Hugging Face checkpoint: one ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json``, loaded tensor by tensor
-into parameters of the same name (``lm_head`` is skipped when tied)."""
+into parameters of the same name (``lm_head`` is skipped when tied); a
+tensor-parallel shard takes its slice of each (``parallel.layers.shard_of``).
+``load_dummy`` draws random weights on the parameters' device instead."""
 from __future__ import annotations
 
 import json
 import os
 
 import torch
+
+from ..parallel.layers import shard_of
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -33,7 +37,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue
-                tensor = f.get_tensor(name)
+                tensor = shard_of(f.get_tensor(name), model, name)
                 if tensor.shape != params[name].shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
                 with torch.no_grad():
@@ -50,4 +54,17 @@ def load_state(model: torch.nn.Module, state: dict) -> None:
         for name, p in params.items():
             if name == "lm_head.weight" and model.spec.tie_word_embeddings:
                 continue
-            p.copy_(state[name])
+            p.copy_(shard_of(state[name], model, name))
+
+
+def load_dummy(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Random weights where the parameters are (``--load-format dummy``): normal(0, ``std``), norms 1, no disk."""
+    gen = None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if gen is None:
+                gen = torch.Generator(device=p.device).manual_seed(seed)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)

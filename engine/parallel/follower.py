@@ -1,0 +1,86 @@
+"""A follower rank of a tensor-parallel group (started by ``launch.start_group``).
+
+It builds the same engine as rank 0 (its shard of the model, its slice of
+the KV pool, the same block count and CUDA graphs), then runs what rank 0's
+plan says, step by step, until ``stop`` or rank 0 is gone."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("engine.parallel.follower")
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL when the process that started this one exits (Linux); the plan loop also checks the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def follow(engine, plan, parent: int, kv=None) -> None:
+    """Run rank 0's plan on ``engine``: steps, KV work (``kv``: the role's handler of ``kv_*`` ops for this
+    rank, e.g. ``prefill.tp_kv``), until ``stop``."""
+    while True:
+        msg = plan.recv(1000)
+        if msg is None:
+            if os.getppid() != parent:
+                return
+            continue
+        op = msg["op"]
+        if op == "stop":
+            return
+        if op == "step":
+            engine.follow_step(msg["rows"], msg["copies"], kv)
+        elif kv is not None and op.startswith("kv_"):
+            kv.handle(msg)
+        else:
+            log.warning("rank %d: unknown plan op %r", engine.group.rank, op)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.parallel.follower")
+    for name in ("rank", "size", "parent"):
+        ap.add_argument(f"--{name}", type=int, required=True)
+    for name in ("init", "plan", "reports", "config"):
+        ap.add_argument(f"--{name}", required=True)
+    ap.add_argument("--kv", default=None, help="module:Class of this role's KV work for one rank (the worker's)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    die_with_parent(args.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    from ..config import EngineConfig
+    from ..engine import Engine
+    from ..loader import rank_device
+    from .group import join
+    from .plan import PlanReceiver
+
+    cfg = EngineConfig(**json.loads(args.config))
+    device = rank_device(cfg.device, args.rank, args.size)
+    group = join(args.size, args.rank, args.init, device)
+    engine = Engine(cfg, group=group, device=device)
+    plan = PlanReceiver(args.plan, args.reports)
+    kv = None
+    if args.kv:
+        import importlib
+
+        module, _, name = args.kv.partition(":")
+        kv = getattr(importlib.import_module(module), name)(engine, plan)
+    follow(engine, plan, args.parent, kv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The collective operations of a tensor-parallel group (nothing at all for a group of one)."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TPGroup:
+    size: int = 1
+    rank: int = 0
+    group: object = None  # the torch.distributed process group
+    plan: object = None  # rank 0: the PlanSender; followers: None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of every rank joined along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int, device) -> int:
+        """The smallest of every rank's ``value``."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+SINGLE = TPGroup()
+
+
+def join(size: int, rank: int, init_method: str, device: torch.device, timeout_s: float = 120.0) -> TPGroup:
+    """Join the group (every rank calls this with the same ``init_method``): NCCL on CUDA, gloo elsewhere."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    return TPGroup(size, rank, dist.group.WORLD)

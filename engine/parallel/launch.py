@@ -1,0 +1,112 @@
+"""Start a tensor-parallel group from its rank 0 (the worker process) and watch it.
+
+``start_group`` checks that ``--tp`` fits the model and the machine, starts
+ranks 1..tp-1 as child processes (``python -m engine.parallel.follower``),
+joins the ``torch.distributed`` group with them and returns rank 0's
+``TPGroup`` with its ``PlanSender``. A watcher thread polls the children:
+when one exits, ``group.on_lost(rank, code)`` runs (the worker fails its
+requests then exits, so its supervisor restarts the group as a unit).
+Followers die with rank 0 (``PR_SET_PDEATHSIG``, and they notice a new
+parent within a second)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from ..config import EngineConfig
+from .group import TPGroup, join
+from .heads import check_tp
+from .plan import PlanSender
+
+log = logging.getLogger(__name__)
+
+
+def model_heads(cfg: EngineConfig) -> tuple[int, int, int]:
+    """``(attention heads, KV heads, MLP width)`` of the configured model, read without loading it."""
+    from ..loader import TINY_NAME, _config
+    from ..tiny import TINY_CONFIG
+
+    if cfg.model == TINY_NAME and cfg.load_format != "dummy":
+        c = TINY_CONFIG
+        return c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    c = _config(cfg)
+    heads = c.num_attention_heads
+    return heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size
+
+
+def check_fits(cfg: EngineConfig) -> None:
+    heads, kv_heads, width = model_heads(cfg)
+    check_tp(heads, kv_heads, cfg.tp)
+    if width % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} does not divide the MLP width {width}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_group(cfg: EngineConfig, device, kv: str | None = None) -> TPGroup:
+    """Rank 0 of a group of ``cfg.tp`` on ``device`` (``loader.rank_device`` of rank 0); blocks until all joined.
+    ``kv``: ``module:Class`` the followers build to do their KV work (``follower.follow``)."""
+    check_fits(cfg)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    plan = PlanSender(cfg.tp - 1)
+    config = json.dumps(dataclasses.asdict(cfg))
+    procs = {}
+    for rank in range(1, cfg.tp):
+        cmd = [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank), "--size", str(cfg.tp),
+               "--init", init, "--plan", plan.addresses[rank - 1], "--reports", plan.report_address,
+               "--config", config, "--parent", str(os.getpid())] + (["--kv", kv] if kv else [])
+        procs[rank] = subprocess.Popen(cmd, env=os.environ.copy())
+    group = TPGroup(cfg.tp, 0, None, plan)
+    group.procs = procs
+    group.on_lost = _default_lost
+    threading.Thread(target=_watch, args=(group,), name="tp-watch", daemon=True).start()
+    joined = join(cfg.tp, 0, init, device)
+    group.group = joined.group
+    log.info("tensor-parallel group of %d ranks up (ranks 1..%d: pids %s)", cfg.tp, cfg.tp - 1,
+             [p.pid for p in procs.values()])
+    return group
+
+
+def _default_lost(rank: int, code: int) -> None:
+    log.error("tensor-parallel rank %d exited (code %s): this worker exits too", rank, code)
+    os._exit(70)
+
+
+def _watch(group: TPGroup) -> None:
+    while True:
+        for rank, proc in group.procs.items():
+            code = proc.poll()
+            if code is not None and not getattr(group, "closing", False):
+                group.on_lost(rank, code)
+                return
+        time.sleep(0.2)
+
+
+def stop_group(group: TPGroup, wait_s: float = 5.0) -> None:
+    """Tell the followers to exit and reap them (killing what outlives ``wait_s``)."""
+    procs = getattr(group, "procs", None)
+    if not procs:
+        return
+    group.closing = True
+    group.plan.close()
+    deadline = time.monotonic() + wait_s
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""The step plan: what rank 0 of a tensor-parallel group tells the other ranks, and what they report back.
+
+Rank 0 binds one zmq PUSH socket per follower (loopback; order kept per
+socket) and one PULL socket for reports. Messages are msgpack maps
+``{"v": PLAN_VERSION, "op": ...}``:
+
+- ``step{rows, copies}``: copy these blocks, then run the forward of these
+  rows (``StepRow.to_wire``); every rank meets the others in its collectives.
+- ``kv_*``: KV transfer work of this rank's head slice (``kv_plan``).
+- ``stop``: leave the loop and exit.
+
+Followers send ``report{...}`` maps back (a KV slice moved or failed)."""
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import zmq
+
+PLAN_VERSION = 1
+
+
+def _pack(op: str, fields: dict) -> bytes:
+    return msgpack.packb({"v": PLAN_VERSION, "op": op, **fields}, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> dict:
+    msg = msgpack.unpackb(raw, raw=False)
+    if msg.get("v") != PLAN_VERSION:
+        raise RuntimeError(f"step plan version {msg.get('v')} from rank 0, this rank speaks {PLAN_VERSION}")
+    return msg
+
+
+class PlanSender:
+    """Rank 0's end: ``send`` to every follower; ``on_report`` gets their reports (on a thread of its own)."""
+
+    def __init__(self, followers: int):
+        self.ctx = zmq.Context.instance()
+        self.socks, self.addresses = [], []
+        for _ in range(followers):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:*")
+            self.socks.append(sock)
+            self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.bind("tcp://127.0.0.1:*")
+        self.report_address = self.reports.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.on_report = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._read_reports, name="tp-reports", daemon=True).start()
+
+    def send(self, op: str, **fields) -> None:
+        raw = _pack(op, fields)
+        with self._lock:
+            for sock in self.socks:
+                sock.send(raw)
+
+    def step(self, rows, copies) -> None:
+        self.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in copies])
+
+    def _read_reports(self) -> None:
+        while not self._stop.is_set():
+            if self.reports.poll(200):
+                msg = _unpack(self.reports.recv())
+                if self.on_report is not None:
+                    self.on_report(msg)
+
+    def close(self) -> None:
+        try:
+            self.send("stop")
+        except zmq.ZMQError:
+            pass
+        self._stop.set()
+
+
+class PlanReceiver:
+    """A follower's end: ``recv`` the next plan message (None on timeout), ``report`` to rank 0 (any thread)."""
+
+    def __init__(self, address: str, report_address: str):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.connect(address)
+        self.report_address = report_address
+        self._local = threading.local()
+
+    def recv(self, timeout_ms: int) -> dict | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        return _unpack(self.sock.recv())
+
+    def report(self, **fields) -> None:
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._local.push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(self.report_address)
+        push.send(_pack("report", fields))
