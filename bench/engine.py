@@ -230,7 +230,7 @@ NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35}
 
 
 def hbm_limit(engine, args) -> dict | None:
-    """The decode rate if every step only read this rank's weights and its batch's KV once at the GPU's nominal
+    """The decode rate if every step only read this rank's weights (but the embedding) and its batch's KV once at the GPU's nominal
     bandwidth (ranks read in parallel): ``tok_per_s(batch, context)``; None off CUDA or for an unknown GPU."""
     import torch
 
@@ -240,7 +240,9 @@ def hbm_limit(engine, args) -> dict | None:
     tbps = args.hbm_tbps or next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
     if not tbps:
         return None
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    embed = engine.model.model.embed_tokens.weight  # decode reads a row of it (unless it is the tied lm_head)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()
+                  if p is not embed or engine.model.spec.tie_word_embeddings)
     kv = engine.kv_bytes_per_token
 
     def tok_per_s(batch: int, context: int) -> float:

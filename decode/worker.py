@@ -31,7 +31,10 @@ from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.requests import first_message, new_sequence, resumed_sequence
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
+from kvtransfer import spec as transport_spec
 from kvtransfer.tensors import dtype_name, unpack
+
+from .tp_kv import GroupReceive
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,10 @@ class DecodeWorker(WorkerLoop):
         self.shared_pool = self.pool_memory = None
         self.transport = None if colocated else transport
         shares = transport in ("shm", "nixl") and not colocated
-        self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None)
+        cfg = transport_cfg or TransportConfig(host=host, port=kv_port)
+        ranks_kv = None if colocated else ("decode.tp_kv:DecodeRankKV",
+                                           {transport_spec.ENV: transport_spec.dump(transport, cfg)})
+        self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None, tp_kv=ranks_kv)
         self.watch_group(self.engine)
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes
@@ -66,9 +72,9 @@ class DecodeWorker(WorkerLoop):
         self.completed = 0
         self.colocated = colocated
         self.role = "colocated" if colocated else "decode"
-        self.receiver = None
+        self.receiver = self.group_kv = None
+        self.adopting: dict = {}
         if not colocated:
-            cfg = transport_cfg or TransportConfig(host=host, port=kv_port)
             cfg.pool_bytes = min(cfg.pool_bytes, self.kv_budget)
             self.receiver = make_receiver(transport, cfg)
             self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
@@ -80,6 +86,7 @@ class DecodeWorker(WorkerLoop):
                 self.receiver.land = self._land
             self.receiver.start()
             self.kv_timeout = cfg.timeout_s
+            self.group_kv = GroupReceive(self)
         self.waiting: dict[str, tuple[dict, float]] = {}
         self.blocked: deque = deque()
         self.live: dict[str, Live] = {}
@@ -90,7 +97,7 @@ class DecodeWorker(WorkerLoop):
     def info(self):
         e = self.engine
         return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
-                "kv_addr": self.receiver.address if self.receiver else None, "max_len": e.max_len,
+                "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None, "tp": e.group.size, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
@@ -130,8 +137,11 @@ class DecodeWorker(WorkerLoop):
             self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
             self._try_start(rid)
         elif op == "_kv":
+            rid = rid.split(":h")[0]  # a slice of a request's KV (tp_kv)
             if rid in self.waiting:
                 self._try_start(rid)
+        elif op == "_adopted":
+            self.group_kv.finish(rid)
         elif op == "generate" and self.colocated:
             self._generate(msg)
         elif op == "hold" and not self.colocated:
@@ -200,7 +210,13 @@ class DecodeWorker(WorkerLoop):
                 self.engine.release(held)
         return Landing(PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens)), release)
 
+    def start_live(self, seq, phases) -> None:
+        self.kv_landed += 1
+        self.live[seq.rid] = Live(seq, phases)
+
     def _try_start(self, rid):
+        if GroupReceive.sliced(self.waiting[rid][0], self.engine):
+            return self.group_kv.try_start(rid)
         status = self.receiver.poll(rid)
         if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
             return
@@ -272,7 +288,10 @@ class DecodeWorker(WorkerLoop):
         self.live[rid] = Live(seq, colocated=True)
 
     def _abort(self, rid):
-        self.waiting.pop(rid, None)
+        msg = self.waiting.pop(rid, (None,))[0]
+        if self.group_kv is not None and (rid in self.adopting or (msg and GroupReceive.sliced(msg, self.engine))):
+            kv_tp = self.adopting[rid][3] if rid in self.adopting else GroupReceive.kv_tp(msg, self.engine)
+            self.group_kv.abort(rid, kv_tp or 1)
         for entry in [b for b in self.blocked if b[0].rid == rid]:
             self.blocked.remove(entry)
             entry[1].release()
@@ -294,8 +313,10 @@ class DecodeWorker(WorkerLoop):
                 self.engine.release(table)
         for rid, (_, deadline) in list(self.waiting.items()):
             if deadline < now:
-                del self.waiting[rid]
+                msg = self.waiting.pop(rid)[0]
                 self.receiver.abort(rid)
+                if GroupReceive.sliced(msg, self.engine):
+                    self.group_kv.abort(rid, GroupReceive.kv_tp(msg, self.engine) or 1)
                 self.fail(rid, 504, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s")
         self._admit_blocked()
         if not self.engine.has_work:
@@ -335,7 +356,7 @@ class DecodeWorker(WorkerLoop):
         self._finish(seq.rid)
         self.completed += 1
         decode_ms = (time.perf_counter() - live.started) * 1e3
-        phases = live.phases.to_dict() if live.phases else None
+        phases = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
         self.emit(seq.rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
                   completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases,
                   logprobs=seq.take_logprobs())

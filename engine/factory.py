@@ -19,6 +19,7 @@ def make_engine(cfg: EngineConfig, **kw):
         from .mlx_engine import MlxEngine
 
         kw.pop("pool_memory", None)
+        kw.pop("tp_kv", None)
         return MlxEngine(cfg, **kw)
     from .engine import Engine
 

@@ -3,7 +3,9 @@ block_size, kv_heads, head_dim]``, allocated once at start-up from the KV
 budget. A sequence's KV in the canonical layout the transports carry
 (per layer ``[tokens, kv_heads, head_dim]``) is its blocks' rows in order:
 ``pieces`` gives them as views (no copy) for transports that send or land
-bytes in place, ``gather``/``scatter`` copy to and from whole tensors."""
+bytes in place, ``gather``/``scatter`` copy to and from whole tensors (of a
+range of the pool's heads too: the slice one rank of a tensor-parallel
+group exchanges with a rank of a group of another size)."""
 from __future__ import annotations
 
 import torch
@@ -47,13 +49,15 @@ class KVPool:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
-    def gather(self, table: list[int], tokens: int, into: list | None = None) -> list:
-        """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given)."""
+    def gather(self, table: list[int], tokens: int, into: list | None = None, heads: tuple | None = None) -> list:
+        """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given); ``heads``:
+        only the pool's heads ``[first, end)``."""
         out = []
         slots = self._slots(table, tokens, self.layers[0][0].device)
+        h0, h1 = heads or (0, self.kv_heads)
         for i, (kc, vc) in enumerate(self.layers):
-            k = kc.view(-1, self.kv_heads, self.head_dim)[slots]
-            v = vc.view(-1, self.kv_heads, self.head_dim)[slots]
+            k = kc.view(-1, self.kv_heads, self.head_dim)[slots, h0:h1]
+            v = vc.view(-1, self.kv_heads, self.head_dim)[slots, h0:h1]
             if into is not None:
                 into[i][0].copy_(k)
                 into[i][1].copy_(v)
@@ -62,12 +66,14 @@ class KVPool:
                 out.append((k, v))
         return out
 
-    def scatter(self, table: list[int], layers) -> None:
-        """Write canonical ``(k, v)`` layers (any device/dtype-compatible tensors) into the sequence's blocks."""
+    def scatter(self, table: list[int], layers, heads: tuple | None = None) -> None:
+        """Write canonical ``(k, v)`` layers (any device/dtype-compatible tensors) into the sequence's blocks
+        (``heads``: into the pool's heads ``[first, end)`` only)."""
         it = iter(layers)
         first = next(it)
         tokens = first[0].shape[0]
         slots = self._slots(table, tokens, self.layers[0][0].device)
+        h0, h1 = heads or (0, self.kv_heads)
         for (kc, vc), (k, v) in zip(self.layers, [first, *it], strict=True):
-            kc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k.to(kc.device, kc.dtype))
-            vc.view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v.to(vc.device, vc.dtype))
+            kc.view(-1, self.kv_heads, self.head_dim)[:, h0:h1].index_copy_(0, slots, k.to(kc.device, kc.dtype))
+            vc.view(-1, self.kv_heads, self.head_dim)[:, h0:h1].index_copy_(0, slots, v.to(vc.device, vc.dtype))

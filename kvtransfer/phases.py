@@ -52,3 +52,15 @@ class PhaseTimes:
     def from_dict(cls, d: dict) -> "PhaseTimes":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in (d or {}).items() if k in names})
+
+
+def merge_ranks(own: PhaseTimes, reports: list[dict]) -> dict:
+    """One transfer's phases over the ranks of a tensor-parallel group that moved it side by side: each phase the
+    slowest rank's, bytes summed, every rank's own under ``ranks`` (``own`` is rank 0's; ``reports`` the others'
+    ``{rank, phases}``)."""
+    ranks = [own.to_dict()] + [r["phases"] for r in sorted(reports, key=lambda r: r["rank"])]
+    out = {name: max(r.get(name, 0.0) for r in ranks) for name in PHASES}
+    out["bytes"] = sum(r.get("bytes", 0) for r in ranks)
+    out["total"] = sum(out[name] for name in PHASES)
+    out["ranks"] = ranks
+    return out

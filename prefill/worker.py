@@ -39,7 +39,12 @@ from engine.factory import make_engine
 from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
+from kvtransfer import spec as transport_spec
 from kvtransfer.tensors import dtype_name
+
+from kvtransfer.phases import merge_ranks
+
+from .tp_kv import GroupPushes, push_slices
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +59,11 @@ class PrefillWorker(WorkerLoop):
         super().__init__(host, port, drain_s, self.cfg.token)
         self.pool_memory = None
         self.engine = make_engine(engine, hold_after_first=True,
-                                  pool_memory=self._pool_memory if transport == "nixl" else None)
+                                  pool_memory=self._pool_memory if transport == "nixl" else None,
+                                  tp_kv=("prefill.tp_kv:PrefillRankKV",
+                                         {transport_spec.ENV: transport_spec.dump(transport, self.cfg)}))
         self.watch_group(self.engine)
+        self.group_pushes = GroupPushes(self.engine)
         self.paged = getattr(self.engine, "paged", True)
         self.engine.on_schedule = self._scheduled
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
@@ -123,6 +131,10 @@ class PrefillWorker(WorkerLoop):
     def on_abort(self, rid):
         self.aborted.add(rid)
         self.sender.cancel(rid)  # a push to a decode worker that is gone or cut off would wait out its timeout
+        if self.engine.group.size > 1 or rid in self.sending:
+            for lo in range(self.engine.model.spec.num_kv_heads):
+                self.sender.cancel(f"{rid}:h{lo}")
+            self.group_pushes.cancel(rid)
 
     def handle(self, msg):
         rid = msg["rid"]
@@ -195,13 +207,16 @@ class PrefillWorker(WorkerLoop):
             entry = self.live.get(seq.rid)
             if entry is not None:
                 self._unqueue(entry)
-                if self.kv_stream and batch.samples(i) and isinstance(entry[1], str) and seq.rid not in self.aborted:
+                if self.kv_stream and batch.samples(i) and _is_dest(entry[1]) and seq.rid not in self.aborted:
                     streams.append((seq, entry[1], entry[4]))
         if not streams or (self.sender.one_at_a_time and self.pushing):
             return None  # one at a time: a stream would hold the transport for this whole forward
         self.progress = LayerProgress(self.engine.kv_shape[0], self.engine.device)
         for seq, dest, skip in streams:
             layout, table = self._suffix(seq, skip)
+            if self._grouped(dest):
+                self._start_group_push(seq, dest, layout, table, self.progress)
+                continue
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens), gate=self.progress)
             self.streamed += 1
             self._start_push(seq, dest, layout, kv, self.progress)
@@ -213,6 +228,47 @@ class PrefillWorker(WorkerLoop):
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
         self.senders.submit(self._push, seq.rid, dest, layout, kv, time.monotonic(), None, progress)
+
+    def _grouped(self, dest) -> bool:
+        """Whether this KV goes as head slices: either side is a tensor-parallel group."""
+        return isinstance(dest, list) or self.engine.group.size > 1
+
+    def _start_group_push(self, seq, dest, layout, table, computed):
+        """Every rank pushes its heads (``tp_kv``); the blocks are freed once all have."""
+        dests = dest if isinstance(dest, list) else [dest]
+        self.sending[seq.rid] = seq
+        self.kv_from_blocks += 1
+        self._count("pushing", 1)
+        self._count("held_bytes", layout.total_nbytes)
+        self.group_pushes.start(seq.rid, dests, table, layout.num_tokens, isinstance(computed, LayerProgress))
+        self.senders.submit(self._push_group, seq.rid, dests, table, layout, computed)
+
+    def _push_group(self, rid, dests, table, layout, computed):
+        """(Sender thread) This rank's slices, then the other ranks' reports: one ``kv_sent`` for the group."""
+        sent = False
+        progress = computed if isinstance(computed, LayerProgress) else None
+        try:
+            start = time.perf_counter()
+            try:
+                own = push_slices(self.engine, self.sender, rid, dests, table, layout.num_tokens, progress,
+                                  self.cfg.timeout_s)
+                reports = self.group_pushes.wait(rid, self.cfg.timeout_s)
+            except (TransferError, StepFailed) as e:
+                log.warning("KV push for %s failed: %s", rid, e)
+                self.group_pushes.discard(rid, self.cfg.timeout_s)
+                return self.fail(rid, 502, f"KV transfer to decode failed: {e}", stage="kv_send")
+            end = time.perf_counter()
+            done = progress.wait_computed(self.cfg.timeout_s) if progress is not None else computed
+            stream = {"streamed": progress is not None, "overlap": max(0.0, min(done, end) - start) * 1e3,
+                      "exposed": max(0.0, end - max(done, start)) * 1e3}
+            self.emit(rid, "kv_sent", phases=merge_ranks(own, reports), stream=stream)
+            sent = True
+        except StepFailed as e:
+            self.fail(rid, 502, f"prefill failed during the KV push: {e}", stage="kv_send")
+        finally:
+            self.inbox.put({"op": "_sent", "rid": rid, "ok": sent})
+            self._count("held_bytes", -layout.total_nbytes)
+            self._count("pushing", -1)
 
     def _unqueue(self, entry):
         """A prompt stops counting against ``max_queue`` once the engine schedules it (or it leaves)."""
@@ -229,7 +285,8 @@ class PrefillWorker(WorkerLoop):
     def _first(self, seq, text, dest, queued_at, skip=()):
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
-        self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3))
+        self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
+                  kv_tp=self.engine.group.size)
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
             if seq.finished:
                 self.reply_to.pop(rid, None)
@@ -238,10 +295,12 @@ class PrefillWorker(WorkerLoop):
             self.engine.free(seq)
             self.reply_to.pop(rid, None)
             return
-        if not isinstance(dest, str):
+        if not _is_dest(dest):
             self.engine.free(seq)
             return self.fail(rid, 500, "prefill request has no kv_dest")
         layout, table = self._suffix(seq, skip)
+        if self._grouped(dest):
+            return self._start_group_push(seq, dest, layout, table, now)
         if self.paged and self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             return self._start_push(seq, dest, layout, kv, now)
@@ -326,3 +385,8 @@ class PrefillWorker(WorkerLoop):
         self.senders.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
         super().close()
+
+
+def _is_dest(dest) -> bool:
+    """A decode worker's KV address, or a decode group's (one per rank)."""
+    return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))

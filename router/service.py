@@ -187,6 +187,7 @@ class Service:
                 log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
                          rid, fresh["token"], run.first["token"])
             first, decode_worker = run.first, run.workers.get("decode")
+            kv_tp = (fresh or first).get("kv_tp", 1)  # the prefill group whose head slices decode receives
             self.admission.adjust(rid, first["prompt_tokens"] + (first["params"].get("max_tokens") or 0))
             if first.get("finish_reason"):
                 finished = True
@@ -196,7 +197,8 @@ class Service:
                 return
             if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
-                                     prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"])
+                                     prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"],
+                                     kv_tp=kv_tp)
             async for ev in self._relay(run, inbox, first_worker):
                 yield ev
             finished = True

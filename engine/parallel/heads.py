@@ -61,3 +61,31 @@ def kv_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
     """KV heads ``[start, end)`` held by ``rank`` of a group of ``tp``."""
     start = kv_start(num_kv_heads, tp, rank)
     return start, start + max(1, num_kv_heads // tp)
+
+
+def send_pieces(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int) -> list[tuple[int, int, int]]:
+    """The KV slices rank ``src_rank`` of a group of ``src_tp`` sends to a group of ``dst_tp``:
+    ``(dst_rank, first head, end head)`` each, heads in the model's numbering. Of replicated heads only the first
+    replica sends; a head replicated on the receiving side goes to every rank that holds it."""
+    if src_rank % max(1, src_tp // num_kv_heads):
+        return []
+    s0, s1 = kv_range(num_kv_heads, src_tp, src_rank)
+    out = []
+    for dst in range(dst_tp):
+        d0, d1 = kv_range(num_kv_heads, dst_tp, dst)
+        lo, hi = max(s0, d0), min(s1, d1)
+        if lo < hi:
+            out.append((dst, lo, hi))
+    return out
+
+
+def recv_pieces(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[tuple[int, int]]:
+    """The ``(first head, end head)`` slices rank ``dst_rank`` of a group of ``dst_tp`` receives from a group of
+    ``src_tp`` (together they are its heads), in head order."""
+    return [(lo, hi) for src in range(src_tp) for dst, lo, hi in send_pieces(num_kv_heads, src_tp, src, dst_tp)
+            if dst == dst_rank]
+
+
+def piece_id(rid: str, first_head: int, pieces: int) -> str:
+    """The transfer id of one slice: the request id when a rank receives its KV in one piece."""
+    return rid if pieces == 1 else f"{rid}:h{first_head}"

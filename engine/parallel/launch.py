@@ -54,9 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_group(cfg: EngineConfig, device, kv: str | None = None) -> TPGroup:
+def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
     """Rank 0 of a group of ``cfg.tp`` on ``device`` (``loader.rank_device`` of rank 0); blocks until all joined.
-    ``kv``: ``module:Class`` the followers build to do their KV work (``follower.follow``)."""
+    ``kv``: ``(module:Class, environment)``: what the followers build to do their KV work (``follower.follow``)
+    and the variables it reads (a transport's config, with the cluster token, stays off the command line)."""
     check_fits(cfg)
     init = f"tcp://127.0.0.1:{free_port()}"
     plan = PlanSender(cfg.tp - 1)
@@ -65,8 +66,8 @@ def start_group(cfg: EngineConfig, device, kv: str | None = None) -> TPGroup:
     for rank in range(1, cfg.tp):
         cmd = [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank), "--size", str(cfg.tp),
                "--init", init, "--plan", plan.addresses[rank - 1], "--reports", plan.report_address,
-               "--config", config, "--parent", str(os.getpid())] + (["--kv", kv] if kv else [])
-        procs[rank] = subprocess.Popen(cmd, env=os.environ.copy())
+               "--config", config, "--parent", str(os.getpid())] + (["--kv", kv[0]] if kv else [])
+        procs[rank] = subprocess.Popen(cmd, env={**os.environ, **(kv[1] if kv else {})})
     group = TPGroup(cfg.tp, 0, None, plan)
     group.procs = procs
     group.on_lost = _default_lost

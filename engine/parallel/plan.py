@@ -47,7 +47,7 @@ class PlanSender:
         self.reports.setsockopt(zmq.LINGER, 0)
         self.reports.bind("tcp://127.0.0.1:*")
         self.report_address = self.reports.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.on_report = None
+        self._on_report, self._early = None, []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._read_reports, name="tp-reports", daemon=True).start()
@@ -61,12 +61,28 @@ class PlanSender:
     def step(self, rows, copies) -> None:
         self.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in copies])
 
+    @property
+    def on_report(self):
+        return self._on_report
+
+    @on_report.setter
+    def on_report(self, handler) -> None:
+        """Reports that came before a handler was set (a follower ready before rank 0's worker) go to it first."""
+        with self._lock:
+            self._on_report, early, self._early = handler, self._early, []
+        for msg in early:
+            handler(msg)
+
     def _read_reports(self) -> None:
         while not self._stop.is_set():
             if self.reports.poll(200):
                 msg = _unpack(self.reports.recv())
-                if self.on_report is not None:
-                    self.on_report(msg)
+                with self._lock:
+                    handler = self._on_report
+                    if handler is None:
+                        self._early.append(msg)
+                if handler is not None:
+                    handler(msg)
 
     def close(self) -> None:
         try:

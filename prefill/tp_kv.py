@@ -1,0 +1,141 @@
+"""KV pushes of a tensor-parallel prefill group: every rank sends its own KV heads, straight from its pool.
+
+Protocol (on the step plan, ``engine.parallel.plan``): rank 0 sends
+``kv_push{rid, dests, table, tokens, stream}`` — before the step whose forward
+computes the prompt's last chunk when the push streams layer by layer, after
+it otherwise. ``dests`` are the decode group's KV addresses, one per rank.
+Each rank sends the slices ``heads.send_pieces`` gives it, each as its own
+transfer (``heads.piece_id``): a slice that is all of a rank's heads goes
+from the pool blocks as they are (``PiecewiseKV``, streamed layer by layer);
+a part of them (the groups differ in size) is gathered out of the blocks
+once the forward ended, since a head range of a token's row is not contiguous.
+Followers answer ``report{rid, rank, ok, phases | error}``; rank 0 waits for
+all before ``kv_sent`` and before the blocks are freed (``GroupPushes``).
+``kv_cancel{rid}`` stops a push in flight."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.parallel.heads import kv_range, piece_id, recv_pieces, send_pieces
+from engine.progress import LayerProgress
+from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
+from kvtransfer import spec as transport_spec
+from kvtransfer.phases import PHASES, PhaseTimes
+from kvtransfer.tensors import dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
+                timeout_s: float = 60.0) -> PhaseTimes:
+    """Send this rank's slices of the KV in ``table`` to the decode ranks at ``dests``; phases summed over them."""
+    spec, group = engine.model.spec, engine.group
+    heads, b = spec.num_kv_heads, len(dests)
+    own = kv_range(heads, group.size, group.rank)[0]
+    total = PhaseTimes()
+    for dst, lo, hi in send_pieces(heads, group.size, group.rank, b):
+        layout = KVLayout(spec.num_layers, hi - lo, spec.head_dim, tokens, dtype_name(engine.dtype))
+        tid = piece_id(rid, lo, len(recv_pieces(heads, group.size, b, dst)))
+        whole = (lo - own, hi - own) == (0, engine.heads.kv_heads)
+        if whole and sender.takes_pieces(engine.device):
+            kv = PiecewiseKV(layout, engine.pieces(table, tokens), gate=progress)
+        else:
+            if progress is not None:
+                progress.wait_computed(timeout_s)
+            start = time.perf_counter()
+            kv = engine.pool.gather(table, tokens, heads=(lo - own, hi - own))
+            total.d2h += (time.perf_counter() - start) * 1e3
+        phases = sender.send(dests[dst], tid, layout, kv)
+        for name in (*PHASES, "bytes"):
+            setattr(total, name, getattr(total, name) + getattr(phases, name))
+    return total
+
+
+class GroupPushes:
+    """Rank 0's side: plan each push, collect the followers' reports."""
+
+    def __init__(self, engine):
+        self.plan, self.followers = engine.group.plan, engine.group.size - 1
+        self.reports: dict[str, list] = {}
+        self._cond = threading.Condition()
+        if self.plan is not None:
+            self.plan.on_report = self._on_report
+
+    def start(self, rid: str, dests: list, table: list, tokens: int, stream: bool) -> None:
+        if self.plan is not None:
+            with self._cond:
+                self.reports[rid] = []
+            self.plan.send("kv_push", rid=rid, dests=dests, table=list(table), tokens=tokens, stream=stream)
+
+    def cancel(self, rid: str) -> None:
+        if self.plan is not None:
+            self.plan.send("kv_cancel", rid=rid)
+
+    def _on_report(self, msg: dict) -> None:
+        with self._cond:
+            if msg.get("rid") in self.reports:
+                self.reports[msg["rid"]].append(msg)
+                self._cond.notify_all()
+
+    def discard(self, rid: str, timeout_s: float) -> None:
+        """After a failed push: stop the followers' part and wait (bounded) until they let go of the blocks."""
+        self.cancel(rid)
+        try:
+            self.wait(rid, timeout_s)
+        except TransferError:
+            pass
+
+    def wait(self, rid: str, timeout_s: float) -> list[dict]:
+        """Every follower's report of ``rid``; raises TransferError when one failed or they took too long."""
+        if self.plan is None:
+            return []
+        with self._cond:
+            done = self._cond.wait_for(lambda: len(self.reports.get(rid, ())) >= self.followers, timeout_s)
+            reports = self.reports.pop(rid, [])
+        failed = [r for r in reports if not r.get("ok")]
+        if failed:
+            raise TransferError(f"rank {failed[0]['rank']}: {failed[0].get('error')}")
+        if not done:
+            raise TransferError(f"{self.followers - len(reports)} ranks did not report within {timeout_s:.0f}s")
+        return reports
+
+
+class PrefillRankKV:
+    """A follower rank's side: its own sender, pushes run on a thread pool, reports to rank 0."""
+
+    def __init__(self, engine, plan):
+        name, self.cfg = transport_spec.load(os.environ[transport_spec.ENV])
+        self.engine, self.plan = engine, plan
+        self.sender = make_sender(name, self.cfg)
+        self.threads = ThreadPoolExecutor(4, thread_name_prefix="kv-send")
+        self.pending: LayerProgress | None = None
+
+    def take_progress(self):
+        progress, self.pending = self.pending, None
+        return progress
+
+    def handle(self, msg: dict) -> None:
+        if msg["op"] == "kv_cancel":
+            self.sender.cancel(msg["rid"])
+            for lo in range(self.engine.model.spec.num_kv_heads):
+                self.sender.cancel(f"{msg['rid']}:h{lo}")
+            return
+        progress = None
+        if msg.get("stream"):  # every push that streams from the coming step shares its progress
+            progress = self.pending = self.pending or LayerProgress(self.engine.kv_shape[0], self.engine.device)
+        self.threads.submit(self._push, msg, progress)
+
+    def _push(self, msg: dict, progress) -> None:
+        rank = self.engine.group.rank
+        try:
+            phases = push_slices(self.engine, self.sender, msg["rid"], msg["dests"], msg["table"], msg["tokens"],
+                                 progress, self.cfg.timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure ends the push with an error report
+            log.warning("rank %d: KV push of %s failed: %s", rank, msg["rid"], e)
+            self.plan.report(rid=msg["rid"], rank=rank, ok=False, error=str(e))
+            return
+        self.plan.report(rid=msg["rid"], rank=rank, ok=True, phases=phases.to_dict())
