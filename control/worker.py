@@ -51,8 +51,12 @@ class WorkerLoop:
         return {"role": self.role}
 
     def describe(self) -> dict:
-        return {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts,
-                "pid": os.getpid()}
+        out = {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts,
+               "pid": os.getpid()}
+        group = getattr(getattr(self, "engine", None), "group", None)
+        if group is not None and group.size > 1:
+            out.update(tp=group.size, rank_pids=[p.pid for p in group.procs.values()])
+        return out
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
         every = msg.get("every") if msg["op"] == "ping" else None
@@ -81,6 +85,17 @@ class WorkerLoop:
         group = getattr(engine, "group", None)
         if group is not None and group.size > 1:
             group.on_lost = self._rank_lost
+
+    def after_step_error(self) -> None:
+        """A step failed: when a rank of this worker's group died, fail everything and exit (as the watcher does),
+        rather than report the collective's error."""
+        group = getattr(getattr(self, "engine", None), "group", None)
+        if group is not None and group.size > 1:
+            from engine.parallel.launch import dead_rank
+
+            dead = dead_rank(group)
+            if dead is not None:
+                self._rank_lost(*dead)
 
     def _rank_lost(self, rank: int, code) -> None:
         """(Watcher thread) A rank of this worker's group exited: its collectives can only hang or fail now."""

@@ -102,7 +102,7 @@ class DecodeWorker(WorkerLoop):
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
-                "kv_reserved_bytes": sum(self.reserved.values()), "preemptions": e.scheduler.preemptions,
+                "kv_reserved_bytes": sum(list(self.reserved.values())), "preemptions": e.scheduler.preemptions,
                 "kv_landed_in_blocks": self.kv_landed,
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0),
@@ -117,7 +117,7 @@ class DecodeWorker(WorkerLoop):
     def _reserve(self, rid, prompt_len, params) -> bool:
         e = self.engine
         need = e.blocks.blocks_for(min(e.max_len, prompt_len + params.max_tokens)) * e.block_bytes
-        used = sum(self.reserved.values())
+        used = sum(list(self.reserved.values()))
         if used + need > self.kv_budget:
             self.fail(rid, 503, f"decode KV budget full: {used} of {self.kv_budget} bytes reserved, "
                                 f"{need} more needed", retry_after=1)
@@ -325,6 +325,7 @@ class DecodeWorker(WorkerLoop):
             out = self.engine.step()
         except Exception as e:
             log.exception("engine step failed")
+            self.after_step_error()
             for rid in list(self.live):
                 self._finish(rid)
                 self.fail(rid, 500, f"decode failed: {e}")

@@ -180,6 +180,7 @@ class PrefillWorker(WorkerLoop):
             out = self.engine.step()
         except Exception as e:
             log.exception("prefill step failed")
+            self.after_step_error()
             if self.progress is not None:
                 self.progress.fail(e)
             for rid, entry in list(self.live.items()):

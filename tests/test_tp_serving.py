@@ -1,0 +1,75 @@
+"""Serving with tensor-parallel groups on the CPU (gloo ranks as processes): ``pdserve up`` with prefill and decode
+groups of different sizes, over tcp and shm, streams the tokens of the one-device reference, four at once; a
+decode group that loses a rank fails its own streams within 5 s while the other group's finish, and comes back."""
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from deploy.local import Cluster
+from engine import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.generate import generate_many
+from tests.streams import StreamClient, started
+from tests.test_failures import LONG, eventually
+from tests.test_retry import all_back, health
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "tensor parallel " * 6, "a b c d e f g"]
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    engine = Engine(EngineConfig(threads=1))
+    out = generate_many(engine, [engine.tokenizer.encode(p) for p in PROMPTS],
+                        [SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True) for _ in PROMPTS])
+    return [seq.output_ids for _, seq in out]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)], ids=["2to1", "1to2", "2to2"])
+def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, prefill_tp, decode_tp):
+    cluster = Cluster("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--transport", transport)
+    try:
+        cluster.wait_ready()
+        bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+                  for p in PROMPTS]
+        clients = started([StreamClient(cluster.url, b) for b in bodies])
+        for c in clients:
+            c.join(120)
+        assert [c.error for c in clients] == [None] * 4
+        assert [c.ids for c in clients] == reference
+        kv = clients[0].pdserve
+        assert kv["transport"] == transport and kv["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)
+        workers = health(cluster.url)["workers"]
+        assert [w.get("tp", 1) for w in workers["prefill"] + workers["decode"]] == [prefill_tp, decode_tp]
+        assert eventually(lambda: all_back(cluster.url), 30, 0.5)
+    finally:
+        cluster.stop()
+
+
+def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
+    cluster = Cluster("--decode", "2", "--decode-tp", "2").wait_ready()
+    try:
+        clients = started([StreamClient(cluster.url, LONG) for _ in range(4)])
+        for c in clients:
+            c.wait_tokens(3)
+        assert eventually(lambda: sum(w["active"] for w in health(cluster.url)["workers"]["decode"]) == 4, 10, 0.1)
+        victim = max(health(cluster.url)["workers"]["decode"], key=lambda w: w["active"])
+        on_victim = victim["active"]
+        os.kill(victim["rank_pids"][0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        for c in clients:
+            c.join(120)
+        failed = [c for c in clients if c.error]
+        assert len(failed) == on_victim >= 1 and all(c.ended_at - killed_at <= 5 for c in failed)
+        assert "tensor-parallel rank 1" in failed[0].error["message"]
+        assert all(c.finished and c.tokens == LONG["max_tokens"] for c in clients if not c.error)
+        assert eventually(lambda: all_back(cluster.url), 90, 0.5)  # `up` restarted the group as a unit
+        assert httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60).status_code == 200
+        restarted = [w for w in health(cluster.url)["workers"]["decode"] if w["pid"] != victim["pid"]]
+        assert any(w["restarts"] >= 1 and w["tp"] == 2 for w in restarted)
+    finally:
+        cluster.stop()
