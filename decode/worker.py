@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-from control.worker import WorkerLoop
+from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.requests import first_message, new_sequence, resumed_sequence
@@ -56,6 +56,8 @@ class DecodeWorker(WorkerLoop):
                  kv_port: int = 0, colocated: bool = False, transport_cfg: TransportConfig | None = None,
                  kv_budget_bytes: int = 0, drain_s: float = 20.0):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
+        if not colocated:
+            fixed_world(transport, engine)
         if kv_budget_bytes:
             engine.kv_budget_bytes = kv_budget_bytes
         self.shared_pool = self.pool_memory = None

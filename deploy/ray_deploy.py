@@ -7,7 +7,12 @@ Actors are placed by Ray from their resources: ``--gpus-per-worker``, and
 per role any custom resources (``--prefill-resources '{"pdserve-prefill":
 0.01}'``; a node started with ``--resources`` or the built-in
 ``node:<ip>`` pins a role to kinds of hosts). Ray restarts a worker actor
-that died (``--max-restarts``); its new process has a new address. The
+that died (``--max-restarts``), and an actor whose process exited on its own
+(a tensor-parallel rank died, say) dies with it, to be restarted; its new
+process has a new address. A ``--tp N`` worker is one actor holding N GPUs
+(``--gpus-per-worker`` each, in a STRICT_PACK placement group, so one node):
+its process is rank 0 and starts the other ranks as its children, on the
+GPUs Ray gave the actor, so the group is placed and restarted as a unit. The
 router actor keeps a workers file current from the named actors every
 second, and the router re-reads it (``pdserve router --workers-file``): new
 workers join, gone ones leave, nobody writes addresses by hand.
@@ -58,7 +63,7 @@ class Process:
     def __init__(self, role: str, argv: list[str], host: str | None = None, port: int = 0):
         import ray
 
-        self.role = role
+        self.role, self.draining = role, False
         self.ip = host or ray.util.get_node_ip_address()
         self.port = port or _free_port(self.ip)
         self.node = ray.get_runtime_context().get_node_id()
@@ -75,7 +80,9 @@ class Process:
         env = {**os.environ, "PDSERVE_RAY_NODE_IP": self.ip}  # the ray transport joins from this node
         self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, env=env)
         started.set()
-        self.proc.wait()
+        code = self.proc.wait()
+        if not self.draining:  # exited on its own: the actor goes too, so Ray restarts the whole worker
+            os._exit(code or 1)
 
     def address(self) -> str:
         return f"http://{self.ip}:{self.port}" if self.role == "router" else f"tcp://{self.ip}:{self.port}"
@@ -86,6 +93,7 @@ class Process:
 
     def drain(self, timeout: float = 60.0) -> int | None:
         """SIGTERM: the process finishes what it has (graceful shutdown), then exits."""
+        self.draining = True
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
@@ -130,12 +138,22 @@ class RouterProcess(Process):
             self._write(self._members())
 
 
-def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None):
+def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None,
+           ranks: int = 1):
+    """``ranks`` > 1 with GPUs: the actor holds ``ranks * gpus`` GPUs of one node (a STRICT_PACK placement group)."""
     import ray
 
-    return ray.remote(cls).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0, num_gpus=gpus,
-                                   resources=resources or None, max_restarts=max_restarts, max_concurrency=4,
-                                   runtime_env={"env_vars": env})
+    extra = {}
+    if ranks > 1 and gpus:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group([{"GPU": gpus * ranks}], strategy="STRICT_PACK", lifetime="detached",
+                                name=f"{namespace}-{name}")
+        extra["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return ray.remote(cls).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0,
+                                   num_gpus=gpus * ranks, resources=resources or None, max_restarts=max_restarts,
+                                   max_concurrency=4, runtime_env={"env_vars": env}, **extra)
 
 
 def _connect(state: dict):
@@ -174,7 +192,7 @@ def _add_workers(ray, state: dict, role: str, count: int) -> None:
         used.add(index)
         resources = state["resources"].get(role)
         _actor(Process, f"{role}-{index}", state["namespace"], state["env"], state["max_restarts"],
-               state["gpus_per_worker"], resources).remote(role, state["worker_args"])
+               state["gpus_per_worker"], resources, state.get("tp", 1)).remote(role, state["worker_args"])
 
 
 def deploy_ray(args) -> int:
@@ -187,7 +205,7 @@ def deploy_ray(args) -> int:
         with open(args.api_key_file) as f:
             env["PDSERVE_API_KEY"] = f.read().strip()
     state = {"name": name, "namespace": f"pdserve-{name}", "env": env, "max_restarts": args.max_restarts,
-             "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args,
+             "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args, "tp": args.tp,
              "resources": {role: json.loads(getattr(args, f"{role}_resources") or "{}") for role in ROLES}}
     if args.address:
         state.update(address=args.address, ray_env={k: os.environ[k] for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
@@ -256,7 +274,18 @@ def scale(args) -> int:
             actor = ray.get_actor(name)
             ray.get(actor.drain.remote(), timeout=120)
             ray.kill(actor, no_restart=True)
+            _remove_groups(state["namespace"] + "-" + name, exact=True)
     return 0
+
+
+def _remove_groups(prefix: str, exact: bool = False) -> None:
+    """Remove the placement groups (of ``--tp`` workers) named ``prefix`` (``exact``) or starting with it."""
+    from ray.util import get_placement_group, placement_group_table, remove_placement_group
+
+    for entry in placement_group_table().values():
+        name = entry.get("name") or ""
+        if (name == prefix if exact else name.startswith(prefix)) and entry.get("state") != "REMOVED":
+            remove_placement_group(get_placement_group(name))
 
 
 def down(args) -> int:
@@ -264,6 +293,7 @@ def down(args) -> int:
     ray = _connect(state)
     for name in ray.util.list_named_actors():
         ray.kill(ray.get_actor(name), no_restart=True)
+    _remove_groups(state["namespace"] + "-")
     ray.shutdown()
     for pgid in state.get("local_groups") or []:
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -37,6 +37,8 @@ class Metrics:
                                 "(overlap) and left after it (exposed)", ["transport", "part"], buckets=PHASE_BUCKETS,
                                 registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
+        self.rank_wire = Histogram("pdserve_kv_transfer_rank_wire_seconds", "KV wire time of each rank of a "
+                                   "tensor-parallel decode group", ["transport", "rank"], buckets=PHASE_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.retries = Counter("pdserve_request_retries", "Requests run again on other workers, by what failed",
                                ["reason"], registry=r)
@@ -57,6 +59,10 @@ class Metrics:
             if name in phases:
                 self.phase.labels(transport, name).observe(phases[name] / 1e3)
         self.kv_bytes.labels(transport).inc(phases.get("bytes", 0))
+        ranks = phases.get("ranks")
+        for rank, own in enumerate(ranks if isinstance(ranks, list) and len(ranks) <= 64 else []):
+            if isinstance(own, dict) and isinstance(own.get("wire"), (int, float)):
+                self.rank_wire.labels(transport, str(rank)).observe(own["wire"] / 1e3)
 
     def observe_stream(self, transport: str, stream: dict):
         for part in ("overlap", "exposed"):

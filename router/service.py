@@ -316,5 +316,8 @@ class Service:
         timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")})
         timing["transfer_total"] = kv.get("total", 0.0)
         timing["kv_bytes"] = kv.get("bytes", 0)
+        if isinstance(kv.get("ranks"), list):  # a tensor-parallel decode group: the phases above are the slowest rank's
+            timing["kv_ranks"] = [{p: r.get(p, 0.0) for p in ("wire", "h2d", "total", "bytes")} for r in kv["ranks"]
+                                  if isinstance(r, dict)]
         timing.setdefault("decode", 0.0)
         return timing

@@ -29,8 +29,8 @@ def cli(*args, timeout=240) -> str:
     return out.stdout
 
 
-def status() -> dict:
-    return json.loads(cli("status", "--name", NAME, "--json"))
+def status(name: str = NAME) -> dict:
+    return json.loads(cli("status", "--name", name, "--json"))
 
 
 def healthy(url, role) -> list:
@@ -152,6 +152,34 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
     finally:
         ray.shutdown()
     assert eventually(lambda: not deployment_processes(), 20), deployment_processes()
+
+
+def test_a_tensor_parallel_worker_is_one_actor_restarted_as_a_unit(ray_cluster):
+    """``--tp 2``: each worker's ranks run under its actor; a follower rank SIGKILLed takes the worker and its actor
+    down, Ray restarts the actor, and the group serves the reference tokens again."""
+    reference = Engine(EngineConfig(threads=1))
+    prompt = "Two ranks answer"
+    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
+    name = NAME + "-tp"
+    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "1", "--decode", "1", "--threads", "1",
+        "--tp", "2", "--port", "0")
+    try:
+        url = status(name)["url"]
+        assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 1, 120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def answer():
+            return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert answer() == want
+        decode = healthy(url, "decode")[0]
+        assert decode["tp"] == 2
+        os.kill(decode["rank_pids"][0], signal.SIGKILL)
+        assert eventually(lambda: [w["pid"] for w in healthy(url, "decode")] not in ([], [decode["pid"]]), 90)
+        assert {a["name"]: a for a in status(name)["actors"]}["decode-0"]["restarts"] >= 1
+        assert answer() == want
+    finally:
+        cli("down", "--name", name)
 
 
 def test_without_an_address_a_local_ray_cluster_is_started_and_down_stops_it(tmp_path):

@@ -2,6 +2,7 @@
 groups of different sizes, over tcp and shm, streams the tokens of the one-device reference, four at once; a
 decode group that loses a rank fails its own streams within 5 s while the other group's finish, and comes back."""
 import os
+import re
 import signal
 import time
 
@@ -43,6 +44,10 @@ def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, pr
         assert [c.ids for c in clients] == reference
         kv = clients[0].pdserve
         assert kv["transport"] == transport and kv["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)
+        if decode_tp == 2:  # each rank's own wire time, in the response and in Prometheus
+            assert len(kv["kv_ranks"]) == 2 and all(r["bytes"] > 0 for r in kv["kv_ranks"])
+            metrics = httpx.get(cluster.url + "/metrics").text
+            assert re.search(r'pdserve_kv_transfer_rank_wire_seconds_count\{[^}]*rank="1"', metrics)
         workers = health(cluster.url)["workers"]
         assert [w.get("tp", 1) for w in workers["prefill"] + workers["decode"]] == [prefill_tp, decode_tp]
         assert eventually(lambda: all_back(cluster.url), 30, 0.5)
