@@ -34,11 +34,14 @@ from kvtransfer.tensors import unpack
 log = logging.getLogger(__name__)
 
 
-def own_pieces(engine, kv_tp: int) -> list[tuple[str, tuple[int, int]]]:
-    """``(transfer id suffix-free piece, local head range)`` of this rank's slices from a prefill group of ``kv_tp``."""
-    spec, group = engine.model.spec, engine.group
-    pieces = recv_pieces(spec.num_kv_heads, kv_tp, group.size, group.rank)
-    first = kv_range(spec.num_kv_heads, group.size, group.rank)[0]
+def own_pieces(engine, kv_tp: int) -> list[tuple[int, tuple[int, int], int]]:
+    """``(first head, local head range, pieces)`` of this rank's slices from a prefill group of ``kv_tp``."""
+    if getattr(engine, "paged", True):
+        heads, size, rank = engine.model.spec.num_kv_heads, engine.group.size, engine.group.rank
+    else:  # the mlx engine receives whole heads on rank 0
+        heads, size, rank = engine.kv_shape[1], 1, 0
+    pieces = recv_pieces(heads, kv_tp, size, rank)
+    first = kv_range(heads, size, rank)[0]
     return [(lo, (lo - first, hi - first), len(pieces)) for lo, hi in pieces]
 
 
@@ -123,7 +126,7 @@ class GroupReceive:
 
     def __init__(self, worker, wait_s: float = 120.0):
         self.worker, self.engine = worker, worker.engine
-        self.plan = self.engine.group.plan
+        self.plan = self.engine.group.plan if getattr(self.engine, "paged", True) else None  # mlx: whole heads
         self.addresses: dict[int, str] = {}
         self.reports: dict[str, list] = {}
         self._cond = threading.Condition()
@@ -151,7 +154,7 @@ class GroupReceive:
 
     @staticmethod
     def sliced(msg: dict, engine) -> bool:
-        return msg.get("kv_tp", 1) != 1 or engine.group.size > 1
+        return msg.get("kv_tp", 1) != 1 or (getattr(engine, "paged", True) and engine.group.size > 1)
 
     @staticmethod
     def kv_tp(msg: dict, engine) -> int | None:
@@ -162,6 +165,8 @@ class GroupReceive:
         value = msg.get("kv_tp", 1)
         if type(value) is not int or not 1 <= value <= 1024:
             return None
+        if not getattr(engine, "paged", True):
+            return value if value <= engine.kv_shape[1] else None
         try:
             check_tp(engine.model.spec.num_heads, engine.model.spec.num_kv_heads, value)
         except ValueError:
@@ -181,6 +186,11 @@ class GroupReceive:
         w = self.worker
         msg, _ = w.waiting[rid]
         kv_tp = self.kv_tp(msg, self.engine)
+        if not getattr(self.engine, "paged", True):
+            del w.waiting[rid]
+            self.abort(rid, kv_tp or 1)
+            return w.fail(rid, 400, f"an mlx decode worker takes the KV whole, from a prefill worker of one rank "
+                                    f"(this one is a group of {msg.get('kv_tp')})")
         if kv_tp is None:
             del w.waiting[rid]
             return w.fail(rid, 400, f"bad decode request: kv_tp {msg.get('kv_tp')!r} cannot split this model")

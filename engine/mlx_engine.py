@@ -13,7 +13,14 @@ kv_heads, head_dim]``): ``gather_prompt`` copies a prefilled sequence's KV
 out as MLX arrays (the transpose from MLX's ``[1, heads, tokens, dim]``),
 ``add_prefilled`` starts a sequence from received KV, torch or MLX
 (converted to the model's dtype when the sender's differs). No paged pool, so no landing in
-blocks and no prefix cache here."""
+blocks and no prefix cache here.
+
+With ``--tp N`` the model is mlx-lm's sharded one and the other ranks replay
+this engine's operations (``parallel.mlx_group``; ``follow`` on their side):
+``mlx_add``, ``mlx_prefilled`` (their heads of the KV), ``mlx_free``,
+``mlx_gather`` (an all-gather of the heads), and ``mlx_step``, inside which
+rank 0 sends ``mlx_chosen`` (its tokens, and which sequences finished) after
+each forward."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +37,8 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .engine import StepOutput
 from .errors import RequestError
-from .sampler import choose
+from .parallel.group import SINGLE, TPGroup
+from .sampler import TokenChoice, choose
 from .scheduler import Batch
 from .sequence import Sequence
 from .tiny import TINY_NAME, build_tiny_model
@@ -86,12 +94,22 @@ class MlxEngine:
     kind = "mlx"
     paged = False
 
-    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None):
+    def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None,
+                 group: TPGroup | None = None, plan_in=None, tp_kv=None):
+        """``group``/``plan_in``: a follower rank's group and plan; rank 0 of ``--tp N`` starts its group here."""
         self.mx = _mx()
         from mlx_lm.models.cache import BatchKVCache, KVCache
 
         self._batch_cache, self._cache = BatchKVCache, KVCache
         self.cfg = cfg
+        if group is None and cfg.tp > 1:
+            import dataclasses
+
+            from .parallel.launch import start_group
+
+            group = start_group(dataclasses.replace(cfg, engine="mlx"), torch.device("cpu"))
+        self.group, self.plan, self.plan_in = group or SINGLE, (group or SINGLE).plan, plan_in
+        self._done: set = set()
         self.model, self.tokenizer, self.name, self.max_len, dtype, suppress = load_mlx(cfg)
         layer = self.model.layers[0].self_attn
         heads = getattr(layer, "n_kv_heads", None) or getattr(layer, "num_key_value_heads")
@@ -99,7 +117,13 @@ class MlxEngine:
         self.mx_dtype = dtype or self.model.layers[0].input_layernorm.weight.dtype  # norms stay unquantized
         self.dtype = TORCH_OF[str(self.mx_dtype).split(".")[-1]]
         self.device = torch.device("cpu")
-        self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))
+        self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))  # whole heads: what rank 0 sends
+        if self.group.size > 1:
+            from .parallel.mlx_group import check
+
+            check(self.model, self.group.size)
+            self.model.shard(self.group.group)
+            self.mx.eval(self.model.parameters())
         self.kv_bytes_per_token = 2 * self.kv_shape[0] * self.kv_shape[1] * self.kv_shape[2] * self.dtype.itemsize
         self.block_size = cfg.block_size
         budget = cfg.kv_budget_bytes or min(cfg.max_num_seqs * self.max_len * self.kv_bytes_per_token, 2 << 30)
@@ -114,7 +138,9 @@ class MlxEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.caches: dict[str, list] = {}
+        self.mirrors: dict[str, Sequence] = {}  # a follower's copies of rank 0's sequences
         self.batch = None
+        self._tell("mlx_config", hold_after_first=hold_after_first)
         log.info("mlx engine: %s (%s), context %d", self.name, self.mx_dtype, self.max_len)
 
     @property
@@ -141,11 +167,15 @@ class MlxEngine:
     def add(self, seq: Sequence) -> None:
         if seq.params.prompt_logprobs is not None:
             raise RequestError("prompt logprobs are not supported by the mlx engine", param="prompt_logprobs")
+        self._tell("mlx_add", rid=seq.rid, prompt_ids=list(seq.prompt_ids))
         self.waiting.append(seq)
 
     def add_prefilled(self, seq: Sequence, layers, prefix=None) -> bool:
-        """Start ``seq`` from its prompt's KV: canonical ``(k, v)`` host tensors per layer, any float dtype."""
+        """Start ``seq`` from its prompt's KV: canonical ``(k, v)`` host tensors per layer, any float dtype (all
+        heads: with ``--tp`` each rank keeps its own)."""
         mx, caches = self.mx, []
+        if self.group.size > 1 and self.plan_in is None:
+            layers = self._share_heads(seq, layers)
         for k, v in layers:
             cache = self._cache()
             cache.keys, cache.values = (self._to_mx(t) for t in (k, v))
@@ -158,11 +188,62 @@ class MlxEngine:
 
     def _to_mx(self, t):
         """An MLX array ``[1, heads, tokens, dim]`` in the model's dtype from canonical KV (torch or MLX)."""
+        return self._canonical(t).transpose(1, 0, 2)[None]
+
+    def _canonical(self, t):
+        """Canonical KV ``[tokens, heads, dim]`` (torch or MLX) as an MLX array in the model's dtype."""
         if isinstance(t, torch.Tensor):
             t = t.detach().to("cpu").contiguous()
             t = self.mx.array(t.view(torch.uint16).numpy()).view(self.mx.bfloat16) if t.dtype == torch.bfloat16 \
                 else self.mx.array(t.numpy())
-        return t.astype(self.mx_dtype).transpose(1, 0, 2)[None]
+        return t.astype(self.mx_dtype)
+
+    def _share_heads(self, seq, layers) -> list:
+        """(Rank 0) Send every other rank its heads of this KV with the sequence (``mlx_prefilled``); keep ours."""
+        from .parallel.mlx_group import heads_slice
+
+        mx, size = self.mx, self.group.size
+        full = [tuple(self._canonical(t) for t in kv) for kv in layers]
+        wire = mx.uint16 if self.mx_dtype in (mx.bfloat16, mx.float16) else mx.uint32
+        for rank in range(1, size):
+            parts = [[heads_slice(a, rank, size) for a in kv] for kv in full]
+            mx.eval(parts)
+            self.plan.send_to(rank, "mlx_prefilled", rid=seq.rid, prompt_ids=list(seq.prompt_ids),
+                              output_ids=list(seq.output_ids), shape=list(parts[0][0].shape),
+                              layers=[[np.array(a.view(wire)).tobytes() for a in kv] for kv in parts])
+        return [tuple(heads_slice(a, 0, size) for a in kv) for kv in full]
+
+    def follow(self, msg: dict) -> None:
+        """(A follower rank) Replay one of rank 0's operations (see the module docstring)."""
+        op, rid = msg["op"], msg.get("rid")
+        if op == "mlx_config":
+            self.hold_after_first = msg["hold_after_first"]
+        elif op == "mlx_add":
+            self.waiting.append(self._mirror(rid, msg["prompt_ids"]))
+        elif op == "mlx_step":
+            self.step()
+        elif op in ("mlx_free", "mlx_gather"):
+            seq = self.mirrors.get(rid)
+            if seq is not None and op == "mlx_free":
+                self._drop(seq)
+            elif seq is not None:
+                self.gather_prompt(seq, msg["skip"])
+        elif op == "mlx_prefilled":
+            seq = self._mirror(rid, msg["prompt_ids"])
+            seq.output_ids = list(msg["output_ids"])
+            mx = self.mx
+            wire = np.uint16 if self.mx_dtype in (mx.bfloat16, mx.float16) else np.uint32
+            layers = [tuple(mx.array(np.frombuffer(b, wire).reshape(msg["shape"])).view(self.mx_dtype) for b in kv)
+                      for kv in msg["layers"]]
+            self.add_prefilled(seq, layers)
+
+    def _mirror(self, rid: str, prompt_ids: list) -> Sequence:
+        """A follower's copy of rank 0's sequence: its tokens come from rank 0, it never finishes on its own."""
+        from .sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=self.max_len, temperature=0, ignore_eos=True)
+        seq = self.mirrors[rid] = Sequence(rid, list(prompt_ids), params, self.tokenizer, self.max_len)
+        return seq
 
     def _join(self, seq, caches) -> None:
         batch = [self._batch_cache.merge([c]) for c in caches]
@@ -182,6 +263,7 @@ class MlxEngine:
     def step(self) -> StepOutput:
         """One decode step of the running batch, then a chunk of the oldest waiting prompt (which joins the batch
         for the next step once it has its first token)."""
+        self._tell("mlx_step")
         out = StepOutput()
         if self.running:
             self._decode(out)
@@ -212,12 +294,13 @@ class MlxEngine:
             mx.eval([c.keys for c in caches])
             return
         self.waiting.popleft()
-        choice = choose(self._scores(logits), [seq], self.tokenizer.eos_token_id)[0]
+        choice = self._pick(logits, [seq])[0]
         out.tokens.append((seq, seq.append(choice)))
+        self._chosen([seq])
         if self.hold_after_first:
             return
         del self.caches[seq.rid]
-        if not seq.finished:
+        if not self._finished(seq):
             self._join(seq, caches)
 
     def _decode(self, out: StepOutput) -> None:
@@ -225,14 +308,47 @@ class MlxEngine:
         logits = self.model(ids, cache=self.batch)[:, -1, :]
         for s in self.running:
             s.num_computed += 1
-        choices = choose(self._scores(logits), self.running, self.tokenizer.eos_token_id)
+        choices = self._pick(logits, self.running)
         out.batch_tokens += len(self.running)
-        for seq, choice in zip(list(self.running), choices):
+        running = list(self.running)
+        for seq, choice in zip(running, choices):
             out.tokens.append((seq, seq.append(choice)))
-            if seq.finished:
-                self.free(seq)
+        self._chosen(running)
+        for seq in running:
+            if self._finished(seq):
+                self._drop(seq)
+
+    def _pick(self, logits, seqs) -> list:
+        """The next tokens: chosen here, or (a follower) rank 0's."""
+        if self.plan_in is None:
+            return choose(self._scores(logits), seqs, self.tokenizer.eos_token_id)
+        self.mx.eval(logits)  # the forward (and its all-reduces) runs when evaluated
+        msg = self._expect("mlx_chosen")
+        self._done = set(msg["done"])
+        return [TokenChoice(t) for t in msg["tokens"]]
+
+    def _chosen(self, seqs) -> None:
+        self._tell("mlx_chosen", tokens=[s.output_ids[-1] for s in seqs], done=[s.rid for s in seqs if s.finished])
+
+    def _finished(self, seq) -> bool:
+        return seq.finished or seq.rid in self._done
+
+    def _tell(self, op: str, **fields) -> None:
+        if self.plan is not None:
+            self.plan.send(op, **fields)
+
+    def _expect(self, op: str) -> dict:
+        msg = self.plan_in.recv(600_000)
+        if msg is None or msg["op"] != op:
+            raise RuntimeError(f"rank {self.group.rank}: expected {op} from rank 0, got {msg and msg['op']}")
+        return msg
 
     def free(self, seq: Sequence) -> None:
+        self._tell("mlx_free", rid=seq.rid)
+        self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.mirrors.pop(seq.rid, None)
         self.caches.pop(seq.rid, None)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -249,11 +365,21 @@ class MlxEngine:
     def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list:
         """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),
         evaluated; transports take them as they are (mlx) or as views of their memory."""
+        self._tell("mlx_gather", rid=seq.rid, skip=skip_tokens)
         mx, n = self.mx, len(seq.prompt_ids)
-        out = [tuple(mx.contiguous(a[0, :, skip_tokens:n, :].transpose(1, 0, 2)) for a in (c.keys, c.values))
-               for c in self.caches[seq.rid]]
+        heads = [(c.keys[0, :, skip_tokens:n, :], c.values[0, :, skip_tokens:n, :]) for c in self.caches[seq.rid]]
+        if self.group.size > 1:  # every rank's heads, in rank order
+            heads = [tuple(mx.distributed.all_gather(a, group=self.group.group) for a in kv) for kv in heads]
+        out = [tuple(mx.contiguous(a.transpose(1, 0, 2)) for a in kv) for kv in heads]
         mx.eval(out)
         return out
 
     def release(self, table) -> None:
         pass
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing otherwise)."""
+        if self.plan is not None:
+            from .parallel.launch import stop_group
+
+            stop_group(self.group)

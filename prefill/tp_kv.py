@@ -55,6 +55,31 @@ def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int,
     return total
 
 
+def push_whole(sender, rid: str, dests: list, layout: KVLayout, layers, meta=None) -> PhaseTimes:
+    """KV of all heads held in one place (the mlx engine's rank 0 gathers them) to a decode group: each rank its
+    slice (a copy of the head range), as one prefill rank of a group of one would send it."""
+    heads, total = layout.num_kv_heads, PhaseTimes()
+    for dst, lo, hi in send_pieces(heads, 1, 0, len(dests)):
+        part = KVLayout(layout.num_layers, hi - lo, layout.head_dim, layout.num_tokens, layout.dtype)
+        kv = layers if (lo, hi) == (0, heads) else [tuple(_heads_of(t, lo, hi) for t in kv) for kv in layers]
+        phases = sender.send(dests[dst], piece_id(rid, lo, len(recv_pieces(heads, 1, len(dests), dst))), part, kv,
+                             meta)
+        for name in (*PHASES, "bytes"):
+            setattr(total, name, getattr(total, name) + getattr(phases, name))
+    return total
+
+
+def _heads_of(t, lo: int, hi: int):
+    """Heads ``[lo, hi)`` of a canonical ``[tokens, heads, dim]`` layer, contiguous (torch or MLX)."""
+    if hasattr(t, "contiguous"):
+        return t[:, lo:hi].contiguous()
+    import mlx.core as mx
+
+    part = mx.contiguous(t[:, lo:hi])
+    mx.eval(part)
+    return part
+
+
 class GroupPushes:
     """Rank 0's side: plan each push, collect the followers' reports."""
 

@@ -44,7 +44,7 @@ from kvtransfer.tensors import dtype_name
 
 from kvtransfer.phases import merge_ranks
 
-from .tp_kv import GroupPushes, push_slices
+from .tp_kv import GroupPushes, push_slices, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,9 @@ class PrefillWorker(WorkerLoop):
         self.senders.submit(self._push, seq.rid, dest, layout, kv, time.monotonic(), None, progress)
 
     def _grouped(self, dest) -> bool:
-        """Whether this KV goes as head slices: either side is a tensor-parallel group."""
-        return isinstance(dest, list) or self.engine.group.size > 1
+        """Whether every rank sends its own head slices: either side is a tensor-parallel group (the mlx engine
+        gathers all heads on rank 0 instead, ``push_whole``)."""
+        return self.paged and (isinstance(dest, list) or self.engine.group.size > 1)
 
     def _start_group_push(self, seq, dest, layout, table, computed):
         """Every rank pushes its heads (``tp_kv``); the blocks are freed once all have."""
@@ -288,7 +289,7 @@ class PrefillWorker(WorkerLoop):
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
-                  kv_tp=self.engine.group.size)
+                  kv_tp=self.engine.group.size if self.paged else 1)  # the mlx engine sends whole heads
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
             if seq.finished:
                 self.reply_to.pop(rid, None)
@@ -360,7 +361,10 @@ class PrefillWorker(WorkerLoop):
                 return self.fail(rid, 504, f"KV lease of {self.cfg.lease_s:.0f}s expired before the transfer started")
             start = time.perf_counter()
             try:
-                phases = self.sender.send(dest, rid, layout, kv, meta)
+                if isinstance(dest, list):  # whole heads here (the mlx engine) for a decode group: its slices
+                    phases = push_whole(self.sender, rid, dest, layout, kv, meta)
+                else:
+                    phases = self.sender.send(dest, rid, layout, kv, meta)
             except (TransferError, StepFailed) as e:
                 log.warning("KV push for %s failed: %s", rid, e)
                 return self.fail(rid, 502, f"KV transfer to decode failed: {e}", stage="kv_send")

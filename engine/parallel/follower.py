@@ -41,6 +41,8 @@ def follow(engine, plan, parent: int, kv=None) -> None:
             return
         if op == "step":
             engine.follow_step(msg["rows"], msg["copies"], kv)
+        elif op.startswith("mlx_"):
+            engine.follow(msg)
         elif kv is not None and op.startswith("kv_"):
             kv.handle(msg)
         else:
@@ -68,10 +70,20 @@ def main(argv=None) -> int:
     from .plan import PlanReceiver
 
     cfg = EngineConfig(**json.loads(args.config))
-    device = rank_device(cfg.device, args.rank, args.size)
-    group = join(args.size, args.rank, args.init, device)
-    engine = Engine(cfg, group=group, device=device)
     plan = PlanReceiver(args.plan, args.reports)
+    from ..factory import engine_kind
+
+    if engine_kind(cfg) == "mlx":
+        from ..mlx_engine import MlxEngine
+        from .group import TPGroup
+        from .mlx_group import join as mlx_join
+
+        group = TPGroup(args.size, args.rank, mlx_join(args.init, args.rank))
+        engine = MlxEngine(cfg, group=group, plan_in=plan)
+    else:
+        device = rank_device(cfg.device, args.rank, args.size)
+        group = join(args.size, args.rank, args.init, device)
+        engine = Engine(cfg, group=group, device=device)
     kv = None
     if args.kv:
         import importlib

@@ -44,6 +44,11 @@ def model_heads(cfg: EngineConfig) -> tuple[int, int, int]:
 def check_fits(cfg: EngineConfig) -> None:
     heads, kv_heads, width = model_heads(cfg)
     check_tp(heads, kv_heads, cfg.tp)
+    from ..factory import engine_kind
+
+    if engine_kind(cfg) == "mlx" and kv_heads % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} on the mlx engine needs the {kv_heads} KV heads to split evenly (mlx-lm "
+                         "does not replicate them); use the torch engine or a TP that divides them")
     if width % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} does not divide the MLP width {width}")
 
@@ -59,7 +64,15 @@ def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
     ``kv``: ``(module:Class, environment)``: what the followers build to do their KV work (``follower.follow``)
     and the variables it reads (a transport's config, with the cluster token, stays off the command line)."""
     check_fits(cfg)
-    init = f"tcp://127.0.0.1:{free_port()}"
+    from ..factory import engine_kind
+
+    mlx = engine_kind(cfg) == "mlx"
+    if mlx:
+        from .mlx_group import hostfile
+
+        init = hostfile(cfg.tp)
+    else:
+        init = f"tcp://127.0.0.1:{free_port()}"
     plan = PlanSender(cfg.tp - 1)
     config = json.dumps(dataclasses.asdict(cfg))
     procs = {}
@@ -72,8 +85,13 @@ def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
     group.procs = procs
     group.on_lost = _default_lost
     threading.Thread(target=_watch, args=(group,), name="tp-watch", daemon=True).start()
-    joined = join(cfg.tp, 0, init, device)
-    group.group = joined.group
+    if mlx:
+        from .mlx_group import join as mlx_join
+
+        group.group = mlx_join(init, 0)
+        os.unlink(init)  # the ring is formed: every rank has read it
+    else:
+        group.group = join(cfg.tp, 0, init, device).group
     log.info("tensor-parallel group of %d ranks up (ranks 1..%d: pids %s)", cfg.tp, cfg.tp - 1,
              [p.pid for p in procs.values()])
     return group
@@ -124,3 +142,4 @@ def stop_group(group: TPGroup, wait_s: float = 5.0) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+

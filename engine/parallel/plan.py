@@ -58,6 +58,12 @@ class PlanSender:
             for sock in self.socks:
                 sock.send(raw)
 
+    def send_to(self, rank: int, op: str, **fields) -> None:
+        """To follower ``rank`` alone (its share of something), in order with everything else it is sent."""
+        raw = _pack(op, fields)
+        with self._lock:
+            self.socks[rank - 1].send(raw)
+
     def step(self, rows, copies) -> None:
         self.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in copies])
 
