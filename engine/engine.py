@@ -67,7 +67,8 @@ class Engine:
         self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.dtype.itemsize
         self.block_size = cfg.block_size
         self.num_blocks = self.group.min_int(cfg.num_blocks or self._default_blocks(cfg), self.device)
-        self._fit_context()
+        if not cfg.num_blocks:
+            self._fit_context()
         memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
         self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, self.heads.kv_heads, spec.head_dim,
                            self.dtype, self.device, memory)

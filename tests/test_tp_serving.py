@@ -29,8 +29,10 @@ def reference() -> list[list[int]]:
     return [seq.output_ids for _, seq in out]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)], ids=["2to1", "1to2", "2to2"])
+@pytest.mark.parametrize("transport,prefill_tp,decode_tp", [
+    ("tcp", 2, 1), ("tcp", 1, 2), ("tcp", 2, 2), ("shm", 2, 1), ("shm", 1, 2), ("shm", 2, 2),
+    ("arrow", 1, 2), ("nixl", 2, 1), ("pickle", 2, 2),
+], ids=lambda v: str(v))
 def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, prefill_tp, decode_tp):
     cluster = Cluster("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--transport", transport)
     try:
