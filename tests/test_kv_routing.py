@@ -41,8 +41,11 @@ def reference():
         cluster.stop()
 
 
-def test_a_repeated_prefix_is_computed_once_and_sent_once(reference):
-    cluster = Cluster("--policy", "kv_aware").wait_ready()
+@pytest.mark.parametrize("tp", [(), ("--prefill-tp", "2", "--decode-tp", "1"), ("--prefill-tp", "1", "--decode-tp", "2")],
+                         ids=["tp1", "tp2to1", "tp1to2"])
+def test_a_repeated_prefix_is_computed_once_and_sent_once(reference, tp):
+    """Across tensor-parallel groups too: the held blocks are the same ids on every rank of the decode group."""
+    cluster = Cluster("--policy", "kv_aware", *tp).wait_ready()
     try:
         first = complete(cluster.url, SYSTEM + "Question one?")
         settle(cluster.url, "decode", "prefix_cached_blocks", lambda got: got[0] > 0)
