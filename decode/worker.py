@@ -99,11 +99,13 @@ class DecodeWorker(WorkerLoop):
     def info(self):
         e = self.engine
         return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
-                "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None, "tp": e.group.size, "max_len": e.max_len,
+                "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None,
+                "tp": e.group.size, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
+                "kv_geometry": list(e.model_kv_shape),
                 "kv_reserved_bytes": sum(list(self.reserved.values())), "preemptions": e.scheduler.preemptions,
                 "kv_landed_in_blocks": self.kv_landed,
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),

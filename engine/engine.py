@@ -63,7 +63,8 @@ class Engine:
             torch.cuda.set_device(self.device)  # kernels launched by Triton go to the current device
         spec = self.model.spec
         self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
-        self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)
+        self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)  # this rank's
+        self.model_kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)  # the model's, all ranks together
         self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.dtype.itemsize
         self.block_size = cfg.block_size
         self.num_blocks = self.group.min_int(cfg.num_blocks or self._default_blocks(cfg), self.device)

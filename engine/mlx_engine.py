@@ -118,6 +118,7 @@ class MlxEngine:
         self.dtype = TORCH_OF[str(self.mx_dtype).split(".")[-1]]
         self.device = torch.device("cpu")
         self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))  # whole heads: what rank 0 sends
+        self.model_kv_shape = self.kv_shape
         if self.group.size > 1:
             from .parallel.mlx_group import check
 

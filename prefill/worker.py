@@ -105,7 +105,8 @@ class PrefillWorker(WorkerLoop):
                 "kv_from_blocks": self.kv_from_blocks, "kv_streamed": self.streamed,
                 "kv_staged_bytes": self.sender.staged_bytes,
                 "kv_gathered_bytes": getattr(self.sender, "gathered_bytes", 0), "kv_blocks": self.engine.num_blocks,
-                "kv_blocks_free": self.engine.blocks.num_free, "prefilling": len(self.live),
+                "kv_blocks_free": self.engine.blocks.num_free,
+                "kv_geometry": list(self.engine.model_kv_shape), "prefilling": len(self.live),
                 "kv_skipped_bytes": self.kv_skipped_bytes, **self.engine.prefix_info()}
 
     def busy(self):

@@ -352,7 +352,9 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                           for c in g.clients] for role, g in groups.items() if g.clients}
         metrics.observe_workers(groups)
         ok = service.ready()
+        problems = service.mismatches()
         return JSONResponse({"status": "ok" if ok else "unavailable", "mode": mode(), "workers": workers,
+                             **({"problems": problems} if problems else {}),
                              "admission": {"queued": admission.queued, "in_flight": len(service.inboxes),
                                            "reserved": len(admission.reserved)}},
                             status_code=200 if ok else 503)

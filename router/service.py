@@ -75,6 +75,17 @@ class Service:
     def models(self) -> set[str]:
         return {c.info.get("model") for g in self.groups.values() for c in g.healthy() if c.info.get("model")}
 
+    def mismatches(self) -> list[str]:
+        """Pairs of prefill and decode workers that cannot hand KV to each other (another model, another KV shape),
+        each with the fix."""
+        out = []
+        for p in self.groups.get("prefill").clients if self.groups.get("prefill") else []:
+            for d in self.groups.get("decode").clients if self.groups.get("decode") else []:
+                problem = pair_mismatch(p.info, d.info)
+                if problem:
+                    out.append(f"prefill {p.address} and decode {d.address}: {problem}")
+        return out
+
     def ready(self) -> bool:
         roles = ["colocated"] if self.colocated else ["prefill", "decode"]
         return all(self.groups.get(r) and self.groups[r].healthy() for r in roles)
@@ -235,6 +246,10 @@ class Service:
         decode = run.workers["decode"] = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt,
                                                                       run.avoid)
         prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid)
+        problem = pair_mismatch(prefill.info, decode.info)
+        if problem:
+            raise ApiError(500, f"prefill worker {prefill.address} cannot hand its KV to decode worker "
+                                f"{decode.address}: {problem}")
         run.timing["transport"] = decode.info.get("transport")
         skip = await self._hold(decode, prefill, rid, inbox, prompt)
         await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
@@ -321,3 +336,15 @@ class Service:
                                   if isinstance(r, dict)]
         timing.setdefault("decode", 0.0)
         return timing
+
+
+def pair_mismatch(prefill: dict, decode: dict) -> str | None:
+    """Why a prefill worker's KV cannot go to a decode worker (as the fix to name), or None."""
+    pm, dm = prefill.get("model"), decode.get("model")
+    if pm and dm and pm != dm:
+        return f"they serve different models ({pm!r} and {dm!r}): start both roles with the same --model"
+    pg, dg = prefill.get("kv_geometry"), decode.get("kv_geometry")
+    if pg and dg and list(pg) != list(dg):
+        return (f"their KV shapes differ (layers, KV heads, head size {pg} and {dg}): the same --model on both, "
+                "any --tp and --dtype")
+    return None

@@ -75,8 +75,30 @@ def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
         assert "tensor-parallel rank 1" in failed[0].error["message"]
         assert all(c.finished and c.tokens == LONG["max_tokens"] for c in clients if not c.error)
         assert eventually(lambda: all_back(cluster.url), 90, 0.5)  # `up` restarted the group as a unit
-        assert httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60).status_code == 200
+        again = httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60)
+        assert again.status_code == 200
         restarted = [w for w in health(cluster.url)["workers"]["decode"] if w["pid"] != victim["pid"]]
         assert any(w["restarts"] >= 1 and w["tp"] == 2 for w in restarted)
     finally:
         cluster.stop()
+
+
+def test_prefill_and_decode_of_different_models_are_a_clear_error(tmp_path):
+    from tests.fleet import Fleet
+    from tests.test_paged_engine import write_family
+
+    other = write_family(tmp_path / "other", "qwen3")
+    fleet = Fleet()
+    try:
+        fleet.worker("p", "prefill", "--tp", "2")
+        fleet.worker("d", "decode", "--model", other)
+        fleet.router()
+        fleet.wait_healthy()
+        problems = fleet.health()["problems"]
+        assert len(problems) == 1 and "serve different models" in problems[0] and "--model" in problems[0]
+        r = httpx.post(fleet.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 500 and "start both roles with the same --model" in r.json()["error"]["message"]
+        assert fleet.health()["workers"]["prefill"][0]["healthy"]  # and the workers keep serving
+    finally:
+        fleet.stop()

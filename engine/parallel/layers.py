@@ -49,7 +49,7 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """``y = sum over ranks of x_r W_r^T``: this rank's input columns ``[start, start + length)``, then an all-reduce."""
+    """``y = sum over ranks of x_r W_r^T``: this rank's input columns ``[start, start + length)``, an all-reduce."""
 
     def __init__(self, start: int, length: int, out_features: int, group: TPGroup = SINGLE):
         super().__init__(length, out_features, bias=False)
