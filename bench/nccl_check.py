@@ -82,9 +82,14 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
     from kvtransfer.tensors import layout_of, materialize
 
     device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # this check's own world (barriers, the raw baseline); the transport forms its pair by itself
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
+                            **({"device_id": device} if device.type == "cuda" else {}))
     payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
-                          options={"nccl_init": init, "nccl_rank": rank, "nccl_backend": backend, "nccl_eager": eager,
+                          options={"device": str(device), "nccl_backend": backend, "nccl_eager": eager,
                                    "nccl_direct_cuts": direct_cuts,
                                    "nccl_pool_bytes": (3 << 30) if backend == "nccl" else (64 << 20)})
     jobs = [(f"{s}-{d}", s, d, False) for s in CASES for d in DTYPES] + [("strided", (4, 3, 33, 16), torch.bfloat16, True)]
@@ -225,8 +230,8 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
         results["piece_sends"] = s.piece_sends
         s.close()
         dist.barrier()
-        begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"))
-    # the hang-up left the world unusable (the receiver aborted it): no collective from here on
+        begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"), s.pairs.for_dest(dest)[0].key)
+    # the hang-up left the pair unusable (the receiver aborted it); this check's own world is done too
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
     if backend == "gloo":
@@ -316,26 +321,27 @@ def unpack_of(got):
     return unpack(got.buffer, got.layout)
 
 
-def begin_then_hang_up(dest, layout):
+def begin_then_hang_up(dest, layout, pair: str):
     """A sender that dies between its eager BEGIN and its send: the receiver has posted a recv
     that nothing will ever match."""
     from kvtransfer import frames
     host, port = dest.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": "hangup", "layout": layout.to_dict(), "meta": {}, "eager": True}))
+        sock.sendall(frames.meta_frame(frames.BEGIN, {"tid": "hangup", "layout": layout.to_dict(), "meta": {}, "eager": True,
+                                                       "pair": pair}))
         time.sleep(0.5)
 
 
 def hung_up_sender_fails_fast(r) -> dict:
     from kvtransfer import TransferError
-    from kvtransfer import nccl_ops
+    from kvtransfer import nccl_pairs
     start = time.monotonic()
     try:
         r.wait("hangup", 30)
         failed = False
     except (TransferError, TimeoutError):
         failed = True
-    return {"reported_error": failed, "seconds": time.monotonic() - start, "world": list(nccl_ops.broken)}
+    return {"reported_error": failed, "seconds": time.monotonic() - start, "world": list(nccl_pairs.broken)}
 
 
 def main():

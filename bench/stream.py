@@ -189,13 +189,13 @@ def measure(args, link) -> tuple[list[dict], dict]:
     port = free_port(link.recv_host) if link.name == "loopback" else 47011
     options, recv_device = {}, "cpu"
     if args.transport == "nccl":
-        init = f"tcp://127.0.0.1:{free_port()}"
-        options = {"nccl_init": init, "nccl_stream": True}
+        options = {"nccl_stream": True}
         recv_device = "cuda:1"
     base = [sys.executable, "-m", "bench.stream"]
     send_spec = {"transport": args.transport, "model": args.model, "device": "cuda:0" if args.transport == "nccl"
                  else args.device, "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
-                 "host": link.send_host, "dest": f"{link.recv_host}:{port}", "options": {**options, "nccl_rank": 0}}
+                 "host": link.send_host, "dest": f"{link.recv_host}:{port}",
+                 "options": {**options, **({"device": "cuda:0"} if args.transport == "nccl" else {})}}
     sender = Peer(link.wrap("send", base + ["peer-send"]), send_spec, env)
     receiver = None
     try:
@@ -204,7 +204,8 @@ def measure(args, link) -> tuple[list[dict], dict]:
             recv_device = ready["device"]
         receiver = Peer(link.wrap("recv", base + ["peer-recv"]), {
             "transport": args.transport, "layout": ready["layout"], "device": recv_device, "host": link.recv_host,
-            "port": port, "options": {**options, "nccl_rank": 1}}, env)
+            "port": port, "options": {**options, **({"device": recv_device} if args.transport == "nccl" else {})}},
+            env)
         receiver.read()
         turns = []
         for i in range(2 * args.rounds + 2):

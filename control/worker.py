@@ -235,8 +235,8 @@ class WorkerLoop:
 
 
 def fixed_world(transport: str, engine_cfg) -> None:
-    """A clear error for the transports whose two processes form one fixed world (nccl, mlx) under ``--tp``: the
-    slices of a tensor-parallel group go between many pairs of ranks."""
-    if getattr(engine_cfg, "tp", 1) > 1 and transport in ("nccl", "mlx"):
+    """A clear error for the transport whose two processes form one fixed world (mlx) under ``--tp``: the slices of
+    a tensor-parallel group go between many pairs of ranks."""
+    if getattr(engine_cfg, "tp", 1) > 1 and transport == "mlx":
         raise ValueError(f"--transport {transport} pairs two processes in one fixed world and cannot carry the KV "
-                         f"of --tp {engine_cfg.tp} groups yet; use tcp, shm, nixl, arrow, ray or pickle")
+                         f"of --tp {engine_cfg.tp} groups; use tcp, shm, nccl, nixl, arrow, ray or pickle")

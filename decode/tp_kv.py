@@ -94,6 +94,8 @@ class DecodeRankKV:
     def __init__(self, engine, plan):
         name, cfg = transport_spec.load(os.environ[transport_spec.ENV])
         cfg.port = 0
+        if name == "nccl":  # this rank's GPU, not rank 0's
+            cfg.options["device"] = str(engine.device)
         self.engine, self.plan, self.timeout = engine, plan, cfg.timeout_s
         self.receiver = make_receiver(name, cfg)
         self.receiver.start()

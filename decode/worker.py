@@ -78,6 +78,8 @@ class DecodeWorker(WorkerLoop):
         self.adopting: dict = {}
         if not colocated:
             cfg.pool_bytes = min(cfg.pool_bytes, self.kv_budget)
+            if transport == "nccl":  # the transport's GPU is the engine's
+                cfg.options.setdefault("device", str(self.engine.device))
             self.receiver = make_receiver(transport, cfg)
             self.receiver.on_complete = lambda tid, status: self.inbox.put({"op": "_kv", "rid": tid})
             if self.shared_pool is not None:

@@ -58,7 +58,7 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--mlx-backend", default="ring", help="mlx transport: ring (TCP) | jaccl (Thunderbolt RDMA) | any")
     p.add_argument("--mlx-hostfile", default=None, help="mlx transport: MLX hostfile (JSON)")
     p.add_argument("--kv-option", action="append", default=[], type=kv_option, metavar="KEY=VALUE",
-                   help="a transport option, repeatable: nccl_init=tcp://host:port, nccl_rank=0, device=cuda:1, "
+                   help="a transport option, repeatable: device=cuda:1, nccl_backend=gloo, "
                         "nixl_pool_bytes=2G, nixl_progress_thread=true, mlx_pool_bytes=1G, ...")
 
 

@@ -4,8 +4,8 @@ Workers get free ports, the router is pointed at them, and ``up`` returns
 to the caller's terminal only when the cluster stops: on Ctrl-C/SIGTERM, or
 when the router dies. A worker that dies is restarted on its ports
 (``deploy.supervise``) while the router serves with the others; only the
-two-rank transports (mlx, nccl), whose world one rank cannot re-form, stop
-the cluster when a worker dies. The children share
+two-rank mlx transport, whose world one rank cannot re-form, stops the
+cluster when a worker dies. The children share
 a cluster token (a fresh one unless PDSERVE_CLUSTER_TOKEN[_FILE] is set),
 passed in their environment, never on a command line."""
 from __future__ import annotations
@@ -74,23 +74,18 @@ def role_engine(args, role: str) -> list[str]:
 
 
 def rank_args(args, host: str) -> list[list[str]] | None:
-    """Per-rank arguments of a fixed two-rank world (mlx, nccl): rank 0 is the prefill worker, rank 1 decode."""
-    if args.transport not in ("mlx", "nccl") or args.colocated:
+    """Per-rank arguments of a fixed two-rank world (the mlx transport): rank 0 is the prefill worker, rank 1 decode."""
+    if args.transport != "mlx" or args.colocated:
         return None
     if args.prefill != 1 or args.decode != 1:
         raise RuntimeError(f"the {args.transport} transport pairs exactly one prefill with one decode worker "
                            "(--prefill 1 --decode 1)")
-    if args.transport == "mlx":
-        hostfile = args.mlx_hostfile
-        if not hostfile:
-            fd, hostfile = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
-        return [["--mlx-hostfile", hostfile, "--mlx-rank", str(rank)] for rank in (0, 1)]
-    init = f"tcp://{host}:{free_port(host)}"
-    device = args.device in ("auto", "cuda")
-    return [["--kv-option", f"nccl_init={init}", "--kv-option", f"nccl_rank={rank}"]
-            + (["--device", f"cuda:{rank}"] if device else []) for rank in (0, 1)]
+    hostfile = args.mlx_hostfile
+    if not hostfile:
+        fd, hostfile = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
+    return [["--mlx-hostfile", hostfile, "--mlx-rank", str(rank)] for rank in (0, 1)]
 
 
 def plan(args) -> list[list[str]]:
@@ -121,6 +116,8 @@ def plan(args) -> list[list[str]]:
                         + role_engine(args, "decode"))
             roles["decode"].append(f"tcp://{host}:{port}")
     gpus = getattr(args, "gpus", 0)
+    if not gpus and args.transport == "nccl" and not args.colocated and args.device in ("auto", "cuda"):
+        gpus = 2  # the nccl transport moves KV between GPUs: prefill on cuda:0, decode on cuda:1 (1P1D)
     if gpus:  # each worker on the next of its TP ranks' GPUs (mod gpus); a later --device wins over the shared one
         placed, cursor = [], 0
         for cmd in cmds:

@@ -1,6 +1,7 @@
-"""The GPU side of the nccl transport: point-to-point operations posted on a
+"""The GPU side of the nccl transport: point-to-point operations between the
+two ranks of a ``nccl_pairs.Pair`` (``"send"``/``"recv"``), posted on a
 high-priority side stream and awaited while watching the control socket
-(``await_all``: a peer that hangs up aborts the whole world, since a posted
+(``await_all``: a peer that hangs up aborts the pair, since a posted
 operation left behind would pair with the next transfer's), and the gather /
 scatter of KV pieces through one canonical buffer (``as_rows``: the buffer as
 ``[layers * 2 * tokens, kv_heads, head_dim]``)."""
@@ -12,7 +13,6 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from .base import TransferError
 from .pieces import common_cuts, segments
@@ -21,7 +21,6 @@ from .tensors import TORCH_DTYPES, unpack
 
 log = logging.getLogger(__name__)
 lock = threading.Lock()
-broken: list[str] = []
 SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
 NAP_S = 50e-6
 side_streams: dict = {}
@@ -37,28 +36,33 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def p2p(op, tensor, peer: int, sock, timeout_s: float) -> None:
-    p2p_all([(op, tensor)], peer, sock, timeout_s)
+def p2p(op: str, tensor, pair, sock, timeout_s: float) -> None:
+    p2p_all([(op, tensor)], pair, sock, timeout_s)
 
 
-def p2p_all(ops: list, peer: int, sock, timeout_s: float) -> None:
-    """Post ``(isend|irecv, tensor)`` operations (several as one NCCL group) and wait for them (``await_all``)."""
-    await_all(post(ops, peer), ops[0][1].device, sock, timeout_s)
+def p2p_all(ops: list, pair, sock, timeout_s: float) -> None:
+    """Post ``("send"|"recv", tensor)`` operations (several as one NCCL group) and wait for them (``await_all``)."""
+    await_all(post(ops, pair), ops[0][1].device, sock, timeout_s, pair)
 
 
-def post(ops: list, peer: int) -> list:
-    if broken:
-        raise TransferError(f"nccl world unusable ({broken[0]}); restart prefill and decode")
-    with on_side(ops[0][1].device):
-        if len(ops) == 1:
-            return [ops[0][0](ops[0][1], peer)]
-        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer) for op, tensor in ops])
+def post(ops: list, pair) -> list:
+    if pair.broken:
+        raise TransferError(f"nccl pair unusable ({pair.broken}); the next transfer forms a new one")
+    pg, device = pair.pg, ops[0][1].device
+    with on_side(device):
+        grouped = len(ops) > 1 and device.type == "cuda"
+        if grouped:
+            pg._start_coalescing(device)
+        works = [pg.send([t], pair.peer, 0) if op == "send" else pg.recv([t], pair.peer, 0) for op, t in ops]
+        if grouped:
+            return [pg._end_coalescing(device)]
+        return works
 
 
-def await_all(works: list, device, sock, timeout_s: float) -> None:
+def await_all(works: list, device, sock, timeout_s: float, pair) -> None:
     """Wait for posted operations, watching the control socket: a peer that hung up (or no progress in
-    ``timeout_s``) leaves an operation NCCL can never complete, and every later pair would be mismatched, so the
-    world is aborted and all later transfers fail."""
+    ``timeout_s``) leaves an operation NCCL can never complete, and every later one of the pair would be
+    mismatched, so the pair is aborted (the next transfer forms a new one)."""
     on_gpu = device.type == "cuda"
     done = (lambda: all(w.is_completed() for w in works)) if on_gpu else waiter(works)
     start = time.perf_counter()
@@ -71,8 +75,8 @@ def await_all(works: list, device, sock, timeout_s: float) -> None:
         next_check = now + CHECK_S
         hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
         if hung_up or time.monotonic() > deadline:
-            abort_world("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
-            raise TransferError(f"nccl transfer lost: {broken[0]}")
+            pair.abort("peer hung up mid-transfer" if hung_up else f"no progress in {timeout_s:.0f}s")
+            raise TransferError(f"nccl transfer lost: {pair.broken}")
     if on_gpu:
         with on_side(device):
             for w in works:
@@ -143,7 +147,7 @@ def waiter(works):
     return done
 
 
-def segment_ops(op, mine: list, theirs: list[int]) -> list:
+def segment_ops(op: str, mine: list, theirs: list[int]) -> list:
     """One ``op`` per segment that both ends' pieces agree on: per layer, K's segments then V's, as bytes.
     ``mine`` holds per layer ``(k_pieces, v_pieces)``; ``theirs`` the peer's piece sizes in tokens."""
     cuts = common_cuts([p.shape[0] for p in mine[0][0]], theirs)
@@ -153,15 +157,3 @@ def segment_ops(op, mine: list, theirs: list[int]) -> list:
 def whole_pieces(buffer: torch.Tensor, layout) -> list:
     """A canonical buffer as pieces (one per layer and K/V)."""
     return [([k], [v]) for k, v in unpack(buffer, layout)]
-
-
-def abort_world(reason: str) -> None:
-    with lock:
-        if broken:
-            return
-        broken.append(reason)
-    log.error("aborting the nccl world: %s", reason)
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception as e:  # a backend without abort (gloo) keeps its stuck operation
-        log.warning("could not abort the process group: %s", e)

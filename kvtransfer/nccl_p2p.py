@@ -1,8 +1,10 @@
 """NCCL transport: ``torch.distributed`` point-to-point from the prefill GPU to
 the decode GPU (NVLink or GPUDirect RDMA), no host copies at all.
 
-Like ``mlx``, NCCL ranks form a fixed world (``nccl_init`` = a
-``tcp://host:port`` rendezvous, ``nccl_rank``, world size 2), so metadata
+Each sender and receiver that talk form a process group of two of their own
+(``nccl_pairs``: the first BEGIN to a receiver names a store the sender
+started; no fixed world, so any number of prefill and decode workers, and
+each rank of tensor-parallel groups, pair up as they need). Metadata
 travels over the socket framing of ``sockets``: BEGIN, GRANT (the receiver
 posts its ``recv``s: into blocks of the decode pool, or one into a pooled
 buffer on its GPU), the sender posts the matching ``send``s, END, ACK. NCCL pairs sends and receives in the order they
@@ -20,9 +22,9 @@ duplicate, no buffer) is drained into scratch memory before it is refused.
 
 A posted operation cannot be cancelled, so each end waits for its own while
 watching the control socket. If the peer hangs up (or nothing moves for
-``timeout_s``) the transfer fails at once and the whole world is aborted:
-a send or receive left behind would pair with the next transfer's. Later
-transfers fail with "restart prefill and decode".
+``timeout_s``) the transfer fails at once and its pair is aborted: a send
+or receive left behind would pair with the next transfer's. The next
+transfer between the two forms a new pair.
 
 KV in the prefill engine's pool blocks (a ``PiecewiseKV`` on this GPU) is
 sent from the blocks: BEGIN lists its pieces' sizes in tokens, the GRANT the
@@ -60,7 +62,7 @@ place then. Operations are posted on a high-priority side stream of the GPU, not
 engine's (its blocks are scheduled ahead of a busy decode engine's): KV handed to a transfer is already computed (the step that made it
 was read back), so a send need not wait behind the engine's next step, and
 the wait for completion sleeps between looks, leaving the GIL to the engine.
-Options: ``nccl_init``, ``nccl_rank``, ``device`` (default ``cuda:<rank>``),
+Options: ``device`` (default: the worker's engine device, else ``cuda``),
 ``nccl_pool_bytes``, ``nccl_eager``, ``nccl_direct_cuts``, ``nccl_stream``; ``nccl_backend=gloo`` runs the same protocol
 between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
@@ -71,7 +73,6 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from . import frames
 from .arena import Arena
@@ -81,6 +82,7 @@ from .pool import BufferPool, PoolExhausted
 from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
 from .nccl_ops import (as_rows, await_all, count_cuts, flat_pieces, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
+from .nccl_pairs import Pairs
 from .tensors import check_layer
 
 log = logging.getLogger(__name__)
@@ -89,24 +91,20 @@ DEFAULT_POOL_BYTES = 1 << 30
 
 
 def init(cfg) -> torch.device:
-    opts = cfg.options
-    rank, backend = int(opts.get("nccl_rank", 0)), opts.get("nccl_backend", "nccl")
-    device = torch.device(opts.get("device", f"cuda:{rank}" if backend == "nccl" else "cpu"))
-    with lock:
-        if not dist.is_initialized():
-            if "nccl_init" not in opts:
-                raise TransferError("nccl transport needs options nccl_init (tcp://host:port) and nccl_rank")
-            on_gpu = {"device_id": device} if device.type == "cuda" else {}
-            if on_gpu:
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method=opts["nccl_init"], rank=rank, world_size=2,
-                                    timeout=timedelta(seconds=cfg.timeout_s * 4), **on_gpu)
+    backend = cfg.options.get("nccl_backend", "nccl")
+    device = torch.device(cfg.options.get("device", "cuda" if backend == "nccl" else "cpu"))
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     return device
 
 
 def _attach(endpoint) -> None:
-    """The GPU side of either end: joined world, device, buffer pool."""
+    """The GPU side of either end: device, pairs, buffer pool."""
     endpoint.device = init(endpoint.cfg)
+    endpoint.pairs = Pairs(endpoint.cfg.host, endpoint.cfg.options.get("nccl_backend", "nccl"), endpoint.device,
+                           endpoint.cfg.timeout_s * 4)
     endpoint.pool = BufferPool(endpoint.cfg.pool_bytes, device=endpoint.device)
 
 
@@ -126,6 +124,19 @@ class NcclSender(SocketSender):
     def takes_pieces(self, device) -> bool:
         return torch.device(device) == self.device
 
+    def send(self, dest, transfer_id, layout, layers, meta=None):
+        """A transfer that failed other than by a clean refusal may leave an operation of its pair behind: the
+        pair is dropped and the next transfer to ``dest`` forms a new one."""
+        try:
+            return super().send(dest, transfer_id, layout, layers, meta)
+        except TransferError as e:
+            cause = str(e.__cause__ or "")
+            if "receiver refused" not in cause or "pair unusable" in cause:
+                pair = self.pairs.by_key.get(dest)
+                if pair is not None:
+                    pair.abort(f"a transfer to {dest} failed: {e}")
+            raise
+
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
             return None
@@ -140,24 +151,27 @@ class NcclSender(SocketSender):
 
     def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
         self._dest = dest
+        self._pair, new = self.pairs.for_dest(dest)
+        pair = {"pair": self._pair.key}
         if isinstance(payload, PiecewiseKV):
             self._eager = False
-            return {"pieces": piece_tokens(payload), **({"streamed": True} if payload.gate is not None else {})}
-        limit, fresh_s = self._eager_limits.get(dest, (0, 0.0))
+            return {**pair, "pieces": piece_tokens(payload), **({"streamed": True} if payload.gate is not None else {})}
+        limit, fresh_s = self._eager_limits.get(dest, (0, 0.0)) if not new else (0, 0.0)
         self._eager = (isinstance(payload, slice) and layout.total_nbytes <= limit
                        and idle_for is not None and idle_for < fresh_s)
         self.eager_sends += self._eager
-        return {"eager": True} if self._eager else {}
+        return {**pair, "eager": True} if self._eager else pair
 
     def _send_body(self, sock, layout, layers, phases) -> float:
-        theirs, whole = None, False
+        theirs, whole, pair = None, False, self._pair
+        pair.pg  # made now, as the receiver makes its own on this BEGIN (gloo's wait for each other)
         if not self._eager:
             grant = read_grant(sock, {"rank": int, "eager_bytes": int, "eager_idle_s": float})
             self._eager_limits[self._dest] = (grant["eager_bytes"], grant["eager_idle_s"])
             whole = grant.get("whole") is True
             if "pieces" in grant and not whole:
                 theirs = valid_piece_tokens(grant["pieces"], layout.num_tokens)
-        dst = 1 - dist.get_rank()
+        dst = pair
         use_device(self.device)
         if isinstance(layers, PiecewiseKV) and whole:
             waited = self._send_gathered(layers.check(), layout, dst, sock, phases)
@@ -171,7 +185,7 @@ class NcclSender(SocketSender):
                 failed = e
             waited = time.perf_counter() - t0
             with phases.measure("serialize"):
-                ops = segment_ops(dist.isend, layers.check().layers, theirs or [layout.num_tokens])
+                ops = segment_ops("send", layers.check().layers, theirs or [layout.num_tokens])
             with phases.measure("wire"):
                 p2p_all(ops, dst, sock, self.cfg.timeout_s)
             if failed:
@@ -213,23 +227,23 @@ class NcclSender(SocketSender):
             if kv.gate is None:
                 with phases.measure("serialize"):
                     gather(kv.layers, staging, layout)
-                works = post([(dist.isend, staging[:nbytes])], dst)
+                works = post([("send", staging[:nbytes])], dst)
             else:
                 works = []
                 for i, layer in enumerate(kv.layers):
                     try:
                         waited += kv.ready(i)  # on the host: no operation waits on either GPU while layers compute
                     except Exception:  # the forward failed: let the posted sends (all received) finish with the buffer
-                        await_all(works, self.device, sock, self.cfg.timeout_s)
+                        await_all(works, self.device, sock, self.cfg.timeout_s, dst)
                         raise
                     with on_side(self.device):
                         rows = as_rows(layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
                         torch.cat(flat_pieces([layer]), dim=0, out=rows)
                     sock.sendall(frames.prefix(frames.LAYER, i, layout.layer_nbytes))
-                    works += post([(dist.isend, layer_bytes(staging, layout, i))], dst)
+                    works += post([("send", layer_bytes(staging, layout, i))], dst)
             self.gathered_bytes += nbytes
             with phases.measure("wire"):
-                await_all(works, self.device, sock, self.cfg.timeout_s)
+                await_all(works, self.device, sock, self.cfg.timeout_s, dst)
         finally:
             if pooled:
                 self.pool.release(staging)
@@ -237,7 +251,7 @@ class NcclSender(SocketSender):
 
     def _send_whole(self, buffer, layout, theirs, dst, sock, phases) -> None:
         """A canonical buffer: one send, or one per segment when the receiver lands it in pieces."""
-        ops = [(dist.isend, buffer)] if theirs is None else segment_ops(dist.isend, whole_pieces(buffer, layout), theirs)
+        ops = [("send", buffer)] if theirs is None else segment_ops("send", whole_pieces(buffer, layout), theirs)
         with phases.measure("wire"):
             p2p_all(ops, dst, sock, self.cfg.timeout_s)
 
@@ -262,6 +276,11 @@ class NcclReceiver(SocketReceiver):
 
     def _receive_body(self, sock, tid, layout, header, start) -> ReceivedKV:
         use_device(self.device)
+        if not isinstance(header.get("pair"), str):
+            raise frames.FrameError("a BEGIN without its pair (a sender of another version?)")
+        pair = self.pairs.join(header["pair"])
+        if not header.get("eager"):
+            pair.pg  # made as the sender makes its own
         eager, nbytes, meta = header.get("eager") is True, layout.total_nbytes, header.get("meta") or {}
         theirs = header.get("pieces")
         if theirs is not None:
@@ -277,7 +296,7 @@ class NcclReceiver(SocketReceiver):
                 buf = self.pool.acquire(nbytes)
             except PoolExhausted:
                 if eager:
-                    self._drain(sock, nbytes)
+                    self._drain(sock, nbytes, pair)
                 if landing is None:
                     raise
                 whole = False
@@ -285,20 +304,20 @@ class NcclReceiver(SocketReceiver):
         try:
             if not eager:
                 idle_s = float(self.cfg.options.get("idle_s", IDLE_S))
-                grant = {"rank": dist.get_rank(), "eager_bytes": self.eager_bytes, "eager_idle_s": idle_s / 2}
+                grant = {"rank": pair.me, "eager_bytes": self.eager_bytes, "eager_idle_s": idle_s / 2}
                 if whole:
                     grant["whole"] = True
                 elif mine is not None:
                     grant["pieces"] = [p.shape[0] for p in mine[0][0]]
                 sock.sendall(frames.meta_frame(frames.GRANT, grant))
-            peer, scatter_ms = 1 - dist.get_rank(), 0.0
+            peer, scatter_ms = pair, 0.0
             if whole and header.get("streamed") is True:
                 self._receive_layers(buf, mine, layout, peer, sock)
             else:
                 if whole or (mine is None and theirs is None):
-                    ops = [(dist.irecv, buf[:nbytes])]
+                    ops = [("recv", buf[:nbytes])]
                 else:
-                    ops = segment_ops(dist.irecv, mine if mine is not None else whole_pieces(buf, layout), theirs or [layout.num_tokens])
+                    ops = segment_ops("recv", mine if mine is not None else whole_pieces(buf, layout), theirs or [layout.num_tokens])
                 p2p_all(ops, peer, sock, self.cfg.timeout_s)
                 if whole and mine is not None:
                     t0 = time.perf_counter()
@@ -326,24 +345,25 @@ class NcclReceiver(SocketReceiver):
             index, nbytes = frames.read_prefix(sock, frames.LAYER)
             if index != i or nbytes != layout.layer_nbytes:
                 raise frames.FrameError(f"layer note {index}/{nbytes}B, expected {i}/{layout.layer_nbytes}B")
-            works += post([(dist.irecv, layer_bytes(buf, layout, i))], peer)
+            works += post([("recv", layer_bytes(buf, layout, i))], peer)
             if self.device.type == "cuda" and mine is not None:
                 with on_side(self.device):
                     works[-1].wait()
                 scatter(layer_bytes(buf, layout, i), [mine[i]], layout, sync=False)
-        await_all(works, self.device, sock, self.cfg.timeout_s)
+        await_all(works, self.device, sock, self.cfg.timeout_s, peer)
         if mine is not None and self.device.type != "cuda":
             scatter(buf, mine, layout)
         elif mine is not None:
             side_stream(self.device).synchronize()
 
     def _refused(self, sock, header, layout) -> None:
-        if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes:
-            self._drain(sock, layout.total_nbytes)
+        if header.get("eager") is True and layout is not None and layout.total_nbytes <= self.eager_bytes \
+                and isinstance(header.get("pair"), str):
+            self._drain(sock, layout.total_nbytes, self.pairs.join(header["pair"]))
 
-    def _drain(self, sock, nbytes: int) -> None:
+    def _drain(self, sock, nbytes: int, pair) -> None:
         """Take an eager send this receiver will not keep, so later sends and receives stay paired."""
         use_device(self.device)
         scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        p2p(dist.irecv, scratch, 1 - dist.get_rank(), sock, self.cfg.timeout_s)
+        p2p("recv", scratch, pair, sock, self.cfg.timeout_s)
         self.drained += 1

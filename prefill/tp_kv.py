@@ -134,6 +134,8 @@ class PrefillRankKV:
 
     def __init__(self, engine, plan):
         name, self.cfg = transport_spec.load(os.environ[transport_spec.ENV])
+        if name == "nccl":  # this rank's GPU, not rank 0's
+            self.cfg.options["device"] = str(engine.device)
         self.engine, self.plan = engine, plan
         self.sender = make_sender(name, self.cfg)
         self.threads = ThreadPoolExecutor(4, thread_name_prefix="kv-send")

@@ -73,6 +73,8 @@ class PrefillWorker(WorkerLoop):
         self.sending: dict = {}
         self.kv_from_blocks = 0
         self.transport = transport
+        if transport == "nccl":  # the transport's GPU is the engine's
+            self.cfg.options.setdefault("device", str(self.engine.device))
         self.sender = make_sender(transport, self.cfg)
         self.kv_stream = kv_stream and self.paged and self.sender.streams_layers and \
             self.sender.takes_pieces(self.engine.device)

@@ -31,10 +31,11 @@ def reference() -> list[list[int]]:
 
 @pytest.mark.parametrize("transport,prefill_tp,decode_tp", [
     ("tcp", 2, 1), ("tcp", 1, 2), ("tcp", 2, 2), ("shm", 2, 1), ("shm", 1, 2), ("shm", 2, 2),
-    ("arrow", 1, 2), ("nixl", 2, 1), ("pickle", 2, 2),
+    ("arrow", 1, 2), ("nixl", 2, 1), ("pickle", 2, 2), ("nccl", 2, 1), ("nccl", 1, 2),
 ], ids=lambda v: str(v))
 def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, prefill_tp, decode_tp):
-    cluster = Cluster("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--transport", transport)
+    gloo = ("--kv-option", "nccl_backend=gloo", "--device", "cpu") if transport == "nccl" else ()  # nccl's protocol
+    cluster = Cluster("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--transport", transport, *gloo)
     try:
         cluster.wait_ready()
         bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
