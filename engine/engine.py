@@ -61,6 +61,10 @@ class Engine:
         if self.device.type == "cuda":  # cuDNN attention plans each new shape anew: every prompt length would pay it
             torch.backends.cuda.enable_cudnn_sdp(False)
             torch.cuda.set_device(self.device)  # kernels launched by Triton go to the current device
+            if self.group.size > 1:  # every rank gets here at the same point: this is a collective
+                from .parallel.allreduce import one_shot
+
+                self.group.one_shot = one_shot(self.group.group, self.dtype, self.device)
         spec = self.model.spec
         self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
         self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)  # this rank's

@@ -36,3 +36,19 @@ def test_one_kv_head_is_replicated_on_both_ranks(tmp_path):
 def test_tp_that_does_not_divide_the_heads_names_the_fix():
     with pytest.raises(ValueError, match=r"--tp 3 does not divide .* use one of \[1, 2, 4\]"):
         Engine(EngineConfig(tp=3))
+
+
+def test_dummy_weights_are_the_same_at_any_tp():
+    """``--load-format dummy`` draws each checkpoint tensor whole from a seed of its name, then slices it: TP=2 and
+    TP=1 run the same model (what GPU benchmarks of shapes without checkpoints compare)."""
+    cfg = dict(model="chat-cpu", load_format="dummy", threads=1, max_model_len=512, block_size=8)
+    ps = prompts(3, seed=4)
+    single = run(Engine(EngineConfig(**cfg)), ps)
+    engine = Engine(EngineConfig(**cfg, tp=2))
+    try:
+        sharded = run(engine, ps)
+    finally:
+        engine.close()
+    assert [s.output_ids for s in sharded] == [s.output_ids for s in single]
+    for a, b in zip(sharded, single):
+        assert [e[1] for e in a.pending_logprobs] == pytest.approx([e[1] for e in b.pending_logprobs], abs=1e-4)

@@ -80,10 +80,11 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, d = shard.heads, shard.kv_heads, s.head_dim
         q = [(group.rank * self.heads * d, self.heads * d)]
         kv = [(shard.kv_start * d, self.kv_heads * d)]
-        self.q_proj = ColumnParallelLinear(s.hidden_size, q, bias=s.qkv_bias)
-        self.k_proj = ColumnParallelLinear(s.hidden_size, kv, bias=s.qkv_bias)
-        self.v_proj = ColumnParallelLinear(s.hidden_size, kv, bias=s.qkv_bias)
-        self.o_proj = RowParallelLinear(q[0][0], q[0][1], s.hidden_size, group)
+        q_full, kv_full = s.num_heads * d, s.num_kv_heads * d
+        self.q_proj = ColumnParallelLinear(s.hidden_size, q, q_full, bias=s.qkv_bias)
+        self.k_proj = ColumnParallelLinear(s.hidden_size, kv, kv_full, bias=s.qkv_bias)
+        self.v_proj = ColumnParallelLinear(s.hidden_size, kv, kv_full, bias=s.qkv_bias)
+        self.o_proj = RowParallelLinear(q[0][0], q[0][1], q_full, s.hidden_size, group)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -108,9 +109,10 @@ class MLP(nn.Module):
             raise ValueError(f"--tp {group.size} does not divide the MLP width {s.intermediate_size}")
         part = s.intermediate_size // group.size
         rows = [(group.rank * part, part)]
-        self.gate_proj = ColumnParallelLinear(s.hidden_size, rows)
-        self.up_proj = ColumnParallelLinear(s.hidden_size, rows)
-        self.down_proj = RowParallelLinear(rows[0][0], part, s.hidden_size, group)
+        width = s.intermediate_size
+        self.gate_proj = ColumnParallelLinear(s.hidden_size, rows, width)
+        self.up_proj = ColumnParallelLinear(s.hidden_size, rows, width)
+        self.down_proj = RowParallelLinear(rows[0][0], part, width, s.hidden_size, group)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..parallel.layers import shard_of
+from ..parallel.layers import full_shape, shard_of
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -58,13 +58,17 @@ def load_state(model: torch.nn.Module, state: dict) -> None:
 
 
 def load_dummy(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Random weights where the parameters are (``--load-format dummy``): normal(0, ``std``), norms 1, no disk."""
-    gen = None
+    """Random weights where the parameters are (``--load-format dummy``): normal(0, ``std``), norms 1, no disk.
+    Each checkpoint tensor is drawn whole from a generator seeded by its name, then sliced: the same weights at
+    any tensor-parallel size (so TP=2 and TP=1 can be compared on a model no checkpoint exists for)."""
+    import zlib
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if gen is None:
-                gen = torch.Generator(device=p.device).manual_seed(seed)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(full_shape(model, name, p), dtype=p.dtype, device=p.device)
+            p.copy_(shard_of(full.normal_(0.0, std, generator=gen), model, name))
+            del full

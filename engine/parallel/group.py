@@ -14,10 +14,15 @@ class TPGroup:
     rank: int = 0
     group: object = None  # the torch.distributed process group
     plan: object = None  # rank 0: the PlanSender; followers: None
+    one_shot: object = None  # ``allreduce.OneShot`` for small tensors on GPUs
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum over ranks (a new tensor, or ``x`` reduced in place)."""
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,19 @@ from torch import nn
 from .group import SINGLE, TPGroup
 
 
-def mark(module: nn.Module, name: str, dim: int, ranges: list[tuple[int, int]]) -> None:
-    module.__dict__.setdefault("tp_slices", {})[name] = (dim, ranges)
+def mark(module: nn.Module, name: str, dim: int, ranges: list[tuple[int, int]], full: int) -> None:
+    """``module.<name>`` holds ``ranges`` along ``dim`` of a checkpoint tensor ``full`` long there."""
+    module.__dict__.setdefault("tp_slices", {})[name] = (dim, ranges, full)
+
+
+def full_shape(model: nn.Module, name: str, param: torch.Tensor) -> list[int]:
+    """The checkpoint tensor's shape of which parameter ``name`` holds a slice."""
+    owner, _, leaf = name.rpartition(".")
+    rule = getattr(model.get_submodule(owner), "tp_slices", {}).get(leaf)
+    shape = list(param.shape)
+    if rule is not None:
+        shape[rule[0]] = rule[2]
+    return shape
 
 
 def shard_of(full: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
@@ -25,7 +36,7 @@ def shard_of(full: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
     rule = getattr(model.get_submodule(owner), "tp_slices", {}).get(leaf)
     if rule is None:
         return full
-    dim, ranges = rule
+    dim, ranges, _ = rule
     parts = []
     for start, length in ranges:
         have = max(0, min(length, full.shape[dim] - start))
@@ -41,19 +52,19 @@ def shard_of(full: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
 class ColumnParallelLinear(nn.Linear):
     """``y = x W^T`` for this rank's output rows: ``ranges`` of the full output (each ``(start, length)``)."""
 
-    def __init__(self, in_features: int, ranges: list[tuple[int, int]], bias: bool = False):
+    def __init__(self, in_features: int, ranges: list[tuple[int, int]], full: int, bias: bool = False):
         super().__init__(in_features, sum(n for _, n in ranges), bias=bias)
-        mark(self, "weight", 0, ranges)
+        mark(self, "weight", 0, ranges, full)
         if bias:
-            mark(self, "bias", 0, ranges)
+            mark(self, "bias", 0, ranges, full)
 
 
 class RowParallelLinear(nn.Linear):
     """``y = sum over ranks of x_r W_r^T``: this rank's input columns ``[start, start + length)``, an all-reduce."""
 
-    def __init__(self, start: int, length: int, out_features: int, group: TPGroup = SINGLE):
+    def __init__(self, start: int, length: int, full: int, out_features: int, group: TPGroup = SINGLE):
         super().__init__(length, out_features, bias=False)
-        mark(self, "weight", 1, [(start, length)])
+        mark(self, "weight", 1, [(start, length)], full)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +83,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden: int, group: TPGroup = SINGLE):
         self.start, rows = vocab_slice(vocab_size, group)
         super().__init__(rows, hidden)
-        mark(self, "weight", 0, [(self.start, rows)])
+        mark(self, "weight", 0, [(self.start, rows)], vocab_size)
         self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -90,7 +101,7 @@ class ParallelLMHead(nn.Linear):
     def __init__(self, hidden: int, vocab_size: int, group: TPGroup = SINGLE):
         start, rows = vocab_slice(vocab_size, group)
         super().__init__(hidden, rows, bias=False)
-        mark(self, "weight", 0, [(start, rows)])
+        mark(self, "weight", 0, [(start, rows)], vocab_size)
         self.group, self.vocab_size = group, vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

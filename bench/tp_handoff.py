@@ -1,0 +1,113 @@
+"""KV handed between tensor-parallel groups of different sizes on a 2-GPU machine, checked end to end.
+
+    python -m bench.tp_handoff --out bench/results/tp-handoff-2xh200
+
+* tiny fp32: ``pdserve up`` with prefill TP=2 on both GPUs and decode TP=1 sharing GPU 1, and the reverse (decode
+  TP=2, prefill TP=1 sharing GPU 0), over nccl and tcp: greedy tokens of four prompts against the in-process
+  engine on the CPU (fp32: equal token for token);
+* Mistral-7B shape, bf16, ``--load-format dummy`` (the same weights at any TP): prefill TP=2 -> decode TP=1 over
+  nccl against colocated TP=1 on one GPU: the logprobs of the greedy tokens (bf16 noise: |delta| small against
+  the logprobs themselves) and how many tokens agree."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import httpx
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "tensor parallel " * 6, "a b c d e f g"]
+LAYOUTS = {
+    "prefill-tp2-decode-tp1": ["--prefill-tp", "2", "--prefill-device", "cuda:0", "--decode-tp", "1",
+                               "--decode-device", "cuda:1"],
+    "prefill-tp1-decode-tp2": ["--prefill-tp", "1", "--prefill-device", "cuda:0", "--decode-tp", "2",
+                               "--decode-device", "cuda:0"],
+}
+
+
+def complete(url: str, model: str, prompt: str, tokens: int, logprobs: int | None = None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **({"logprobs": logprobs} if logprobs else {})}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]
+
+
+def served(args: list[str], model: str, prompts: list[str], tokens: int, logprobs: int | None = None) -> list:
+    from deploy.local import Cluster
+
+    cluster = Cluster(*args, ready_timeout=300)
+    try:
+        cluster.wait_ready()
+        return [complete(cluster.url, model, p, tokens, logprobs) for p in prompts]
+    finally:
+        cluster.stop()
+
+
+def tiny(report: dict) -> None:
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+
+    engine = Engine(EngineConfig(device="cpu", threads=4))
+    want = [s.output_ids for _, s in generate_many(engine, [engine.tokenizer.encode(p) for p in PROMPTS],
+                                                    [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+                                                     for _ in PROMPTS])]
+    for name, layout in LAYOUTS.items():
+        for transport in ("nccl", "tcp"):
+            got = served(["--transport", transport, "--dtype", "float32", *layout], "tiny-llama", PROMPTS, 24)
+            ok = [c["token_ids"] for c in got] == want
+            report["tiny"][f"{name}/{transport}"] = ok
+            print(f"tiny fp32 {name} over {transport}: tokens equal the reference: {ok}", flush=True)
+
+
+def mistral(report: dict, tokens: int = 16) -> None:
+    shape = ["--model", "mistral-7b", "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+             "--max-num-seqs", "16"]
+    prompts = [p * 8 for p in PROMPTS]
+    runs = {"tp1": served(["--colocated", "--device", "cuda:0", *shape], "mistral-7b", prompts, tokens, 5),
+            "handoff": served(["--transport", "nccl", *shape, *LAYOUTS["prefill-tp2-decode-tp1"]], "mistral-7b",
+                              prompts, tokens, 5)}
+    agree = deltas = total = 0
+    first_diverged = []
+    for a, b in zip(runs["tp1"], runs["handoff"]):
+        same = 0
+        for x, y, la, lb in zip(a["token_ids"], b["token_ids"], a["logprobs"]["token_logprobs"],
+                                b["logprobs"]["token_logprobs"]):
+            if x != y:
+                break
+            same += 1
+            deltas = max(deltas, abs(la - lb))
+        agree += same
+        total += len(a["token_ids"])
+        first_diverged.append(same)
+    report["mistral_7b_bf16"] = {"tokens_agreeing_before_first_difference": first_diverged, "of": tokens,
+                                 "agreeing": agree, "total": total, "max_abs_logprob_delta_while_agreeing": deltas,
+                                 "tp1_first_logprobs": [a["logprobs"]["token_logprobs"][:4] for a in runs["tp1"]],
+                                 "handoff_first_logprobs": [b["logprobs"]["token_logprobs"][:4] for b in runs["handoff"]]}
+    print(json.dumps(report["mistral_7b_bf16"]), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/out/tp-handoff")
+    ap.add_argument("--skip", default="", help="tiny,mistral")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    report = {"command": "python -m bench.tp_handoff " + " ".join(sys.argv[1:]), "tiny": {}}
+    for name, fn in (("tiny", tiny), ("mistral", mistral)):
+        if name not in args.skip.split(","):
+            try:
+                fn(report)
+            except Exception as e:  # noqa: BLE001 - keep what the other part found
+                report[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(report[f"{name}_error"], flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
