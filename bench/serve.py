@@ -49,7 +49,7 @@ def add_arguments(p):
 
 async def one(client, url, model, endpoint, req, temperature, keep_text=False) -> dict:
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "return_token_ids": True}  # a chunk per token, text or not
     if endpoint == "chat":
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": req.prompt}]
     else:
@@ -70,9 +70,9 @@ async def one(client, url, model, endpoint, req, temperature, keep_text=False) -
                         break
                     for choice in chunk.get("choices") or []:
                         text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                        if text:
-                            stamps.append(time.perf_counter())
-                            texts.append(text)
+                        if text or choice.get("token_ids"):  # tokens that decode to no text (a byte tokenizer
+                            stamps.append(time.perf_counter())  # on a large vocabulary) still count
+                            texts.append(text or "")
                     usage = chunk.get("usage") or usage
                     timing = chunk.get("pdserve") or timing
     except httpx.HTTPError as e:

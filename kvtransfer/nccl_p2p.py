@@ -100,6 +100,11 @@ def init(cfg) -> torch.device:
     return device
 
 
+def gpu_id(device) -> str:
+    """The physical GPU (its UUID), the same whichever process or CUDA_VISIBLE_DEVICES names it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def _attach(endpoint) -> None:
     """The GPU side of either end: device, pairs, buffer pool."""
     endpoint.device = init(endpoint.cfg)
@@ -152,7 +157,7 @@ class NcclSender(SocketSender):
     def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
         self._dest = dest
         self._pair, new = self.pairs.for_dest(dest)
-        pair = {"pair": self._pair.key}
+        pair = {"pair": self._pair.key, **({"gpu": gpu_id(self.device)} if self.device.type == "cuda" else {})}
         if isinstance(payload, PiecewiseKV):
             self._eager = False
             return {**pair, "pieces": piece_tokens(payload), **({"streamed": True} if payload.gate is not None else {})}
@@ -278,6 +283,9 @@ class NcclReceiver(SocketReceiver):
         use_device(self.device)
         if not isinstance(header.get("pair"), str):
             raise frames.FrameError("a BEGIN without its pair (a sender of another version?)")
+        if self.device.type == "cuda" and header.get("gpu") == gpu_id(self.device):
+            raise frames.FrameError(f"sender and receiver are on the same GPU ({self.device}), which NCCL cannot pair: "
+                                    "put the prefill and decode ranks on different GPUs, or use --transport shm/tcp")
         pair = self.pairs.join(header["pair"])
         if not header.get("eager"):
             pair.pg  # made as the sender makes its own
