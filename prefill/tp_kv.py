@@ -21,10 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.parallel.heads import kv_range, piece_id, recv_pieces, send_pieces
-from engine.progress import LayerProgress
+from engine.progress import LayerProgress, StepFailed
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
 from kvtransfer import spec as transport_spec
-from kvtransfer.phases import PHASES, PhaseTimes
+from kvtransfer.phases import PHASES, PhaseTimes, merge_ranks
 from kvtransfer.tensors import dtype_name
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,35 @@ class GroupPushes:
         if not done:
             raise TransferError(f"{self.followers - len(reports)} ranks did not report within {timeout_s:.0f}s")
         return reports
+
+
+def push_group(worker, rid, dests, table, layout, computed) -> None:
+    """(A prefill worker's sender thread) This rank's slices, then the other ranks' reports: one ``kv_sent`` for
+    the group; the blocks are freed (``_sent``) once all have sent."""
+    sent = False
+    progress = computed if isinstance(computed, LayerProgress) else None
+    try:
+        start = time.perf_counter()
+        try:
+            own = push_slices(worker.engine, worker.sender, rid, dests, table, layout.num_tokens, progress,
+                              worker.cfg.timeout_s)
+            reports = worker.group_pushes.wait(rid, worker.cfg.timeout_s)
+        except (TransferError, StepFailed) as e:
+            log.warning("KV push for %s failed: %s", rid, e)
+            worker.group_pushes.discard(rid, worker.cfg.timeout_s)
+            return worker.fail(rid, 502, f"KV transfer to decode failed: {e}", stage="kv_send")
+        end = time.perf_counter()
+        done = progress.wait_computed(worker.cfg.timeout_s) if progress is not None else computed
+        stream = {"streamed": progress is not None, "overlap": max(0.0, min(done, end) - start) * 1e3,
+                  "exposed": max(0.0, end - max(done, start)) * 1e3}
+        worker.emit(rid, "kv_sent", phases=merge_ranks(own, reports), stream=stream)
+        sent = True
+    except StepFailed as e:
+        worker.fail(rid, 502, f"prefill failed during the KV push: {e}", stage="kv_send")
+    finally:
+        worker.inbox.put({"op": "_sent", "rid": rid, "ok": sent})
+        worker._count("held_bytes", -layout.total_nbytes)
+        worker._count("pushing", -1)
 
 
 class PrefillRankKV:

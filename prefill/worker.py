@@ -42,9 +42,7 @@ from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, ma
 from kvtransfer import spec as transport_spec
 from kvtransfer.tensors import dtype_name
 
-from kvtransfer.phases import merge_ranks
-
-from .tp_kv import GroupPushes, push_slices, push_whole
+from .tp_kv import GroupPushes, push_group, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -247,34 +245,7 @@ class PrefillWorker(WorkerLoop):
         self._count("pushing", 1)
         self._count("held_bytes", layout.total_nbytes)
         self.group_pushes.start(seq.rid, dests, table, layout.num_tokens, isinstance(computed, LayerProgress))
-        self.senders.submit(self._push_group, seq.rid, dests, table, layout, computed)
-
-    def _push_group(self, rid, dests, table, layout, computed):
-        """(Sender thread) This rank's slices, then the other ranks' reports: one ``kv_sent`` for the group."""
-        sent = False
-        progress = computed if isinstance(computed, LayerProgress) else None
-        try:
-            start = time.perf_counter()
-            try:
-                own = push_slices(self.engine, self.sender, rid, dests, table, layout.num_tokens, progress,
-                                  self.cfg.timeout_s)
-                reports = self.group_pushes.wait(rid, self.cfg.timeout_s)
-            except (TransferError, StepFailed) as e:
-                log.warning("KV push for %s failed: %s", rid, e)
-                self.group_pushes.discard(rid, self.cfg.timeout_s)
-                return self.fail(rid, 502, f"KV transfer to decode failed: {e}", stage="kv_send")
-            end = time.perf_counter()
-            done = progress.wait_computed(self.cfg.timeout_s) if progress is not None else computed
-            stream = {"streamed": progress is not None, "overlap": max(0.0, min(done, end) - start) * 1e3,
-                      "exposed": max(0.0, end - max(done, start)) * 1e3}
-            self.emit(rid, "kv_sent", phases=merge_ranks(own, reports), stream=stream)
-            sent = True
-        except StepFailed as e:
-            self.fail(rid, 502, f"prefill failed during the KV push: {e}", stage="kv_send")
-        finally:
-            self.inbox.put({"op": "_sent", "rid": rid, "ok": sent})
-            self._count("held_bytes", -layout.total_nbytes)
-            self._count("pushing", -1)
+        self.senders.submit(push_group, self, seq.rid, dests, table, layout, computed)
 
     def _unqueue(self, entry):
         """A prompt stops counting against ``max_queue`` once the engine schedules it (or it leaves)."""
