@@ -15,7 +15,7 @@ from engine.generate import generate_many  # noqa: E402
 from tests.streams import StreamClient, started  # noqa: E402
 from tests.test_mlx_engine import mlx_engine  # noqa: E402
 from tests.test_paged_engine import prompts, write_family  # noqa: E402
-from tests.test_tp_serving import PROMPTS, TOKENS, reference  # noqa: E402, F401
+from tests.test_tp_serving import reference, streams_of_the_reference  # noqa: E402, F401
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -54,12 +54,6 @@ def test_up_with_mlx_groups_streams_the_reference(reference, args):  # noqa: F81
     cluster = Cluster(*args)
     try:
         cluster.wait_ready()
-        bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-                  for p in PROMPTS]
-        clients = started([StreamClient(cluster.url, b) for b in bodies])
-        for c in clients:
-            c.join(120)
-        assert [c.error for c in clients] == [None] * 4
-        assert [c.ids for c in clients] == reference
+        streams_of_the_reference(cluster.url, reference)
     finally:
         cluster.stop()

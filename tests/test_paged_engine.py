@@ -24,11 +24,11 @@ FAMILIES = {
 GREEDY = dict(temperature=0, ignore_eos=True, logprobs=0)
 
 
-def write_family(path, family: str) -> str:
+def write_family(path, family: str, overrides: dict | None = None) -> str:
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**BASE, **extra)
+    config = getattr(transformers, cls_name)(**{**BASE, **extra, **(overrides or {})})
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

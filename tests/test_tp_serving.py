@@ -29,6 +29,18 @@ def reference() -> list[list[int]]:
     return [seq.output_ids for _, seq in out]
 
 
+def streams_of_the_reference(url: str, reference: list) -> list:
+    """The four prompts streamed at once through ``url``; asserts their tokens are the reference's."""
+    bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+              for p in PROMPTS]
+    clients = started([StreamClient(url, b) for b in bodies])
+    for c in clients:
+        c.join(120)
+    assert [c.error for c in clients] == [None] * 4
+    assert [c.ids for c in clients] == reference
+    return clients
+
+
 @pytest.mark.parametrize("transport,prefill_tp,decode_tp", [
     ("tcp", 2, 1), ("tcp", 1, 2), ("tcp", 2, 2), ("shm", 2, 1), ("shm", 1, 2), ("shm", 2, 2),
     ("arrow", 1, 2), ("nixl", 2, 1), ("pickle", 2, 2), ("nccl", 2, 1), ("nccl", 1, 2),
@@ -38,14 +50,7 @@ def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, pr
     cluster = Cluster("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--transport", transport, *gloo)
     try:
         cluster.wait_ready()
-        bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-                  for p in PROMPTS]
-        clients = started([StreamClient(cluster.url, b) for b in bodies])
-        for c in clients:
-            c.join(120)
-        assert [c.error for c in clients] == [None] * 4
-        assert [c.ids for c in clients] == reference
-        kv = clients[0].pdserve
+        kv = streams_of_the_reference(cluster.url, reference)[0].pdserve
         assert kv["transport"] == transport and kv["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)
         if decode_tp == 2:  # each rank's own wire time, in the response and in Prometheus
             assert len(kv["kv_ranks"]) == 2 and all(r["bytes"] > 0 for r in kv["kv_ranks"])
