@@ -25,16 +25,18 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def rank_device(name: str, rank: int, size: int) -> torch.device:
     """The device of ``rank`` in a group of ``size``: ``cuda`` (or ``auto`` with GPUs) puts rank r on ``cuda:r``,
-    ``cuda:k`` on ``cuda:k+r``; CPU ranks share the CPU."""
+    ``cuda:k`` on ``cuda:k+r``; CPU ranks share the CPU. More ranks than GPUs is an error naming the count."""
     if size == 1:
         return pick_device(name)
-    base = pick_device(name)
-    if base.type != "cuda":
-        return base
-    first = torch.device(name).index or 0 if name.startswith("cuda") else 0
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not name.startswith("cuda"):
+        return pick_device(name)
+    first = torch.device(name).index or 0
     count = torch.cuda.device_count()
     if first + size > count:
-        raise ValueError(f"--tp {size} from cuda:{first} needs {first + size} GPUs; this machine has {count}")
+        raise ValueError(f"--tp {size} from cuda:{first} needs {first + size} GPUs; this machine has {count} "
+                         f"(use a smaller --tp or --device cpu)")
     return torch.device("cuda", first + rank)
 
 

@@ -20,6 +20,14 @@ def test_one_kv_head_is_replicated_on_both_ranks(tmp_path):
         engine.close()
 
 
+def test_more_ranks_than_gpus_names_the_count():
+    import torch
+
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"--tp {count + 1} from cuda:0 needs {count + 1} GPUs; this machine has {count}"):
+        Engine(EngineConfig(tp=count + 1, device="cuda"))
+
+
 def test_tp_that_does_not_divide_the_heads_names_the_fix():
     with pytest.raises(ValueError, match=r"--tp 3 does not divide .* use one of \[1, 2, 4\]"):
         Engine(EngineConfig(tp=3))
