@@ -70,7 +70,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import timedelta
 
 import torch
 

@@ -2,7 +2,6 @@
 equal Hugging Face's (and TP=1's), with the KV heads split, replicated (one KV head), through chunked prefill,
 cached prefixes and the fixed-shape decode step; a TP that does not fit is a clear error before any rank starts."""
 import pytest
-import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
