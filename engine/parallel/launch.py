@@ -103,7 +103,7 @@ def _default_lost(rank: int, code: int) -> None:
 
 
 def _watch(group: TPGroup) -> None:
-    while True:
+    while not getattr(group, "closing", False):
         for rank, proc in group.procs.items():
             code = proc.poll()
             if code is not None and not getattr(group, "closing", False):
