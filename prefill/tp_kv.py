@@ -80,6 +80,13 @@ def _heads_of(t, lo: int, hi: int):
     return part
 
 
+def cancel_slices(sender, rid: str, heads: int) -> None:
+    """Stop every transfer of ``rid``: the whole KV and each slice (a model of ``heads`` KV heads)."""
+    sender.cancel(rid)
+    for lo in range(heads):
+        sender.cancel(piece_id(rid, lo, 2))
+
+
 class GroupPushes:
     """Rank 0's side: plan each push, collect the followers' reports."""
 
@@ -176,10 +183,7 @@ class PrefillRankKV:
 
     def handle(self, msg: dict) -> None:
         if msg["op"] == "kv_cancel":
-            self.sender.cancel(msg["rid"])
-            for lo in range(self.engine.model.spec.num_kv_heads):
-                self.sender.cancel(f"{msg['rid']}:h{lo}")
-            return
+            return cancel_slices(self.sender, msg["rid"], self.engine.model_kv_shape[1])
         progress = None
         if msg.get("stream"):  # every push that streams from the coming step shares its progress
             progress = self.pending = self.pending or LayerProgress(self.engine.kv_shape[0], self.engine.device)

@@ -42,7 +42,7 @@ from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, ma
 from kvtransfer import spec as transport_spec
 from kvtransfer.tensors import dtype_name
 
-from .tp_kv import GroupPushes, push_group, push_whole
+from .tp_kv import GroupPushes, cancel_slices, push_group, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +132,11 @@ class PrefillWorker(WorkerLoop):
 
     def on_abort(self, rid):
         self.aborted.add(rid)
-        self.sender.cancel(rid)  # a push to a decode worker that is gone or cut off would wait out its timeout
-        if self.engine.group.size > 1 or rid in self.sending:
-            for lo in range(self.engine.model.spec.num_kv_heads):
-                self.sender.cancel(f"{rid}:h{lo}")
+        # a push to a decode worker that is gone or cut off would wait out its timeout (the mlx engine's model
+        # has no spec: model_kv_shape holds the KV heads for both engines)
+        sliced = self.engine.group.size > 1 or rid in self.sending
+        cancel_slices(self.sender, rid, self.engine.model_kv_shape[1] if sliced else 0)
+        if self.engine.group.size > 1 and self.paged:
             self.group_pushes.cancel(rid)
 
     def handle(self, msg):
