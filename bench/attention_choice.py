@@ -4,8 +4,8 @@ Candidates on the engine's paged pool (``[blocks, block_size, kv_heads, head_dim
 shuffled block ids), Mistral-7B attention shape (32 query heads, 8 KV heads, head dim 128, bf16):
 
 decode (one query per sequence)
-  triton        engine.triton_ops.decode (split-K over the block table; what the CUDA graphs capture)
-  torch_paged   engine.paged.decode (fixed-shape torch: gather + grouped matmuls)
+  triton        engine.kernels.triton_attention.decode (split-K over the block table; what the CUDA graphs capture)
+  torch_paged   engine.kernels.paged.decode (fixed-shape torch: gather + grouped matmuls)
   flex          torch flex_attention (compiled) with a paged block mask built from the tables
   varlen_paged  torch.nn.attention.varlen.varlen_attn with block_table (FlashAttention), where this torch has it
 prefill (fresh prompts, causal, packed)
@@ -97,10 +97,10 @@ def varlen_paged_fn(kc, vc, tables, lens, scale):
 
 
 def decode_candidates(kc, vc, tables, lens, scale):
-    from engine import paged
+    from engine.kernels import paged
     out = {"torch_paged": lambda q: paged.decode(q, kc, vc, tables, lens, scale)}
     try:
-        from engine import triton_ops
+        from engine.kernels import triton_attention as triton_ops
         out["triton"] = lambda q: triton_ops.decode(q, kc, vc, tables, lens, scale)
     except ImportError as e:
         out["triton"] = e

@@ -35,7 +35,7 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
     import torch
 
     from bench.engine import _seqs
-    from engine import triton_ops
+    from engine.kernels import triton_attention as triton_ops
 
     graphs, out = engine.runner.graphs, []
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)

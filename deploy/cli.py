@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import chaos, compare, engine, goodput, idle, serve, soak, stream, transfer
+    from bench import chaos, compare, engine, goodput, idle, kernels, serve, soak, stream, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
@@ -190,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     stream.add_arguments(bsub.add_parser("stream", help="KV transfer left after the prefill forward, layer-wise "
                                          "streaming on and off"))
     idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))
+    kernels.add_arguments(bsub.add_parser("kernels", help="each decode-step kernel and whole steps: time, bytes or "
+                                          "FLOPs, fraction of the measured bandwidth and matmul rate"))
     return ap
 
 

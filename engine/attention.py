@@ -14,7 +14,7 @@ call instead: ``varlen``). Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
 correct on CUDA). A meta with ``paged`` set (decode steps of ``graphs``)
 goes to those fixed-shape operations instead: ``paged`` in torch,
-``triton_ops`` as CUDA kernels."""
+``kernels.triton_attention`` as CUDA kernels."""
 from __future__ import annotations
 
 import functools
@@ -69,7 +69,7 @@ class AttnMeta:
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     segments: list = field(default_factory=list)
-    paged: object = None  # ``paged`` or ``triton_ops``: decode over ``tables``/``lens`` with fixed shapes
+    paged: object = None  # ``kernels.paged`` or ``kernels.triton_attention``: decode over ``tables``/``lens`` with fixed shapes
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
     window: int = 0

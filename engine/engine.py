@@ -18,7 +18,7 @@ import torch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool
-from . import paged
+from .kernels import paged
 from .graphs import DecodeGraphs
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
@@ -100,8 +100,8 @@ class Engine:
         ops, capture, layers = paged, False, None
         if mode in ("auto", "cuda") and self.device.type == "cuda":
             try:
-                from . import triton_layers as layers
-                from . import triton_ops as ops
+                from .kernels import triton_layers as layers
+                from .kernels import triton_attention as ops
                 capture = True
             except ImportError as e:
                 if mode == "cuda":

@@ -35,7 +35,7 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool):
-        """``ops``: ``paged`` or ``triton_ops``."""
+        """``ops``: ``kernels.paged`` or ``kernels.triton_attention``."""
         self.model, self.pool, self.device, self.ops = model, pool, device, ops
         self.sizes = batch_sizes(max_batch)
         top = self.sizes[-1]

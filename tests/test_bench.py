@@ -101,3 +101,21 @@ def test_up_spreads_workers_over_gpus():
     workers = plan(args)[:-1]
     assert [cmd[cmd.index("--device", cmd.index("--device") + 1) + 1] for cmd in workers] == ["cuda:0", "cuda:1", "cuda:0"]
     assert all(cmd.count("--device") == 1 for cmd in plan(_parser().parse_args(["up", "--decode", "2"]))[:-1])
+
+
+def test_bench_kernels_small(tmp_path):
+    """Every section runs and gives a time and a fraction of the limits measured in the same run (CPU: the torch
+    forms; the checks of decode attention against the fp32 reference pass)."""
+    out = tmp_path / "kernels"
+    assert main(["bench", "kernels", "--model", "chat-cpu", "--dtype", "float32", "--decode-cases", "1x512,3x100",
+                 "--prefill-cases", "2x64", "--tokens", "1,4", "--step-cases", "1x32,2x48", "--step-count", "3",
+                 "--buffer-mib", "32", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["limits"]["copy_GBps"] > 0 and report["limits"]["matmul_TFLOPs"] > 0
+    assert [r["name"] for r in report["decode_attention"]] == ["decode b1 ctx512", "decode b3 ctx100"]
+    assert all(r["ok"] and r["of_copy_bw"] > 0 for r in report["decode_attention"])
+    assert {r["name"].split()[0] for r in report["layer_kernels"]} == {"rmsnorm", "add_rmsnorm", "silu_mul", "rope_store"}
+    assert len(report["gemms"]) == 10 and report["prefill_attention"][0]["of_matmul"] > 0
+    steps = {r["name"]: r for r in report["decode_steps"]}
+    assert set(steps) == {"step b1 ctx32", "step b2 ctx48"} and all(r["over_bound"] > 0 for r in steps.values())
+    assert "Whole decode steps" in out.with_suffix(".md").read_text()

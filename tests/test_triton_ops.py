@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from engine import paged
+from engine.kernels import paged
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
@@ -20,7 +20,7 @@ CASES = [(3, 8, 2, 16, 16, 0), (2, 4, 4, 12, 8, 0), (3, 8, 2, 16, 4, 5), (2, 32,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernels_match_the_torch_operations(case, dtype):
-    from engine import triton_ops
+    from engine.kernels import triton_attention as triton_ops
 
     batch, heads, kv_heads, dim, block, window = case
     g = torch.Generator().manual_seed(sum(case))
@@ -46,7 +46,7 @@ def test_kernels_match_the_torch_operations(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32), (2, 4096)])
 def test_rmsnorm_kernel_matches_the_module(shape, dtype):
-    from engine import triton_layers
+    from engine.kernels import triton_layers
     from engine.models.llama import RMSNorm
 
     g = torch.Generator().manual_seed(shape[-1])
@@ -63,7 +63,7 @@ def test_rmsnorm_kernel_matches_the_module(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 2 * 40), (5, 2 * 2048), (1, 2 * 14336)])
 def test_silu_mul_kernel_matches_the_module(shape, dtype):
-    from engine import triton_layers
+    from engine.kernels import triton_layers
 
     g = torch.Generator().manual_seed(shape[-1])
     x = (3 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
@@ -77,7 +77,7 @@ def test_silu_mul_kernel_matches_the_module(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dims", [(4, 2, 16), (32, 8, 128), (4, 4, 12)])
 def test_rotary_kernel_matches_the_module(dims, dtype):
-    from engine import triton_layers
+    from engine.kernels import triton_layers
     from engine.models.rope import Rotary
 
     heads, kv_heads, dim = dims
@@ -93,17 +93,59 @@ def test_rotary_kernel_matches_the_module(dims, dtype):
                                    rtol=1e-5 if dtype == torch.float32 else 2e-2)  # bf16: one unit in the last place
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_rounds_like_the_torch_form(dtype):
+    from engine.kernels import triton_layers
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(5, 96, generator=g).to(DEVICE, dtype) for _ in range(2))
+    norm = RMSNorm(96, 1e-5).to(DEVICE)
+    norm.weight.data = torch.rand(96, generator=g).to(DEVICE) + 0.5
+    want = norm(x, r)
+    got = triton_layers.add_rmsnorm(x, r, norm.weight, 1e-5)
+    for a, b in zip(got, want):  # the interpreter truncates to bf16 where a GPU rounds: one unit in the last place
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5 if dtype == torch.float32 else 3.2e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (4, 1, 32), (6, 2, 16)], ids=str)
+def test_rope_store_matches_the_torch_form(shape, dtype):
+    from engine.kernels import triton_attention
+    from engine.models.rope import Rotary
+
+    heads, kv_heads, dim = shape
+    g = torch.Generator().manual_seed(heads + dim)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
+    rotary = Rotary(dim, 256, 10000.0).to(DEVICE)
+    positions = torch.tensor([0, 7, 99, 255], device=DEVICE)
+    slots = torch.tensor([3, -1, 40, 9], device=DEVICE)
+    pools = [[torch.zeros(6, 8, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    args = (rotary.cos[positions], rotary.sin[positions])
+    want = paged.rope_store(qkv, *args, *pools[0], slots, heads, kv_heads)
+    got = triton_attention.rope_store(qkv, *args, *pools[1], slots, heads, kv_heads)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3.2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    for a, b in zip(pools[1], pools[0]):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert pools[1][1].view(-1, kv_heads, dim)[40].equal(qkv[2, (heads + kv_heads) * dim:].view(kv_heads, dim))
+
+
 def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
-    from engine import EngineConfig, SamplingParams, triton_layers, triton_ops
+    from engine import EngineConfig, SamplingParams
+    from engine.kernels import triton_attention as triton_ops, triton_layers
     from engine.engine import Engine
     from engine.generate import generate_many
+    from engine.models.llama import use_kernels
 
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
     plain = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="off", threads=1))
     want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
     fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1))
-    fast.runner.graphs.ops, fast.runner.graphs.layers = triton_ops, triton_layers
+    fast.runner.graphs.ops = triton_ops
+    use_kernels(fast.model, triton_layers)
     got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
     assert got == want and fast.runner.graphs.runs >= 9
 

@@ -63,7 +63,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The normed ``x``; with ``residual``: ``(normed x + residual, x + residual)`` (the sum in ``x``'s dtype)."""
+        if residual is not None:
+            if self.kernels is not None:
+                return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+            x = x + residual
+            return self.forward(x), x
         if self.kernels is not None:
             return self.kernels.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -92,7 +98,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
         n, d = x.shape[0], self.s.head_dim
-        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        qkv = self.qkv_proj(x)
+        if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
+            q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
+                                      self.kv_heads)
+            out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window)
+            return self.o_proj(out.reshape(n, -1))
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -130,9 +142,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, positions, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, meta, k_cache, v_cache):
+        """``(this layer's output, the residual stream before it)``: the next norm adds them (one kernel)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, meta, k_cache, v_cache), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -169,12 +186,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_cache)):
-            x = layer(x, positions, meta, k_cache, v_cache)
+            x, residual = layer(x, residual, positions, meta, k_cache, v_cache)
             if meta.on_layer is not None:
                 meta.on_layer(i)
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

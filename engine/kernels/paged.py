@@ -1,10 +1,12 @@
 """Decode attention straight over the paged pool, with fixed shapes (what a
 CUDA graph can capture): ``store_kv`` writes each new token's K/V into its
-slot (a negative slot is a padding row: it writes nothing of its own), ``decode`` attends
-each sequence's query over its first ``lens[b]`` tokens, found through its
-row of ``tables`` (``[batch, max_blocks]`` block ids). These are the torch
-versions (any device; the reference in tests); ``triton_ops`` has the same
-two functions as single CUDA kernels."""
+slot (a negative slot is a padding row: it writes nothing of its own);
+``rope_store`` rotates the new tokens' queries and keys and stores keys and
+values the same way; ``decode`` attends each sequence's query over its
+first ``lens[b]`` tokens, found through its row of ``tables`` (``[batch,
+max_blocks]`` block ids). These are the torch versions (any device; the
+reference in tests); ``triton_attention`` has the same functions as CUDA
+kernels."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +19,20 @@ def store_kv(k_cache, v_cache, k, v, slots) -> None:
     for cache, new in ((k_cache, k), (v_cache, v)):
         new = new.to(cache.dtype)
         cache.view(-1, heads, dim).index_copy_(0, index, torch.where(keep[:, None, None], new, new[:1]))
+
+
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotary on the new tokens' q and k (``cos``/``sin`` ``[tokens, dim]``, rounded as ``models.rope.Rotary``),
+    the keys and values into their ``slots``; returns the queries ``[tokens, heads, dim]``."""
+    dim = k_cache.shape[-1]
+    n = qkv.shape[0]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
+    cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
+    half = dim // 2
+    q, k = (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin for x in (q, k))
+    store_kv(k_cache, v_cache, k, v, slots)
+    return q
 
 
 def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""RMSNorm, rotary embedding and the MLP's SiLU-times-up as one Triton kernel
-each (CUDA), in place of the several elementwise launches their torch forms
-take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
+"""RMSNorm (alone, or with the residual add before it), rotary embedding and
+the MLP's SiLU-times-up as one Triton kernel each (CUDA), in place of the
+several elementwise launches their torch forms take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
 ``MLP``), so bf16 results match to the last place."""
 from __future__ import annotations
 
@@ -28,6 +28,32 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
                                        num_warps=8 if n >= 2048 else 4)
     return out
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    mask = n < N
+    dt = out_ptr.dtype.element_ty
+    total = (tl.load(x_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)).to(dt)
+    tl.store(sum_ptr + row * N + n, total, mask=mask)
+    x = total.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * scale).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + n, (w * y).to(dt), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(rmsnorm(x + residual), x + residual)``, the sum rounded to ``x``'s dtype first (as torch adds)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    n = x.shape[-1]
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    _add_rmsnorm_kernel[(x.numel() // n,)](x, residual, weight, out, total, eps, N=n,
+                                           BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4)
+    return out, total
 
 
 @triton.jit

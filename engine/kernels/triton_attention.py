@@ -1,5 +1,6 @@
-"""``paged``'s two operations as Triton kernels (CUDA): one launch per layer
-each, no host synchronization, fixed grid for a given batch size, so a CUDA
+"""``paged``'s operations as Triton kernels (CUDA): one launch per layer
+each (``rope_store``: the new tokens' rotary on q and k and the K/V store;
+``decode``: attention plus a merge), no host synchronization, fixed grid for a given batch size, so a CUDA
 graph captures them. ``decode`` is split-K ("flash decoding"): one program
 per (sequence, KV head, context split), the query heads of the group sharing
 each K/V tile of ``TILE`` tokens (gathered through the block table, read
@@ -8,6 +9,7 @@ merges the splits. Small batches get more splits so every SM has work."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -35,6 +37,52 @@ def store_kv(k_cache, v_cache, k, v, slots) -> None:
     n = heads * dim
     _store_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), n, N=n,
                                  BLOCK_N=triton.next_power_of_2(n))
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row, stride_slot,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # query heads, then KV heads (whose programs also move V)
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    dt = q_ptr.dtype.element_ty
+    base = token * stride_row + head * 2 * HALF
+    x1 = tl.load(qkv_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
+    r1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    r2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    if head < HEADS:
+        out = (token * HEADS + head) * 2 * HALF
+        tl.store(q_ptr + out + d, r1, mask=mask)
+        tl.store(q_ptr + out + HALF + d, r2, mask=mask)
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        if slot >= 0:
+            kvh = head - HEADS
+            at = slot * stride_slot + kvh * 2 * HALF
+            tl.store(kc_ptr + at + d, r1, mask=mask)
+            tl.store(kc_ptr + at + HALF + d, r2, mask=mask)
+            v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
+            tl.store(vc_ptr + at + d, tl.load(qkv_ptr + v_at + d, mask=mask), mask=mask)
+            tl.store(vc_ptr + at + HALF + d, tl.load(qkv_ptr + v_at + HALF + d, mask=mask), mask=mask)
+
+
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int) -> torch.Tensor:
+    """``qkv`` ``[tokens, (heads + 2 kv_heads) * dim]`` -> the rotated queries ``[tokens, heads, dim]``; the
+    rotated keys and the values go straight to their ``slots`` of the pool (none for a negative slot)."""
+    dim = k_cache.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype, device=qkv.device)
+    half = dim // 2
+    _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
+        qkv, q, k_cache, v_cache, cos, sin, slots, qkv.stride(0), kv_heads * dim, HEADS=heads, KV_HEADS=kv_heads,
+        HALF=half, BLOCK=triton.next_power_of_2(half))
+    return q
 
 
 @triton.jit
@@ -109,17 +157,36 @@ def _combine_kernel(part_o, part_ml, out_ptr, stride_ob, stride_oh,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def splits_for(batch: int, kv_heads: int, device) -> int:
-    """Context splits per (sequence, KV head): enough programs for about two per SM, at most 32."""
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How ``decode`` runs: ``tile`` tokens per K/V load, ``warps`` and software-pipeline ``stages`` per program,
+    and the context splits per (sequence, KV head): enough for ``per_sm`` programs per SM, at most ``max_splits``.
+    ``pdserve bench kernels --sweep`` times the alternatives."""
+    tile: int = TILE
+    warps: int = 4
+    stages: int = 3
+    per_sm: int = 2
+    max_splits: int = 32
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIG = DecodeConfig()
+
+
+def splits_for(batch: int, kv_heads: int, device, config: DecodeConfig = CONFIG) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(32, (2 * sms) // max(1, batch * kv_heads)))
+    return max(1, min(config.max_splits, (config.per_sm * sms) // max(1, batch * kv_heads)))
 
 
-def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> torch.Tensor:
+def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
+           config: DecodeConfig | None = None) -> torch.Tensor:
+    config = config or CONFIG
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    splits = splits_for(batch, kv_heads, q.device)
+    splits = splits_for(batch, kv_heads, q.device, config)
     upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)  # the interpreter has no bf16 dot
     block_d = max(triton.next_power_of_2(dim), 16)
     q = q.contiguous()
@@ -129,7 +196,8 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> 
         q, k_cache, v_cache, tables, lens, part_o, part_ml, scale, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         SPLITS=splits, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, D=dim,
-        BLOCK_D=block_d, TILE=TILE, PRECISION="ieee" if upcast else "tf32", UPCAST=upcast, num_warps=4)
+        BLOCK_D=block_d, TILE=config.tile, PRECISION="ieee" if upcast else "tf32", UPCAST=upcast,
+        num_warps=config.warps, num_stages=config.stages)
     out = torch.empty_like(q)
     _combine_kernel[(batch, heads)](part_o, part_ml, out, out.stride(0), out.stride(1), SPLITS=splits,
                                     BLOCK_S=max(triton.next_power_of_2(splits), 2), D=dim, BLOCK_D=block_d)

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Decode-speed benchmarks on one GPU (issue 27; the device tool's nvidia-h200): kernels with a decode-attention
+# sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
+# wave then a warm second one), and the router's own token rate.
+#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
+PY=${PY:-python3}
+TAG=${TAG:-h200}
+steps=${*:-test kernels engine serve router}
+model="--model mistral-7b --load-format dummy --dtype bfloat16"
+for step in $steps; do
+  case $step in
+    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py 2>&1 | tail -3 ;;
+    kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --sweep --out "$OUT/kernels-$TAG" 2>&1 \
+               | grep -v "^decode attention:" | tail -60 ;;
+    engine) timeout 300 $PY -m deploy.cli bench engine $model --batches 1,32,64 --prompt-len 512 --decode-steps 64 \
+              --requests 64 --max-num-seqs 64 --max-model-len 4096 --out "$OUT/engine-$TAG" 2>&1 | tail -12 ;;
+    serve)
+      $PY -m deploy.cli up --colocated $model --max-model-len 4096 --max-num-seqs 64 --port 8011 \
+        --ready-timeout 300 > "$OUT/up.log" 2>&1 &
+      up=$!
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+      for c in 1 32 64; do
+        n=$(( c == 1 ? 16 : 2 * c ))
+        for wave in cold warm; do
+          timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency $c --prompt-len 512 \
+            --max-tokens 64 --requests $n --out "$OUT/serve-c$c-$wave-$TAG" 2>&1 | tail -2
+        done
+      done
+      kill -INT $up; wait $up ;;
+    router) timeout 200 $PY -m deploy.cli bench router --out "$OUT/router-$TAG" 2>&1 | tail -8 ;;
+  esac
+done

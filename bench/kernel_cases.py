@@ -1,0 +1,160 @@
+"""The measurements of ``pdserve bench kernels``, one function per kind of kernel. Each returns rows of
+``{"name", "ms", "bytes" or "flops", ...}``; ``bench.kernels`` turns them into fractions of the device's limits
+measured in the same run (``limits``). Times are device times: CUDA events around repeats (median of rounds), or
+the wall clock on the CPU."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, device, reps: int = 20, rounds: int = 5) -> float:
+    """Median milliseconds of one ``fn()`` (after a warm-up call)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        else:
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def limits(device, dtype, size_mib: int) -> dict:
+    """Measured copy bandwidth (bytes read + written per second, a device-to-device copy of ``size_mib``), read
+    bandwidth (a sum over the same bytes) and dense matmul rate in ``dtype``."""
+    n = size_mib * 2**20 // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).uniform_()
+    b = torch.empty_like(a)
+    copy_ms = timed(lambda: b.copy_(a), device, reps=10)
+    read_ms = timed(lambda: a.sum(dtype=torch.float32), device, reps=10)
+    side = 8192 if device.type == "cuda" else 1024
+    x, y = (torch.randn(side, side, dtype=dtype, device=device) for _ in range(2))
+    mm_ms = timed(lambda: x @ y, device, reps=5)
+    del a, b
+    return {"copy_GBps": 2 * n * 2 / copy_ms / 1e6, "read_GBps": n * 2 / read_ms / 1e6,
+            "matmul_TFLOPs": 2 * side ** 3 / mm_ms / 1e9, "matmul_side": side, "buffer_MiB": size_mib}
+
+
+def paged_pool(batch: int, ctx: int, kv_heads: int, dim: int, block: int, dtype, device, gen):
+    """A pool holding ``batch`` sequences of ``ctx`` tokens in shuffled blocks: ``(k, v, tables, lens)``."""
+    per = -(-ctx // block)
+    blocks = batch * per + 1
+    k = torch.empty(blocks, block, kv_heads, dim, dtype=dtype, device=device).normal_(generator=gen)
+    v = torch.empty_like(k).normal_(generator=gen)
+    order = torch.randperm(blocks - 1, generator=gen, device=device)[:batch * per]
+    return k, v, order.view(batch, per).int(), torch.full((batch,), ctx, dtype=torch.int32, device=device)
+
+
+def decode_attention(ops, ref, spec, cases, dtype, device, block: int, configs=None) -> list:
+    """Paged decode attention (``ops.decode``) per ``(batch, context)``: checked against ``ref.decode`` (fp32)
+    first, then timed with each of ``configs`` (``ops.DecodeConfig``; None: the kernel's own choice)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = []
+    for batch, ctx in cases:
+        k, v, tables, lens = paged_pool(batch, ctx, kv_heads, dim, block, dtype, device, gen)
+        q = torch.empty(batch, heads, dim, dtype=dtype, device=device).normal_(generator=gen)
+        scale = dim ** -0.5
+        want = ref.decode(q[:2].float(), k.float(), v.float(), tables[:2], lens[:2], scale)
+        kv_bytes = 2 * batch * ctx * kv_heads * dim * k.element_size()
+        for config in configs or [None]:
+            kw = {"config": config} if config is not None else {}
+            got = ops.decode(q, k, v, tables, lens, scale, **kw)
+            err = (got[:2].float() - want).abs().max().item()
+            ms = timed(lambda: ops.decode(q, k, v, tables, lens, scale, **kw), device)
+            row = {"name": f"decode b{batch} ctx{ctx}", "batch": batch, "context": ctx, "ms": ms,
+                   "bytes": kv_bytes + 2 * q.numel() * q.element_size(), "max_abs_err": err, "ok": err < 5e-2}
+            if config is not None:
+                row["config"] = config.as_dict()
+            rows.append(row)
+        del k, v
+    return rows
+
+
+def prefill_attention(spec, cases, dtype, device) -> list:
+    """Causal attention over packed fresh prompts, the engine's prefill path (``engine.attention``)."""
+    from engine.attention import build_meta, attend
+
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = []
+    for count, length in cases:
+        n = count * length
+        q = torch.randn(n, heads, dim, dtype=dtype, device=device)
+        k, v = (torch.randn(n, kv_heads, dim, dtype=dtype, device=device) for _ in range(2))
+        block = 16
+        kc, vc = (torch.zeros(-(-n // block) + 1, block, kv_heads, dim, dtype=dtype, device=device) for _ in range(2))
+        starts = [i * length for i in range(count + 1)]
+        per = -(-length // block)
+        tables = torch.arange(count * per, device=device).view(count, per)
+        lens = torch.full((count,), length, device=device)
+        meta = build_meta(torch.arange(n, device=device), starts, [length] * count, tables, lens, block, 0, None,
+                          None, varlen=device.type == "cuda" and dtype != torch.float32)
+        ms = timed(lambda: attend(q, k, v, kc, vc, meta, dim ** -0.5), device, reps=5)
+        flops = 4 * heads * dim * count * length * (length + 1) / 2
+        rows.append({"name": f"prefill {count}x{length}", "kernel": "varlen" if meta.varlen else "sdpa", "ms": ms,
+                     "flops": flops})
+    return rows
+
+
+def layer_kernels(layers, ops, spec, token_counts, dtype, device) -> list:
+    """The fused elementwise kernels of a layer (``layers``: ``triton_layers`` or None for the torch forms) at each
+    token count: bytes each reads and writes."""
+    from engine.models.llama import RMSNorm
+    from engine.models.rope import Rotary
+
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    norm = RMSNorm(h, 1e-5).to(device, dtype)
+    norm.kernels = layers
+    rotary = Rotary(d, 4096, spec.rope_theta).to(device)
+    size = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for n in token_counts:
+        x, r = (torch.randn(n, h, dtype=dtype, device=device) for _ in range(2))
+        gate_up = torch.randn(n, 2 * inter, dtype=dtype, device=device)
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+        kc, vc = (torch.zeros(n // 16 + 1, 16, kv_heads, d, dtype=dtype, device=device) for _ in range(2))
+        pos = torch.arange(n, device=device)
+        cos, sin = rotary.cos[pos], rotary.sin[pos]
+        silu = layers.silu_mul if layers else (lambda t: torch.nn.functional.silu(t[:, :inter]) * t[:, inter:])
+        cases = {
+            "rmsnorm": (lambda: norm(x), 2 * n * h * size),
+            "add_rmsnorm": (lambda: norm(x, r), 4 * n * h * size),
+            "silu_mul": (lambda: silu(gate_up), 3 * n * inter * size),
+            "rope_store": (lambda: ops.rope_store(qkv, cos, sin, kc, vc, pos, heads, kv_heads),
+                           2 * qkv.numel() * size + 2 * cos.numel() * 4),
+        }
+        for name, (fn, nbytes) in cases.items():
+            rows.append({"name": f"{name} n{n}", "tokens": n, "ms": timed(fn, device), "bytes": nbytes})
+    return rows
+
+
+def gemms(spec, batches, dtype, device, tp: int = 1) -> list:
+    """The decode step's matmuls at one rank's shapes (``x @ W.T``, weights in ``dtype``): bytes are the weights
+    read plus the activations; flops for comparison with the matmul rate."""
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes = {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d // tp, h), "o": (h, spec.num_heads * d // tp),
+              "gate_up": (2 * inter // tp, h), "down": (h, inter // tp), "lm_head": (spec.vocab_size // tp, h)}
+    rows = []
+    for name, (out_f, in_f) in shapes.items():
+        w = torch.randn(out_f, in_f, dtype=dtype, device=device) * 0.02
+        for m in batches:
+            x = torch.randn(m, in_f, dtype=dtype, device=device)
+            ms = timed(lambda: torch.nn.functional.linear(x, w), device)
+            rows.append({"name": f"{name} m{m}", "gemm": name, "m": m, "ms": ms,
+                         "bytes": (w.numel() + m * (in_f + out_f)) * w.element_size(), "flops": 2 * m * in_f * out_f})
+        del w
+    return rows
