@@ -21,7 +21,7 @@ for step in $steps; do
         --ready-timeout 300 > "$OUT/up.log" 2>&1 &
       up=$!
       for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
-      for c in 1 32 64; do
+      for c in 32 1 64; do
         n=$(( c == 1 ? 16 : 2 * c ))
         for wave in cold warm; do
           timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency $c --prompt-len 512 \
