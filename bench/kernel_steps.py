@@ -59,7 +59,7 @@ def decode_steps(args, cases, lim) -> list:
         if size in (graphs.graphs if graphs else {}):
             from .kernel_cases import timed
 
-            replay_ms = timed(graphs.graphs[size].replay, engine.device, reps=10)
+            replay_ms = timed(graphs.graphs[size].replay, engine.device, reps=10, graph=False)
         nbytes = weights + batch * (ctx + args.step_count) * kv
         bound_ms = nbytes / (lim["copy_GBps"] * 1e6)
         for name, ms in (("step", step_ms), ("graph replay", replay_ms)):
