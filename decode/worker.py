@@ -348,7 +348,7 @@ class DecodeWorker(WorkerLoop):
         live = self.live.get(seq.rid)
         if live is None:
             return
-        if live.colocated and len(seq.output_ids) == 1:
+        if live.colocated and seq.num_output == 1:
             now, scheduled = time.perf_counter(), seq.scheduled_at or live.started
             self.emit(seq.rid, "first", **first_message(seq, text, (now - scheduled) * 1e3,
                                                          (scheduled - live.started) * 1e3))
@@ -358,14 +358,14 @@ class DecodeWorker(WorkerLoop):
                 self.reply_to.pop(seq.rid, None)
             return
         if not seq.finished:
-            self.emit(seq.rid, "tokens", ids=[seq.output_ids[-1]], text=text, logprobs=seq.take_logprobs())
+            self.emit(seq.rid, "tokens", ids=[seq.last_token], text=text, logprobs=seq.take_logprobs())
             return
         self._finish(seq.rid)
         self.completed += 1
         decode_ms = (time.perf_counter() - live.started) * 1e3
         phases = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
-        self.emit(seq.rid, "done", ids=[seq.output_ids[-1]], text=text, finish_reason=seq.finish_reason,
-                  completion_tokens=len(seq.output_ids), timing={"decode": decode_ms}, phases=phases,
+        self.emit(seq.rid, "done", ids=[seq.last_token], text=text, finish_reason=seq.finish_reason,
+                  completion_tokens=seq.num_output, timing={"decode": decode_ms}, phases=phases,
                   logprobs=seq.take_logprobs())
 
     def close(self):

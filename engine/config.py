@@ -29,6 +29,7 @@ class EngineConfig:
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
     tp: int = 1  # tensor-parallel ranks (processes, one device each); see engine.parallel
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
+    overlap: bool = True  # launch the next decode step before reading this one's tokens (engine.overlap)
 
     @property
     def tokenizer_source(self) -> str:

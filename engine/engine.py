@@ -24,7 +24,8 @@ from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
 from .models.llama import use_kernels
 from .parallel.group import SINGLE, TPGroup
-from .sampler import choose
+from . import overlap
+from .sampler import choose_later
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -85,6 +86,8 @@ class Engine:
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
         self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
+        self.inflight: overlap.InFlight | None = None  # a decode step still on the device (``overlap``)
+        self.overlapped = 0  # steps left on the device while the next was prepared
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20)
 
@@ -210,6 +213,7 @@ class Engine:
 
     def free(self, seq: Sequence) -> None:
         """Take ``seq`` out of the engine and return its blocks (idempotent)."""
+        seq.freed = True
         self.scheduler.remove(seq)
         self.blocks.release(seq.block_table)
 
@@ -218,14 +222,20 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.inflight is not None
 
     def step(self) -> StepOutput:
+        """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on."""
+        out = StepOutput()
+        if self.inflight is not None and not overlap.can_follow(self):
+            self._read_inflight(out)
         batch = self.scheduler.schedule()
-        out = StepOutput(refused=batch.refused, scheduled=batch.seqs, batch_tokens=batch.num_tokens)
+        out.refused, out.scheduled, out.batch_tokens = batch.refused, batch.seqs, batch.num_tokens
         if not batch.seqs:
+            if self.inflight is not None:
+                self._read_inflight(out)
             return out
-        rows = step_rows(batch)
+        rows = step_rows(batch, self.inflight.rows_of() if self.inflight is not None else None)
         progress = self.on_schedule(batch) if self.on_schedule is not None else None
         if self.group.plan is not None:  # the other ranks run the same step (after any KV work just planned)
             self.group.plan.step(rows, batch.copies)
@@ -233,23 +243,39 @@ class Engine:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         self._count_prefix(batch)
-        scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None)
+        feed = self.inflight.choices.device_tokens if self.inflight is not None else None
+        scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None, feed)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if i in prompt_scores:
                 add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
             seq.num_computed += chunk
-            self.register(seq)
-        choices = choose(scores, sampling, self.tokenizer.eos_token_id) if sampling else []
-        for seq, choice in zip(sampling, choices):
-            delta = seq.append(choice)
-            out.tokens.append((seq, delta))
-            if seq.finished and not self.hold_after_first:
-                self.free(seq)
-            elif self.hold_after_first:
-                self.scheduler.remove(seq)
+            if not seq.pending:  # a held input token: registered once it is read
+                self.register(seq)
+        choices = choose_later(scores, sampling, self.tokenizer.eos_token_id) if sampling else None
+        previous, self.inflight = self.inflight, None
+        if choices is not None and overlap.keeps(self, rows, sampling):
+            self.inflight = overlap.InFlight(sampling, [seq.reserve() for seq in sampling], choices)
+            self.overlapped += 1
+        if previous is not None:
+            previous.finish(lambda seq, delta: self._took(seq, delta, out, True))
+        if choices is not None and self.inflight is None:
+            for seq, choice in zip(sampling, choices.read()):
+                self._took(seq, seq.append(choice), out)
         return out
 
+    def _read_inflight(self, out: StepOutput) -> None:
+        previous, self.inflight = self.inflight, None
+        previous.finish(lambda seq, delta: self._took(seq, delta, out, True))
+
+    def _took(self, seq: Sequence, delta: str, out: StepOutput, held: bool = False) -> None:
+        out.tokens.append((seq, delta))
+        if held:
+            self.register(seq)
+        if seq.finished and not self.hold_after_first:
+            self.free(seq)
+        elif self.hold_after_first:
+            self.scheduler.remove(seq)
 
     def follow_step(self, rows: list, copies: list, kv=None) -> None:
         """(A follower rank) Rank 0's step: its block copies, then the forward of its rows (``StepRow.to_wire``);

@@ -42,7 +42,9 @@ class DecodeGraphs:
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.zeros(top, dtype=torch.int32, device=device)
-        self.staging = torch.zeros(3, top, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.feed_rows = torch.zeros(top, dtype=torch.long, device=device)
+        # two staging buffers, alternated: a step is prepared while the one before may still be copying from its own
+        self.staging = [torch.zeros(4, top, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = self.replays = 0
@@ -83,22 +85,29 @@ class DecodeGraphs:
         return n <= self.sizes[-1]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor:
-        """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows."""
+            lens: list[int], feed: tuple | None = None) -> torch.Tensor:
+        """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows. ``feed``: ``(device tokens,
+        [row of them or -1 per row])``: those rows' input ids come from the device tokens (``engine.overlap``)."""
         with self._on_device():
-            return self._run(ids, positions, slots, tables, lens)
+            return self._run(ids, positions, slots, tables, lens, feed)
 
-    def _run(self, ids, positions, slots, tables, lens) -> torch.Tensor:
+    def _run(self, ids, positions, slots, tables, lens, feed=None) -> torch.Tensor:
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         self.runs += 1
         width = max(len(t) for t in tables)
         pad = [-1] * (size - n)
-        staged = self.staging[:, :size]
-        staged.copy_(torch.tensor([ids + [0] * (size - n), positions + [0] * (size - n), slots + pad]))
+        staged = self.staging[self.runs % 2][:, :size]
+        fed = feed[1] + pad if feed is not None else pad + [-1] * n
+        staged.copy_(torch.tensor([ids + [0] * (size - n), positions + [0] * (size - n), slots + pad, fed]))
         rows = torch.tensor([t + [0] * (width - len(t)) + [n_] for t, n_ in zip(tables, lens)]
                             + [[0] * (width + 1)] * (size - n), dtype=torch.int32).to(self.device, non_blocking=True)
-        self.tokens[:, :size].copy_(staged, non_blocking=True)
+        self.tokens[:, :size].copy_(staged[:3], non_blocking=True)
+        if feed is not None:
+            src = self.feed_rows[:size]
+            src.copy_(staged[3], non_blocking=True)
+            held = feed[0][src.clamp(min=0)]
+            self.tokens[0, :size] = torch.where(src >= 0, held, self.tokens[0, :size])
         self.tables[:size, :width].copy_(rows[:, :width])
         self.lens[:size].copy_(rows[:, width])
         graph = self.graphs.get(size)

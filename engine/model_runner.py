@@ -15,6 +15,7 @@ import torch
 from .attention import AttnMeta, build_meta, token_slot
 from .kv_pool import KVPool
 from .scheduler import Batch
+from .sequence import PENDING
 
 
 @dataclass
@@ -24,17 +25,22 @@ class StepRow:
     table: list  # the sequence's block table
     samples: bool  # the step ends the sequence's known tokens: its next token is chosen
     prompt_scores: bool  # the scores of every position are wanted (prompt logprobs)
+    feed: int = -1  # the input token is still on the device: this row of the step in flight (engine.overlap)
 
     def to_wire(self) -> list:
         return [self.ids, self.start, self.table, self.samples, self.prompt_scores]
 
 
-def step_rows(batch: Batch) -> list[StepRow]:
+def step_rows(batch: Batch, inflight_rows: dict | None = None) -> list[StepRow]:
+    """``inflight_rows``: ``{id(sequence): row}`` of the step in flight, for inputs held there."""
     rows = []
     for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
         start = seq.num_computed
         wants = seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids)
-        rows.append(StepRow(seq.tokens(start, start + chunk), start, seq.block_table, batch.samples(i), wants))
+        row = StepRow(seq.tokens(start, start + chunk), start, seq.block_table, batch.samples(i), wants)
+        if seq.pending and row.ids[-1] == PENDING:
+            row.feed = inflight_rows[id(seq)]
+        rows.append(row)
     return rows
 
 
@@ -77,14 +83,18 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, rows: list[StepRow], on_layer=None) -> tuple[torch.Tensor, dict]:
+    def run(self, rows: list[StepRow], on_layer=None, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling rows in order, {row index: prompt-position scores})``.
         With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly.
-        ``on_layer(i)``: called as the eager forward finishes each layer."""
-        decode = [i for i, r in enumerate(rows) if self._decodes(r)] if self.graphs is not None else []
+        ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
+        in flight, which rows with a ``feed`` index take as input (only through the graphs)."""
+        decode = [i for i, r in enumerate(rows) if self.decodes(r)] if self.graphs is not None else []
         if not decode or not self.graphs.fits(len(decode)):
+            self._no_feed(rows)
             return self._run_eager(rows, on_layer)
-        graph_scores = self._run_graph([rows[i] for i in decode])
+        if len(decode) < len(rows):
+            self._no_feed([r for i, r in enumerate(rows) if i not in set(decode)])
+        graph_scores = self._run_graph([rows[i] for i in decode], feed)
         if len(decode) == len(rows):
             return graph_scores, {}
         decode = set(decode)
@@ -113,16 +123,22 @@ class ModelRunner:
         return scores, prompt_scores
 
     @staticmethod
-    def _decodes(row: StepRow) -> bool:
+    def _no_feed(rows: list[StepRow]) -> None:
+        if any(r.feed >= 0 for r in rows):
+            raise RuntimeError("a token held on the device fed to the eager path (engine.overlap checks prevent it)")
+
+    @staticmethod
+    def decodes(row: StepRow) -> bool:
         """One new token that samples and needs no prompt scores: what the captured decode step computes."""
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
-    def _run_graph(self, rows: list[StepRow]) -> torch.Tensor:
+    def _run_graph(self, rows: list[StepRow], feed: torch.Tensor | None = None) -> torch.Tensor:
         bs = self.pool.block_size
         positions = [r.start for r in rows]
         slots = [token_slot(r.table, r.start, bs) for r in rows]
-        logits = self.graphs.run([r.ids[0] for r in rows], positions, slots, [list(r.table) for r in rows],
-                                 [p + 1 for p in positions]).clone()
+        fed = (feed, [r.feed for r in rows]) if any(r.feed >= 0 for r in rows) else None
+        logits = self.graphs.run([max(r.ids[0], 0) for r in rows], positions, slots, [list(r.table) for r in rows],
+                                 [p + 1 for p in positions], fed).clone()
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

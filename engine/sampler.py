@@ -78,6 +78,45 @@ def _filter(scores: torch.Tensor, params) -> torch.Tensor:
 def choose(logits: torch.Tensor, seqs, eos_token_id: int | None = None) -> list[TokenChoice]:
     """One token for each row of ``logits`` ``[rows, vocab]``; ``seqs[i]`` has ``params``, ``prompt_ids``,
     ``output_ids``."""
+    return choose_later(logits, seqs, eos_token_id).read()
+
+
+class Choices:
+    """Tokens (and logprobs) chosen on the device, copied to pinned host memory without waiting; ``read`` waits
+    for the copy (an event) and gives the ``TokenChoice`` of each row."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple | None, wanted: list[int], counts: list[int]):
+        self.wanted, self.counts = wanted, counts
+        self.device_tokens = tokens
+        self._host = [_to_host(tokens)] + ([_to_host(t) for t in logprobs] if logprobs else [])
+        self._event = torch.cuda.Event() if tokens.device.type == "cuda" else None
+        if self._event is not None:
+            self._event.record()
+
+    def read(self) -> list[TokenChoice]:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host[0].tolist()
+        choices = [TokenChoice(t) for t in tokens]
+        if self.wanted:
+            chosen, top_lp, top_id = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self.wanted):
+                n = self.counts[j]
+                choices[i].logprob = chosen[j]
+                choices[i].top = list(zip(top_id[j][:n], top_lp[j][:n])) if n else []
+        return choices
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def choose_later(logits: torch.Tensor, seqs, eos_token_id: int | None = None) -> Choices:
+    """``choose`` without waiting for the device: penalties read each sequence's ``output_ids`` (so they must be
+    known), everything else runs on the device."""
     logits = logits.float()
     scores = logits.clone()
     for i, seq in enumerate(seqs):
@@ -97,16 +136,13 @@ def choose(logits: torch.Tensor, seqs, eos_token_id: int | None = None) -> list[
         for j, i in enumerate(sampled):
             row = _filter(scores[i] / seqs[i].params.temperature, seqs[i].params)
             tokens[i] = torch.argmax(row - torch.log(-torch.log(noise[j])))
-    tokens = tokens.tolist()
-    choices = [TokenChoice(t) for t in tokens]
     wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    logprobs = None
     if wanted:
-        logp = torch.log_softmax(logits[wanted], dim=-1)
+        index = torch.tensor(wanted, device=logits.device)
+        logp = torch.log_softmax(logits[index], dim=-1)
         k = max(seqs[i].params.logprobs for i in wanted)
-        top_lp, top_id = torch.topk(logp, k, dim=-1) if k else (None, None)
-        chosen = logp.gather(1, torch.tensor([tokens[i] for i in wanted], device=logp.device)[:, None])[:, 0].tolist()
-        for j, i in enumerate(wanted):
-            n = seqs[i].params.logprobs
-            choices[i].logprob = chosen[j]
-            choices[i].top = list(zip(top_id[j, :n].tolist(), top_lp[j, :n].tolist())) if n else []
-    return choices
+        chosen = logp.gather(1, tokens[index][:, None])[:, 0]
+        top_lp, top_id = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        logprobs = (chosen, top_lp, top_id)
+    return Choices(tokens, logprobs, wanted, [seqs[i].params.logprobs for i in wanted])

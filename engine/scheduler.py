@@ -88,7 +88,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:
+            if seq not in self.running or (seq.pending and seq.capped):  # capped: ends when its held token is read
                 continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             if not self._make_room(seq, seq.num_computed + chunk, batch):

@@ -13,6 +13,8 @@ from .errors import RequestError
 from .sampler import TokenChoice
 from .sampling import SamplingParams
 
+PENDING = -1  # an output place whose token is still on the device (``engine.overlap``)
+
 
 class Sequence:
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_len: int):
@@ -34,6 +36,8 @@ class Sequence:
         self.registered = 0
         self.cached_tokens = 0
         self.counted = False
+        self.pending = 0  # places held in output_ids for tokens still being chosen on the device
+        self.freed = False  # taken out of the engine (finished or aborted)
 
     @classmethod
     def create(cls, rid, prompt: str | list[int], params: SamplingParams, tokenizer, max_len: int) -> "Sequence":
@@ -78,25 +82,58 @@ class Sequence:
         p = len(self.prompt_ids)
         return (self.prompt_ids[start:end] if start < p else []) + self.output_ids[max(0, start - p):max(0, end - p)]
 
-    def _stops_on(self, token: int) -> bool:
-        if len(self.output_ids) <= self.params.min_tokens:
+    def _stops_on(self, token: int, count: int) -> bool:
+        if count <= self.params.min_tokens:
             return False
         if token in self.params.stop_token_ids:
             return True
         return token == self.tokenizer.eos_token_id and not self.params.ignore_eos
 
     def append(self, choice: TokenChoice) -> str:
+        self.output_ids.append(choice.token)
+        return self._accept(choice, len(self.output_ids))
+
+    def reserve(self) -> int:
+        """Hold the place of a token being chosen on the device (``engine.overlap``); its index for ``fill``."""
+        self.output_ids.append(PENDING)
+        self.pending += 1
+        return len(self.output_ids) - 1
+
+    def fill(self, index: int, choice: TokenChoice) -> str:
+        """The token chosen for place ``index``: as ``append``; a finish drops any places held after it."""
+        self.output_ids[index] = choice.token
+        self.pending -= 1
+        delta = self._accept(choice, index + 1)
+        if self.finished:
+            self.pending -= len(self.output_ids) - index - 1
+            del self.output_ids[index + 1:]
+        return delta
+
+    @property
+    def last_token(self) -> int:
+        """The last chosen token (places still held on the device come after it)."""
+        return self.output_ids[-1 - self.pending]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids) - self.pending
+
+    @property
+    def capped(self) -> bool:
+        """Its last token (chosen or held) is the last it may have: nothing to compute after it."""
+        return len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self.max_len
+
+    def _accept(self, choice: TokenChoice, count: int) -> str:
         token = choice.token
-        self.output_ids.append(token)
         if choice.logprob is not None:
             self.pending_logprobs.append((token, choice.logprob, choice.top))
-        if self._stops_on(token):
+        if self._stops_on(token, count):
             self.finish_reason = "stop"
             return self.detok.flush()
-        delta, stopped = self.detok.add(token, check_stop=len(self.output_ids) > self.params.min_tokens)
+        delta, stopped = self.detok.add(token, check_stop=count > self.params.min_tokens)
         if stopped:
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
+        elif count >= self.params.max_tokens or len(self.prompt_ids) + count >= self.max_len:
             self.finish_reason = "length"
             delta += self.detok.flush()
         return delta
