@@ -66,7 +66,7 @@ def limits(device, dtype, size_mib: int) -> dict:
     side = 8192 if device.type == "cuda" else 1024
     x, y = (torch.randn(side, side, dtype=dtype, device=device) for _ in range(2))
     mm_ms = timed(lambda: x @ y, device, reps=5)
-    del a, b
+
     return {"copy_GBps": 2 * n * 2 / copy_ms / 1e6, "read_GBps": n * 2 / read_ms / 1e6,
             "matmul_TFLOPs": 2 * side ** 3 / mm_ms / 1e9, "matmul_side": side, "buffer_MiB": size_mib}
 
@@ -103,7 +103,7 @@ def decode_attention(ops, ref, spec, cases, dtype, device, block: int, configs=N
             if config is not None:
                 row["config"] = config.as_dict()
             rows.append(row)
-        del k, v
+
     return rows
 
 
@@ -179,5 +179,5 @@ def gemms(spec, batches, dtype, device, tp: int = 1) -> list:
             ms = timed(lambda: torch.nn.functional.linear(x, w), device)
             rows.append({"name": f"{name} m{m}", "gemm": name, "m": m, "ms": ms,
                          "bytes": (w.numel() + m * (in_f + out_f)) * w.element_size(), "flops": 2 * m * in_f * out_f})
-        del w
+
     return rows

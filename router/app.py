@@ -24,6 +24,7 @@ from .policy import make_policy
 from .responses import SSE_DONE, Choice, Shaper, sse, usage_of
 from .schemas import ChatRequest, CompletionRequest
 from .service import Delta, Finished, Service, StreamError, new_rid
+from .streams import merged
 from .workers import WorkerClient, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -230,20 +231,6 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
         return JSONResponse(shaper.full(choices, usage_of(choices), with_ids))
 
     async def stream(endpoint, shaper, choices, firsts, streams, include_usage, t0, with_ids):
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice, events):
-            try:
-                async for ev in events:
-                    queue.put_nowait((choice, ev))
-            except StreamError as e:
-                queue.put_nowait((choice, e))
-            except Exception as e:
-                log.exception("stream of choice %d failed", choice.index)
-                queue.put_nowait((choice, StreamError(500, f"internal error: {e}")))
-            finally:
-                queue.put_nowait((choice, None))
-
         def piece(choice, ev):
             text, entries = absorb(choice, ev)
             if not (text or with_ids or (shaper.with_logprobs and entries)):
@@ -254,22 +241,15 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                 out["usage"] = usage_of(choices)
             return sse(out)
 
-        tasks, last = [], time.perf_counter()
+        last, events = time.perf_counter(), merged(choices, streams)
         try:
             for choice, first in zip(choices, firsts):
                 if shaper.chat:
                     yield sse(shaper.chunk(choice, None, role=True))
                 if (out := piece(choice, first)) is not None:
                     yield out
-            tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(choices, streams)]
-            remaining = len(tasks)
-            while remaining:
-                choice, ev = await queue.get()
-                if ev is None:
-                    remaining -= 1
-                elif isinstance(ev, StreamError):
-                    raise ev
-                elif isinstance(ev, Delta):
+            async for choice, ev in events:
+                if isinstance(ev, Delta):
                     now = time.perf_counter()
                     metrics.itl.labels(mode()).observe(now - last)
                     last = now
@@ -291,9 +271,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
             yield SSE_DONE
         finally:
             metrics.in_flight.dec()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await events.aclose()
             for s in streams:
                 await s.aclose()
 

@@ -27,7 +27,25 @@ from .workers import SOURCE
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
+TIMEOUT = getattr(asyncio, "timeout", None)
 KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
+
+
+def coalesce(msg: dict, inbox: asyncio.Queue) -> dict:
+    """``msg`` (``tokens``) joined with the ``tokens`` messages already waiting behind it: a client (or a router)
+    that fell behind gets them as one event. Stops before any other message, which stays first in the inbox."""
+    queued = inbox._queue  # noqa: SLF001 - a peek; asyncio.Queue has no public one
+    if not queued or queued[0].get("op") != "tokens":
+        return msg
+    text, ids, logprobs = [msg["text"]], list(msg["ids"]), msg.get("logprobs")
+    logprobs = list(logprobs) if logprobs is not None else None
+    while queued and queued[0].get("op") == "tokens":
+        more = inbox.get_nowait()
+        text.append(more["text"])
+        ids += more["ids"]
+        if logprobs is not None:
+            logprobs += more.get("logprobs") or []
+    return {**msg, "text": "".join(text), "ids": ids, "logprobs": logprobs}
 
 
 def new_rid() -> str:
@@ -104,10 +122,17 @@ class Service:
         return worker
 
     async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
-        try:
-            msg = await asyncio.wait_for(inbox.get(), timeout)
-        except asyncio.TimeoutError:
-            raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
+        if not inbox.empty():  # often the message is here already: no timer
+            msg = inbox.get_nowait()
+        else:
+            try:
+                if TIMEOUT is None:  # python 3.10
+                    msg = await asyncio.wait_for(inbox.get(), timeout)
+                else:
+                    async with TIMEOUT(timeout):  # a timer handle, not the task per message wait_for makes
+                        msg = await inbox.get()
+            except (TimeoutError, asyncio.TimeoutError):
+                raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
         if msg["op"] == "error":
             raise WorkerFailure(msg, msg.get(SOURCE))
         return msg
@@ -275,6 +300,7 @@ class Service:
                 first_worker.owned.discard(msg["rid"])
                 self._kv_sent(timing, msg)
             elif msg["op"] == "tokens":
+                msg = coalesce(msg, inbox)
                 completion += len(msg["ids"])
                 run.streamed = True
                 yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))

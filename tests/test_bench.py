@@ -119,3 +119,12 @@ def test_bench_kernels_small(tmp_path):
     steps = {r["name"]: r for r in report["decode_steps"]}
     assert set(steps) == {"step b1 ctx32", "step b2 ctx48"} and all(r["over_bound"] > 0 for r in steps.values())
     assert "Whole decode steps" in out.with_suffix(".md").read_text()
+
+
+def test_bench_router_small(tmp_path):
+    out = tmp_path / "router"
+    assert main(["bench", "router", "--clients", "1", "--streams", "4", "--max-tokens", "16", "--duration", "2",
+                 "--step-ms", "2", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["tokens"] >= 16 and report["errors"] == 0 and report["tokens"] % 16 == 0
+    assert report["router_us_per_token"] > 0 and report["tokens_per_event"] >= 1

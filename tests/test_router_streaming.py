@@ -1,0 +1,73 @@
+"""The router's token path: tokens that arrive faster than the router sends them are joined into fewer SSE events,
+and nothing is lost or reordered (real router process, the fake worker of ``bench.fake_worker`` making tokens as
+fast as it can, the openai SDK)."""
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from router.service import coalesce
+
+
+def test_coalesce_joins_waiting_tokens_and_stops_at_anything_else():
+    q = asyncio.Queue()
+    for msg in ({"op": "tokens", "ids": [2], "text": "b", "logprobs": [{"lp": -2}]},
+                {"op": "tokens", "ids": [3, 4], "text": "cd", "logprobs": [{"lp": -3}, {"lp": -4}]},
+                {"op": "done", "ids": [5], "text": "e"}, {"op": "tokens", "ids": [6], "text": "f"}):
+        q.put_nowait(msg)
+    first = {"op": "tokens", "rid": "r", "ids": [1], "text": "a", "logprobs": [{"lp": -1}]}
+    got = coalesce(first, q)
+    assert got == {"op": "tokens", "rid": "r", "ids": [1, 2, 3, 4], "text": "abcd",
+                   "logprobs": [{"lp": -1}, {"lp": -2}, {"lp": -3}, {"lp": -4}]}
+    lone = {"op": "tokens", "ids": [9], "text": "z"}
+    assert coalesce(lone, q) is lone  # a non-token message next: nothing joined
+    assert q.get_nowait()["op"] == "done" and q.qsize() == 1
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_cluster():
+    wport, rport = _port(), _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(wport), "--step-ms", "0"]),
+             subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--port", str(rport), "--colocated",
+                               f"tcp://127.0.0.1:{wport}"], stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(f"http://127.0.0.1:{rport}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{rport}/v1"
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=10)
+
+
+def test_tokens_faster_than_the_router_come_in_fewer_events(fake_cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fake_cluster, api_key="unused")
+    n = 2000
+    stream = client.completions.create(model="fake", prompt="hi", max_tokens=n, stream=True,
+                                       stream_options={"include_usage": True})
+    text, events, usage = "", 0, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            events += 1
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == " tok" * n and usage.completion_tokens == n
+    assert events < 0.9 * n
