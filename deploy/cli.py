@@ -42,6 +42,11 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one engine step may batch")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt (default: reuse the KV blocks of prompt prefixes seen before)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="read each decode step's tokens before the next is launched (default: one step ahead)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="serve at once (default: a short warm-up workload first, so the first requests pay no "
+                        "compiles or allocator growth)")
     p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto",
                    help="decode steps as CUDA graphs over Triton kernels (auto: on CUDA when triton imports)")
     p.add_argument("--max-batched-tokens", type=int, default=None,
@@ -204,7 +209,8 @@ def _engine_config(args):
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
                         decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
-                        engine=args.engine, tp=args.tp, load_format=args.load_format)
+                        engine=args.engine, tp=args.tp, load_format=args.load_format,
+                        overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True))
 
 
 def _transport_config(args, port=0):

@@ -56,6 +56,10 @@ def engine_args(args) -> list[str]:
         out += ["--ray-address", args.ray_address]
     if not getattr(args, "prefix_caching", True):
         out += ["--no-prefix-caching"]
+    if not getattr(args, "overlap", True):
+        out += ["--no-overlap"]
+    if not getattr(args, "warmup", True):
+        out += ["--no-warmup"]
     if args.transport == "mlx":
         out += ["--mlx-backend", args.mlx_backend]
     for key, value in args.kv_option:

@@ -30,6 +30,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (processes, one device each); see engine.parallel
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
     overlap: bool = True  # launch the next decode step before reading this one's tokens (engine.overlap)
+    warmup: bool = True  # workers run engine.warmup before they serve
 
     @property
     def tokenizer_source(self) -> str:

@@ -292,6 +292,13 @@ class Engine:
         if progress is not None:
             progress.finish()
 
+    def warm_up(self) -> None:
+        """Pay the first requests' one-time costs now (``engine.warmup``), unless ``cfg.warmup`` is off."""
+        if self.cfg.warmup:
+            from .warmup import warm_up
+
+            warm_up(self)
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing otherwise)."""
         if self.group.plan is not None:

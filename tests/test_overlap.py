@@ -75,3 +75,23 @@ def test_held_places_fill_in_order_and_a_stop_drops_what_follows():
 
     seq.fill(a, TokenChoice(5))
     assert seq.finished and seq.output_ids == [5] and seq.pending == 0 and b == 1
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_warm_up_leaves_nothing_behind(hold):
+    """The warm-up workload (a decode engine, and a prefill one that holds blocks after the first token) ends with
+    every block free, no prefix cached, counters at zero; the engine then serves as a fresh one does."""
+    engine = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs="eager"), hold_after_first=hold)
+    engine.warm_up()
+    assert engine.blocks.num_free == engine.num_blocks and all(r == 0 for r in engine.blocks.refs)
+    assert engine.blocks.num_cached == 0 and engine.blocks.caching and engine.prompt_tokens == 0
+    assert not engine.has_work
+    fresh = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs="eager", warmup=False), hold_after_first=hold)
+    fresh.warm_up()  # off: nothing runs
+    assert fresh.runner.graphs.runs == 0
+    from engine.generate import generate_many
+
+    if not hold:
+        p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert [s.output_ids for _, s in generate_many(engine, ["warm", "up"], [p, p])] == \
+            [s.output_ids for _, s in generate_many(fresh, ["warm", "up"], [p, p])]
