@@ -3,6 +3,7 @@ request gets the same tokens, text, logprobs and finish as when each step is rea
 drop the extra token; aborts, requests joining mid-run and a small pool leak no block. The fixed-shape decode path
 runs eagerly on the CPU (``decode_graphs="eager"``), the same code the CUDA graphs capture."""
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
@@ -18,8 +19,11 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=5 + 4 * i, **kinds[i % len(kinds)])
 
 
-def run(overlap: bool, abort_at: int | None = None, **kw):
-    engine = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs="eager", overlap=overlap, **kw))
+GRAPHS = ["eager"] + (["cuda"] if torch.cuda.is_available() else [])  # cuda: captured graphs, the device feed
+
+
+def run(overlap: bool, abort_at: int | None = None, graphs: str = "eager", **kw):
+    engine = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs=graphs, overlap=overlap, **kw))
     seqs = [Sequence.create(f"r{i}", p, params(i), engine.tokenizer, engine.max_len) for i, p in enumerate(PROMPTS)]
     texts, logprobs, steps = {s.rid: "" for s in seqs}, {s.rid: [] for s in seqs}, 0
     while engine.has_work or steps < len(seqs):
@@ -40,10 +44,11 @@ def run(overlap: bool, abort_at: int | None = None, **kw):
     return engine, results
 
 
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("abort_at", [None, 9])
-def test_overlapped_steps_give_what_read_at_once_gives(abort_at):
-    sync, want = run(False, abort_at)
-    fast, got = run(True, abort_at)
+def test_overlapped_steps_give_what_read_at_once_gives(abort_at, graphs):
+    sync, want = run(False, abort_at, graphs)
+    fast, got = run(True, abort_at, graphs)
     assert sync.overlapped == 0 and fast.overlapped > 10
     if abort_at:
         assert 0 < len(got["r3"][0]) < params(3).max_tokens and got["r3"][1] is None  # aborted mid-run

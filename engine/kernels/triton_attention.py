@@ -164,8 +164,8 @@ class DecodeConfig:
     ``pdserve bench kernels --sweep`` times the alternatives."""
     tile: int = TILE
     warps: int = 4
-    stages: int = 3
-    per_sm: int = 2
+    stages: int = 4
+    per_sm: int = 4
     max_splits: int = 32
 
     def as_dict(self) -> dict:
