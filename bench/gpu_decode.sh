@@ -2,7 +2,8 @@
 # Decode-speed benchmarks on one GPU (issue 27; the device tool's nvidia-h200): kernels with a decode-attention
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
-#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router)
+#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; serve1p1d
+#   needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -29,6 +30,19 @@ for step in $steps; do
         done
       done
       kill -INT $up; wait $up ;;
-    router) timeout 200 $PY -m deploy.cli bench router --out "$OUT/router-$TAG" 2>&1 | tail -8 ;;
+    router)  # paced like engines (5 ms steps) below and above one core's capacity, then as fast as the worker can
+      timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 5 --out "$OUT/router-128x5ms-$TAG" 2>&1 | tail -1
+      timeout 100 $PY -m deploy.cli bench router --clients 8 --streams 64 --step-ms 5 --out "$OUT/router-512x5ms-$TAG" 2>&1 | tail -1
+      timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 0 --out "$OUT/router-128x0ms-$TAG" 2>&1 | tail -1 ;;
+    serve1p1d)  # two GPUs: prefill on cuda:0, decode on cuda:1, KV over NCCL
+      $PY -m deploy.cli up --transport nccl $model --max-model-len 4096 --max-num-seqs 64 --port 8012 \
+        --ready-timeout 300 > "$OUT/up-1p1d.log" 2>&1 &
+      up=$!
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
+      for wave in cold warm; do
+        timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
+          --max-tokens 64 --requests 128 --out "$OUT/serve-1p1d-nccl-c32-$wave-$TAG" 2>&1 | tail -2
+      done
+      kill -INT $up; wait $up ;;
   esac
 done
