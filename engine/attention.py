@@ -10,7 +10,9 @@ padded ``[batch, context]`` index with a validity mask and attend with two
 grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
 one by one with SDPA, causal, offset by any cached prefix (on CUDA, a batch
 of three or more fresh prompts goes to FlashAttention's varlen kernel in one
-call instead: ``varlen``). Each layer first
+call instead: ``varlen``). A mixed step (``mixed``) puts its one-token
+decode rows first and attends them with the decode graphs' kernels, the
+prompt chunks after them as above, in one forward. Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
 correct on CUDA). A meta with ``paged`` set (decode steps of ``graphs``)
 goes to those fixed-shape operations instead: ``paged`` in torch,
@@ -75,6 +77,9 @@ class AttnMeta:
     window: int = 0
     varlen: tuple | None = None  # (cumulative query starts on the device, longest prompt): fresh prompts, CUDA
     on_layer: object = None  # called with each layer's index once it wrote its K/V (LayerProgress.layer_done)
+    mixed: int = 0  # the first ``mixed`` rows decode one token each through ``mixed_ops`` (``tables``/``lens``)
+    mixed_ops: object = None
+    rest: "AttnMeta | None" = None  # how the rows after them attend
 
 
 def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -90,9 +95,18 @@ def token_slot(table: list[int], pos: int, block_size: int) -> int:
 
 
 def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_size, window, cos, sin,
-               varlen: bool = False) -> AttnMeta:
+               varlen: bool = False, decode_rows: int = 0, ops=None) -> AttnMeta:
     """``tables`` ``[batch, blocks]`` and ``lens`` ``[batch]`` on the device; ``varlen``: the model runs in half
-    precision on CUDA (what FlashAttention takes); the rest as described above."""
+    precision on CUDA (what FlashAttention takes); ``decode_rows``: the first rows are one-token decodes that
+    attend through ``ops.decode`` (the kernels of the decode graphs) while prompt chunks follow them in the same
+    forward (a mixed step reads the weights once); the rest as described above."""
+    if decode_rows and decode_rows < len(context_lens):
+        meta = AttnMeta(slot_mapping, query_starts, context_lens, False, cos, sin, tables=tables[:decode_rows],
+                        lens=lens[:decode_rows], window=window, mixed=decode_rows, mixed_ops=ops)
+        meta.rest = build_meta(slot_mapping[decode_rows:], [s - decode_rows for s in query_starts[decode_rows:]],
+                               context_lens[decode_rows:], tables[decode_rows:], lens[decode_rows:], block_size,
+                               window, None, None, varlen)
+        return meta
     decode_only = all(e - s == 1 for s, e in zip(query_starts, query_starts[1:]))
     meta = AttnMeta(slot_mapping, query_starts, context_lens, decode_only, cos, sin)
     device = slot_mapping.device
@@ -143,6 +157,17 @@ def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Ten
         meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, scale, meta.window)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.mixed:
+        n = meta.mixed
+        out = torch.empty_like(q)
+        out[:n] = meta.mixed_ops.decode(q[:n], k_cache, v_cache, meta.tables, meta.lens, scale, meta.window)
+        out[n:] = _attend_written(q[n:], k[n:], v[n:], k_cache, v_cache, meta.rest, scale)
+        return out
+    return _attend_written(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+    """``attend`` once the new K/V are in the pool."""
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta, scale)
     if meta.varlen is not None:

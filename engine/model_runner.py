@@ -55,7 +55,7 @@ class ModelRunner:
         self.half_on_cuda = torch.device(device).type == "cuda" and pool.layers[0][0].dtype in (torch.float16,
                                                                                                  torch.bfloat16)
 
-    def _meta(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    def _meta(self, rows: list[StepRow], decode_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.pool.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
         for row in rows:
@@ -73,7 +73,7 @@ class ModelRunner:
         rotary = self.model.rotary
         cos, sin = rotary.cos[packed[1]], rotary.sin[packed[1]]
         meta = build_meta(packed[2], starts, lens, tables[:, :-1], tables[:, -1], bs, self.window, cos, sin,
-                          self.half_on_cuda)
+                          self.half_on_cuda, decode_rows, self.graphs.ops if decode_rows else None)
         return packed[0], packed[1], meta
 
     def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -89,27 +89,25 @@ class ModelRunner:
         ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
         in flight, which rows with a ``feed`` index take as input (only through the graphs)."""
         decode = [i for i, r in enumerate(rows) if self.decodes(r)] if self.graphs is not None else []
-        if not decode or not self.graphs.fits(len(decode)):
-            self._no_feed(rows)
+        if len(decode) == len(rows) and self.graphs.fits(len(decode)):
+            return self._run_graph(rows, feed), {}
+        self._no_feed(rows)
+        if not decode:
             return self._run_eager(rows, on_layer)
-        if len(decode) < len(rows):
-            self._no_feed([r for i, r in enumerate(rows) if i not in set(decode)])
-        graph_scores = self._run_graph([rows[i] for i in decode], feed)
-        if len(decode) == len(rows):
-            return graph_scores, {}
-        decode = set(decode)
-        index = [i for i in range(len(rows)) if i not in decode]
-        eager_scores, rest_prompt = self._run_eager([rows[i] for i in index], on_layer)
-        out, g, e = [], iter(graph_scores), iter(eager_scores)
-        for i, row in enumerate(rows):
-            if i in decode:
-                out.append(next(g))
-            elif row.samples:
-                out.append(next(e))
-        return torch.stack(out), {index[j]: v for j, v in rest_prompt.items()}
+        return self._run_mixed(rows, decode, on_layer)
 
-    def _run_eager(self, rows: list[StepRow], on_layer=None) -> tuple[torch.Tensor, dict]:
-        ids, positions, meta = self._meta(rows)
+    def _run_mixed(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
+        """Decode rows and prompt chunks in one eager forward (the weights read once): decode rows first, through
+        the graphs' attention kernels; scores put back in the rows' order."""
+        taken = set(decode)
+        order = decode + [i for i in range(len(rows)) if i not in taken]
+        scores, prompt = self._run_eager([rows[i] for i in order], on_layer, len(decode))
+        by_row = dict(zip([i for i in order if rows[i].samples], scores))
+        picked = [by_row[i] for i in range(len(rows)) if rows[i].samples]
+        return (torch.stack(picked) if picked else scores[:0]), {order[j]: v for j, v in prompt.items()}
+
+    def _run_eager(self, rows: list[StepRow], on_layer=None, decode_rows: int = 0) -> tuple[torch.Tensor, dict]:
+        ids, positions, meta = self._meta(rows, decode_rows)
         meta.on_layer = on_layer
         hidden = self.model(ids, positions, meta, self.pool.layers)
         picked, prompt_scores = [], {}

@@ -49,6 +49,10 @@ def run(overlap: bool, abort_at: int | None = None, graphs: str = "eager", **kw)
 def test_overlapped_steps_give_what_read_at_once_gives(abort_at, graphs):
     sync, want = run(False, abort_at, graphs)
     fast, got = run(True, abort_at, graphs)
+    plain = run(False, abort_at, "off")[1]  # mixed steps (decode rows + prompt chunks in one forward) too
+    for rid, (ids, reason, text, lps) in plain.items():
+        assert want[rid][:3] == (ids, reason, text)
+        assert [e["lp"] for e in want[rid][3]] == pytest.approx([e["lp"] for e in lps], abs=1e-5)
     assert sync.overlapped == 0 and fast.overlapped > 10
     if abort_at:
         assert 0 < len(got["r3"][0]) < params(3).max_tokens and got["r3"][1] is None  # aborted mid-run
