@@ -102,7 +102,7 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
     forward (a mixed step reads the weights once); the rest as described above."""
     if decode_rows and decode_rows < len(context_lens):
         meta = AttnMeta(slot_mapping, query_starts, context_lens, False, cos, sin, tables=tables[:decode_rows],
-                        lens=lens[:decode_rows], window=window, mixed=decode_rows, mixed_ops=ops)
+                        lens=lens[:decode_rows], window=window or 0, mixed=decode_rows, mixed_ops=ops)
         meta.rest = build_meta(slot_mapping[decode_rows:], [s - decode_rows for s in query_starts[decode_rows:]],
                                context_lens[decode_rows:], tables[decode_rows:], lens[decode_rows:], block_size,
                                window, None, None, varlen)

@@ -148,6 +148,15 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     use_kernels(fast.model, triton_layers)
     got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
     assert got == want and fast.runner.graphs.runs >= 9
+    from engine.sequence import Sequence  # one joins mid-run: mixed steps (decode rows through the kernels)
+
+    seqs = [Sequence.create(f"m{i}", p, greedy, fast.tokenizer, fast.max_len) for i, p in enumerate(prompts)]
+    fast.add(seqs[0])
+    for step in range(40):
+        if step in (3, 5):
+            fast.add(seqs[1 if step == 3 else 2])
+        fast.step()
+    assert [s.output_ids for s in seqs] == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen runs on CUDA")

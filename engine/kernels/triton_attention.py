@@ -195,7 +195,7 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
     splits = splits_for(batch, kv_heads, q.device, config)
     upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)  # the interpreter has no bf16 dot
     block_d = max(triton.next_power_of_2(dim), 16)
-    q = q.contiguous()
+    q, lens = q.contiguous(), lens.contiguous()  # lens may be a column of the runner's packed tables
     part_o = torch.empty(batch * heads * splits * block_d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
