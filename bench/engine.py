@@ -165,6 +165,7 @@ def run(args) -> int:
                                       max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs,
                                       tp=args.tp, load_format=args.load_format, max_model_len=args.max_model_len,
                                       kv_budget_bytes=byte_size(args.kv_budget)))
+    getattr(engine, "warm_up", lambda: None)()  # as a worker does before it serves
     graphs = getattr(getattr(engine, "runner", None), "graphs", None)
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]
     limit = hbm_limit(engine, args)

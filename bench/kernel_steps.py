@@ -26,7 +26,9 @@ def _engine(args, cases):
     probe = make_engine(EngineConfig(**{**cfg.__dict__, "num_blocks": 4, "decode_graphs": "off"}))
     per_token = probe.kv_bytes_per_token
     del probe
-    return make_engine(EngineConfig(**{**cfg.__dict__, "kv_budget_bytes": budget * per_token}))
+    engine = make_engine(EngineConfig(**{**cfg.__dict__, "kv_budget_bytes": budget * per_token}))
+    engine.warm_up()
+    return engine
 
 
 def decode_steps(args, cases, lim) -> list:

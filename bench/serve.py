@@ -112,7 +112,8 @@ async def run_conversations(args) -> tuple[list[dict], float]:
                 _progress(len(rows), args.conversations * args.turns, start)
                 history += row.pop("text", "") + "\n"
         await asyncio.gather(*(talk(c) for c in range(args.conversations)))
-        print(file=sys.stderr)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         return rows, time.perf_counter() - start
 
 
@@ -138,14 +139,23 @@ async def run_load(args) -> tuple[list[dict], float]:
                 rows.append(await one(client, args.url, model, args.endpoint, req, args.temperature))
                 _progress(len(rows), None if deadline else len(requests), start)
         await asyncio.gather(*(fire(r, o) for r, o in zip(requests, offsets)))
-        print(file=sys.stderr)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         return rows, time.perf_counter() - start
 
 
+_last_line = [0.0]
+
+
 def _progress(done, total, start):
+    """On a terminal one line rewritten in place; in a log a line every 10 seconds (and at the end)."""
     elapsed = time.perf_counter() - start
     bar = f"{done}/{total}" if total else f"{done}"
-    print(f"\r  requests {bar}  {elapsed:6.1f}s", end="", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(f"\r  requests {bar}  {elapsed:6.1f}s", end="", file=sys.stderr, flush=True)
+    elif not 0 <= elapsed - _last_line[0] < 10 or done == total:
+        _last_line[0] = elapsed
+        print(f"  requests {bar}  {elapsed:6.1f}s", file=sys.stderr, flush=True)
 
 
 def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None) -> dict:

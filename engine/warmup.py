@@ -3,7 +3,8 @@
 A fresh engine has captured its decode graphs, but its first prompts still compile kernels for the prefill
 path (Triton's kernels specialize on shapes; FlashAttention's varlen and SDPA paths load on first use), grow
 the CUDA caching allocator to a full step's activations (each new size is a ``cudaMalloc``), and warm the
-sampler's paths (seeded sampling, logprobs). ``warm_up`` runs a small workload of random prompts through the
+sampler's paths (seeded sampling, logprobs). ``warm_up`` compiles every variant of the decode-attention kernel a
+mixed step may pick, then runs a small workload of random prompts through the
 engine's own ``step``: a full token budget of fresh prompts at once (chunked, varlen), one long prompt alone
 (SDPA, the largest activations), and decode steps across the captured batch sizes, with the prefix cache off
 so nothing of it is kept, then frees every block and resets the counters. On the CPU it is kept tiny."""
@@ -37,12 +38,28 @@ def plan(engine) -> list[tuple[int, int, SamplingParams]]:
     return groups
 
 
+def _precompile(engine) -> None:
+    """Every decode-attention variant a mixed step may pick (their count of decode rows varies)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return
+    import torch
+
+    spec, heads = engine.model.spec, engine.heads
+    q = torch.zeros(1, heads.heads, spec.head_dim, dtype=engine.dtype, device=engine.device)
+    k_cache, v_cache = engine.pool.layers[0]
+    with torch.inference_mode():
+        graphs.ops.precompile(q, k_cache, v_cache, spec.head_dim ** -0.5, spec.sliding_window or 0,
+                              engine.scheduler.max_num_seqs)
+
+
 def warm_up(engine) -> float:
     """Run the warm-up through ``engine``; seconds it took."""
     start = time.perf_counter()
     rng = random.Random(0)
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
     caching, engine.blocks.caching = engine.blocks.caching, False
+    _precompile(engine)
     try:
         for count, length, params in plan(engine):
             seqs = [Sequence.create(f"warmup-{i}", [rng.randrange(3, vocab) for _ in range(length)],

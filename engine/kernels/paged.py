@@ -53,3 +53,7 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> 
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bkgt,btkd->bkgd", probs, values)
     return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def precompile(*args, **kw) -> None:
+    """Nothing to compile (the Triton kernels' ``precompile`` counterpart)."""

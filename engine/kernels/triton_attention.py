@@ -182,8 +182,28 @@ def config_for(batch: int, kv_heads: int) -> DecodeConfig:
 
 
 def splits_for(batch: int, kv_heads: int, device, config: DecodeConfig = CONFIG) -> int:
+    """A power of two (a compile-time constant of the kernels: few variants, all compiled by ``precompile``)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(config.max_splits, (config.per_sm * sms) // max(1, batch * kv_heads)))
+    want = max(1, min(config.max_splits, (config.per_sm * sms) // max(1, batch * kv_heads)))
+    return 1 << (want.bit_length() - 1)
+
+
+def precompile(q, k_cache, v_cache, scale: float, window: int, max_batch: int) -> None:
+    """Compile every variant ``decode`` can pick for up to ``max_batch`` sequences (a mixed step may have any
+    number of decode rows), so none compiles while serving."""
+    kv_heads = k_cache.shape[2]
+    tables = torch.zeros(max_batch, 2, dtype=torch.long, device=q.device)
+    packed = torch.zeros(max_batch, 3, dtype=torch.long, device=q.device)  # the runner's tables: lengths last
+    packed[:, 2] = 1
+    seen = set()
+    for batch in range(1, max_batch + 1):
+        key = (config_for(batch, kv_heads), splits_for(batch, kv_heads, q.device, config_for(batch, kv_heads)))
+        if key in seen:
+            continue
+        seen.add(key)
+        lens = torch.ones(batch, dtype=torch.int32, device=q.device)
+        decode(q[:1].expand(batch, -1, -1), k_cache, v_cache, tables[:batch], lens, scale, window)
+        decode(q[:1].expand(batch, -1, -1), k_cache, v_cache, packed[:batch, :2], packed[:batch, 2], scale, window)
 
 
 def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
