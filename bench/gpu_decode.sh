@@ -13,7 +13,7 @@ model="--model mistral-7b --load-format dummy --dtype bfloat16"
 for step in $steps; do
   case $step in
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_overlap.py 2>&1 | tail -3 ;;
-    kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --sweep --out "$OUT/kernels-$TAG" 2>&1 \
+    kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
     engine) timeout 300 $PY -m deploy.cli bench engine $model --batches 1,32,64 --prompt-len 512 --decode-steps 64 \
               --requests 64 --max-num-seqs 64 --max-model-len 4096 --out "$OUT/engine-$TAG" 2>&1 | tail -12 ;;
@@ -27,8 +27,9 @@ for step in $steps; do
       for c in 32 1 64; do
         n=$(( c == 1 ? 16 : 4 * c ))
         for wave in first:0 second:1 repeat:0; do
+          echo "c$c ${wave%:*}: Triton kernels compiled so far: $(ls ~/.triton/cache 2>/dev/null | wc -l)"
           timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency $c --prompt-len 512 \
-            --max-tokens 64 --requests $n --seed ${wave#*:} --out "$OUT/serve-c$c-${wave%:*}-$TAG" 2>&1 | grep requests
+            --max-tokens 64 --requests $n --seed ${wave#*:} --out "$OUT/serve-c$c-${wave%:*}-$TAG" 2>&1 | grep "^requests"
         done
       done
       kill -INT $up; wait $up ;;
@@ -43,7 +44,7 @@ for step in $steps; do
       for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
       for wave in first:0 second:1; do
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
-          --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-1p1d-nccl-c32-${wave%:*}-$TAG" 2>&1 | grep requests
+          --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-1p1d-nccl-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
       done
       kill -INT $up; wait $up ;;
   esac

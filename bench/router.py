@@ -61,14 +61,16 @@ async def _stream(port: int, body: bytes) -> tuple[int, int]:
 async def _client_async(port: int, streams: int, max_tokens: int, until: float, start_at: float) -> dict:
     body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": max_tokens, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
-    totals = {"tokens": 0, "events": 0, "requests": 0, "errors": 0}
+    totals = {"tokens": 0, "events": 0, "requests": 0, "errors": 0, "error_samples": []}
 
     async def loop():
         while time.time() < until:
             try:
                 tokens, events = await _stream(port, body)
-            except Exception:  # noqa: BLE001 - counted
+            except Exception as e:  # noqa: BLE001 - counted, a few kept
                 totals["errors"] += 1
+                if len(totals["error_samples"]) < 3:
+                    totals["error_samples"].append(f"{type(e).__name__}: {e}"[:300])
                 await asyncio.sleep(0.05)
                 continue
             if time.time() >= start_at:
@@ -129,7 +131,8 @@ def run(args) -> int:
         for p in (router, worker):
             p.wait(timeout=10)
     wall = min(t1, until) - t0
-    totals = {k: sum(r[k] for r in results) for k in results[0]}
+    totals = {k: sum(r[k] for r in results) for k in results[0] if k != "error_samples"}
+    totals["error_samples"] = [e for r in results for e in r["error_samples"]][:5]
     report = {"command": command_line("router"), "clients": args.clients, "streams": args.streams * args.clients,
               "max_tokens": args.max_tokens, "seconds": wall, **totals,
               "tok_per_s": totals["tokens"] / wall, "requests_per_s": totals["requests"] / wall,

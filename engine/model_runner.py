@@ -8,6 +8,7 @@ batch): plain data, so rank 0 of a tensor-parallel group sends the same
 rows to every other rank and all run the same forward."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from .attention import AttnMeta, build_meta, token_slot
 from .kv_pool import KVPool
 from .scheduler import Batch
 from .sequence import PENDING
+
+MIXED = os.environ.get("PDSERVE_MIXED_STEPS", "1") != "0"  # 0: a mixed step's decode rows through their graph
 
 
 @dataclass
@@ -94,7 +97,23 @@ class ModelRunner:
         self._no_feed(rows)
         if not decode:
             return self._run_eager(rows, on_layer)
+        if not MIXED and self.graphs.fits(len(decode)):
+            return self._run_split(rows, decode, on_layer)
         return self._run_mixed(rows, decode, on_layer)
+
+    def _run_split(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
+        """Decode rows through their graph, the rest eagerly (two passes over the weights)."""
+        graph_scores = self._run_graph([rows[i] for i in decode])
+        taken = set(decode)
+        index = [i for i in range(len(rows)) if i not in taken]
+        eager_scores, rest_prompt = self._run_eager([rows[i] for i in index], on_layer)
+        out, g, e = [], iter(graph_scores), iter(eager_scores)
+        for i, row in enumerate(rows):
+            if i in taken:
+                out.append(next(g))
+            elif row.samples:
+                out.append(next(e))
+        return torch.stack(out), {index[j]: v for j, v in rest_prompt.items()}
 
     def _run_mixed(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
         """Decode rows and prompt chunks in one eager forward (the weights read once): decode rows first, through
