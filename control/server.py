@@ -36,6 +36,8 @@ class ControlServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        for hwm in (zmq.SNDHWM, zmq.RCVHWM):  # no limit: at 1,000 queued a ROUTER drops a router's tokens silently
+            self.sock.setsockopt(hwm, 0)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:

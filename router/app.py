@@ -114,6 +114,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
                 await asyncio.sleep(0.2)
                 admission.wake()
                 metrics.queue.set(admission.queued)
+                service.expire_waits()
 
         waker = asyncio.create_task(admit_periodically())
         yield
@@ -235,13 +236,15 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
             text, entries = absorb(choice, ev)
             if not (text or with_ids or (shaper.with_logprobs and entries)):
                 return None
+            if not (with_ids or shaper.with_logprobs or shaper.running_usage):
+                return shaper.text_event(choice, text)
             out = shaper.chunk(choice, text, ids=ev.ids if with_ids else None,
                                logprobs=entries if shaper.with_logprobs else None)
             if shaper.running_usage:
                 out["usage"] = usage_of(choices)
             return sse(out)
 
-        last, events = time.perf_counter(), merged(choices, streams)
+        last, events, itl = time.perf_counter(), merged(choices, streams), metrics.itl.labels(mode())
         try:
             for choice, first in zip(choices, firsts):
                 if shaper.chat:
@@ -251,7 +254,7 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
             async for choice, ev in events:
                 if isinstance(ev, Delta):
                     now = time.perf_counter()
-                    metrics.itl.labels(mode()).observe(now - last)
+                    itl.observe(now - last)
                     last = now
                     if (out := piece(choice, ev)) is not None:
                         yield out

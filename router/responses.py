@@ -40,6 +40,7 @@ class Shaper:
         self.created = int(time.time())
         self.with_logprobs = logprobs
         self.running_usage = False
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -76,6 +77,16 @@ class Shaper:
         if ids is not None:
             body["token_ids"] = ids
         return {**self._base(obj), "choices": [body]}
+
+    def text_event(self, choice: Choice, text: str) -> bytes:
+        """``sse(self.chunk(choice, text))`` for a chunk of text alone (the usual token), from a prepared frame."""
+        frame = self._frames.get(choice.index)
+        if frame is None:
+            parts = sse(self.chunk(choice, "\0")).split(json.dumps("\0").encode())
+            if len(parts) != 2:  # the id or model holds a NUL too: no frame
+                return sse(self.chunk(choice, text))
+            frame = self._frames[choice.index] = (parts[0], parts[1])
+        return frame[0] + json.dumps(text).encode() + frame[1]
 
     def usage_chunk(self, usage: dict, timing: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -27,7 +27,7 @@ from .workers import SOURCE
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
-TIMEOUT = getattr(asyncio, "timeout", None)
+EXPIRED = "_expired"  # put in an inbox by Service.expire_waits
 KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
 
 
@@ -83,6 +83,7 @@ class Service:
         self.metrics = metrics
         self.admission = admission
         self.inboxes: dict[str, asyncio.Queue] = {}
+        self.waits: dict[int, tuple] = {}  # inboxes awaited: (inbox, deadline, timeout, what)
         self.first_timeout_s = first_timeout_s
         self.token_timeout_s = token_timeout_s
 
@@ -122,20 +123,29 @@ class Service:
         return worker
 
     async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
-        if not inbox.empty():  # often the message is here already: no timer
-            msg = inbox.get_nowait()
-        else:
+        """The inbox's next message; a 504 once ``timeout`` passes without one (``expire_waits`` puts a mark in the
+        inbox: no timer per message)."""
+        if inbox.empty():
+            self.waits[id(inbox)] = (inbox, time.monotonic() + timeout, timeout, what)
             try:
-                if TIMEOUT is None:  # python 3.10
-                    msg = await asyncio.wait_for(inbox.get(), timeout)
-                else:
-                    async with TIMEOUT(timeout):  # a timer handle, not the task per message wait_for makes
-                        msg = await inbox.get()
-            except (TimeoutError, asyncio.TimeoutError):
-                raise StreamError(504, f"timed out after {timeout:.0f}s waiting for {what}") from None
+                msg = await inbox.get()
+            finally:
+                self.waits.pop(id(inbox), None)
+        else:
+            msg = inbox.get_nowait()
+        if msg["op"] == EXPIRED:
+            raise StreamError(504, f"timed out after {msg['timeout']:.0f}s waiting for {msg['what']}")
         if msg["op"] == "error":
             raise WorkerFailure(msg, msg.get(SOURCE))
         return msg
+
+    def expire_waits(self) -> None:
+        """(Every fraction of a second) Mark the inboxes waited on past their time."""
+        now = time.monotonic()
+        for key, (inbox, deadline, timeout, what) in list(self.waits.items()):
+            if now > deadline:
+                del self.waits[key]
+                inbox.put_nowait({"op": EXPIRED, "timeout": timeout, "what": what})
 
     def _router_tokens(self):
         """The tokenizer KV-aware routing uses: the configured one, else the one the first worker reports."""

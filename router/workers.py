@@ -83,6 +83,8 @@ class WorkerClient:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        for hwm in (zmq.SNDHWM, zmq.RCVHWM):  # no limit: the worker's replies must all arrive (small messages)
+            self._sock.setsockopt(hwm, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat()),

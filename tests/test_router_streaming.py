@@ -59,7 +59,7 @@ def test_tokens_faster_than_the_router_come_in_fewer_events(fake_cluster):
     from openai import OpenAI
 
     client = OpenAI(base_url=fake_cluster, api_key="unused")
-    n = 2000
+    n = 5000  # over zmq's default high-water mark of 1,000 queued messages, which a ROUTER drops past
     stream = client.completions.create(model="fake", prompt="hi", max_tokens=n, stream=True,
                                        stream_options={"include_usage": True})
     text, events, usage = "", 0, None
@@ -69,5 +69,26 @@ def test_tokens_faster_than_the_router_come_in_fewer_events(fake_cluster):
             events += 1
         if chunk.usage:
             usage = chunk.usage
-    assert text == " tok" * n and usage.completion_tokens == n
+    assert text == " tok" * n and usage.completion_tokens == n, (len(text) // 4, events, usage)
     assert events < 0.9 * n
+
+
+def test_a_wait_past_its_time_ends_in_a_504():
+    from router.service import Service, StreamError
+
+    async def main():
+        svc = Service.__new__(Service)
+        svc.waits = {}
+        inbox = asyncio.Queue()
+        waiter = asyncio.ensure_future(svc._next(inbox, 0.05, "the next token"))
+        await asyncio.sleep(0.01)
+        svc.expire_waits()  # not yet
+        assert not waiter.done() and len(svc.waits) == 1
+        await asyncio.sleep(0.06)
+        svc.expire_waits()
+        with pytest.raises(StreamError) as e:
+            await waiter
+        assert e.value.status == 504 and "the next token" in e.value.message and not svc.waits
+        inbox.put_nowait({"op": "tokens", "ids": [1], "text": "a"})
+        assert (await svc._next(inbox, 1.0, "x"))["text"] == "a"  # a message already there: no wait at all
+    asyncio.run(main())
