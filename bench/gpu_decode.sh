@@ -27,9 +27,11 @@ for step in $steps; do
       for c in 32 1 64; do
         n=$(( c == 1 ? 16 : 4 * c ))
         for wave in first:0 second:1 repeat:0; do
+          touch /tmp/wave-mark
           echo "c$c ${wave%:*}: Triton kernels compiled so far: $(ls ~/.triton/cache 2>/dev/null | wc -l)"
           timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency $c --prompt-len 512 \
             --max-tokens 64 --requests $n --seed ${wave#*:} --out "$OUT/serve-c$c-${wave%:*}-$TAG" 2>&1 | grep "^requests"
+          find ~/.triton/cache -newer /tmp/wave-mark -name "*.json" 2>/dev/null | xargs -r -n1 basename | sed 's/^/  compiled during the wave: /'
         done
       done
       kill -INT $up; wait $up ;;

@@ -10,7 +10,8 @@ padded ``[batch, context]`` index with a validity mask and attend with two
 grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
 one by one with SDPA, causal, offset by any cached prefix (on CUDA, a batch
 of three or more fresh prompts goes to FlashAttention's varlen kernel in one
-call instead: ``varlen``). A mixed step (``mixed``) puts its one-token
+call instead: ``varlen``; chunks after cached prefixes too, their whole
+context's keys gathered from the pool first: ``varlen_cached``). A mixed step (``mixed``) puts its one-token
 decode rows first and attends them with the decode graphs' kernels, the
 prompt chunks after them as above, in one forward. Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
+USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
 VARLEN_MIN_PROMPTS = 3  # measured (bench.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
 
 
@@ -46,7 +48,8 @@ def varlen_kernel():
     if not windows and "is_causal" not in params:
         return None
 
-    def run(q, k, v, starts, longest, scale, window):
+    def run(q, k, v, starts, longest, scale, window, k_starts=None, k_longest=None):
+        """``k_starts``/``k_longest``: keys longer than the queries (cached prefixes); causal from the bottom right."""
         kw = {"enable_gqa": True} if gqa else {}
         if not gqa and k.shape[1] != q.shape[1]:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
@@ -55,7 +58,9 @@ def varlen_kernel():
         elif abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
             q = q * (scale * q.shape[-1] ** 0.5)
         kw.update({"window_size": (window - 1 if window else -1, 0)} if windows else {"is_causal": True})
-        return varlen_attn(q, k, v, starts, starts, longest, longest, **kw)
+        if k_starts is None:
+            k_starts, k_longest = starts, longest
+        return varlen_attn(q, k, v, starts, k_starts, longest, k_longest, **kw)
     run.windows = windows
     return run
 
@@ -76,6 +81,7 @@ class AttnMeta:
     lens: torch.Tensor | None = None
     window: int = 0
     varlen: tuple | None = None  # (cumulative query starts on the device, longest prompt): fresh prompts, CUDA
+    varlen_cached: tuple | None = None  # (context slots, query starts, key starts, longest chunk, longest context)
     on_layer: object = None  # called with each layer's index once it wrote its K/V (LayerProgress.layer_done)
     mixed: int = 0  # the first ``mixed`` rows decode one token each through ``mixed_ops`` (``tables``/``lens``)
     mixed_ops: object = None
@@ -124,6 +130,10 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
         meta.varlen = (starts, max(context_lens))
         meta.window = window
         return meta
+    if varlen and _varlen_takes(query_starts, context_lens, window, cached=True):
+        meta.varlen_cached = _cached_varlen(query_starts, context_lens, tables, block_size, device)
+        meta.window = window
+        return meta
     for i, ctx in enumerate(context_lens):
         n = query_starts[i + 1] - query_starts[i]
         if n == ctx and not window:
@@ -138,11 +148,24 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
     return meta
 
 
-def _varlen_takes(query_starts, context_lens, window) -> bool:
-    """Fresh prompts only (no cached prefix), enough of them to beat one SDPA call each, a kernel that has the window."""
+def _varlen_takes(query_starts, context_lens, window, cached: bool = False) -> bool:
+    """Enough prompts to beat one SDPA call each, a kernel that has the window, and: fresh prompts only; or
+    (``cached``) some chunks after a prefix already in the pool."""
     kernel = varlen_kernel() if USE_VARLEN and len(context_lens) >= VARLEN_MIN_PROMPTS else None
-    return kernel is not None and (not window or kernel.windows) and all(
-        e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
+    fresh = all(e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
+    return kernel is not None and (not window or kernel.windows) and fresh != (cached and USE_VARLEN_CACHED)
+
+
+def _cached_varlen(query_starts, context_lens, tables, block_size, device) -> tuple:
+    """What one varlen call over prompt chunks with cached prefixes needs: the pool slots of every sequence's
+    whole context (gathered into packed keys per layer), cumulative query and key starts, the longest of each."""
+    slots = torch.cat([block_slots(tables[i], block_size, ctx) for i, ctx in enumerate(context_lens)])
+    k_starts = [0]
+    for ctx in context_lens:
+        k_starts.append(k_starts[-1] + ctx)
+    starts = torch.tensor([query_starts, k_starts], dtype=torch.int32).to(device, non_blocking=True)
+    longest = max(e - s for s, e in zip(query_starts, query_starts[1:]))
+    return slots, starts[0], starts[1], longest, max(context_lens)
 
 
 def write_kv(k_cache, v_cache, k, v, slots) -> None:
@@ -173,6 +196,11 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> 
     if meta.varlen is not None:
         return varlen_kernel()(q, k, v, *meta.varlen, scale, meta.window)
     heads, dim = k_cache.shape[-2:]
+    if meta.varlen_cached is not None:
+        slots, starts, k_starts, longest, k_longest = meta.varlen_cached
+        keys = k_cache.view(-1, heads, dim).index_select(0, slots)
+        values = v_cache.view(-1, heads, dim).index_select(0, slots)
+        return varlen_kernel()(q, keys, values, starts, longest, scale, meta.window, k_starts, k_longest)
     flat_k, flat_v = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     out = torch.empty_like(q)
     for i, segment in enumerate(meta.segments):

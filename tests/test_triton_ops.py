@@ -186,3 +186,34 @@ def test_varlen_prefill_matches_one_sdpa_per_prompt(window):
             q[s:e].transpose(0, 1)[None].float(), k[s:e].transpose(0, 1).repeat_interleave(4, 0)[None].float(),
             v[s:e].transpose(0, 1).repeat_interleave(4, 0)[None].float(), attn_mask=mask, scale=dim ** -0.5)
         torch.testing.assert_close(got[s:e].float(), want[0].transpose(0, 1), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen runs on CUDA")
+@pytest.mark.parametrize("window", [0, 7])
+def test_varlen_over_cached_prefixes_matches_one_sdpa_per_chunk(window):
+    """Prompt chunks after prefixes already in the pool (prefix-cache hits, later chunks of long prompts): one
+    varlen call over keys gathered from the pool gives what one SDPA call per chunk gives."""
+    from engine.attention import attend, build_meta, token_slot, varlen_kernel
+
+    if varlen_kernel() is None:
+        pytest.skip("this torch has no varlen_attn")
+    new, ctx, heads, kv_heads, dim, block = [5, 33, 1, 64], [21, 33, 40, 80], 32, 8, 128, 16
+    g = torch.Generator().manual_seed(5 + window)
+    k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    order = torch.randperm(40, generator=g)
+    tables = [order[i * 8:(i + 1) * 8].tolist() for i in range(4)]
+    slots = torch.tensor([token_slot(t, p, block) for t, c, n in zip(tables, ctx, new) for p in range(c - n, c)],
+                         device=DEVICE)
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    q = torch.randn(sum(new), heads, dim, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots]
+    t = torch.tensor(tables, device=DEVICE)
+    lens = torch.tensor(ctx, device=DEVICE)
+    fast = build_meta(slots, starts, ctx, t, lens, block, window, None, None, varlen=True)
+    slow = build_meta(slots, starts, ctx, t, lens, block, window, None, None, varlen=False)
+    assert fast.varlen_cached is not None and slow.varlen_cached is None
+    got = attend(q, k, v, k_cache, v_cache, fast, dim ** -0.5)
+    want = attend(q, k, v, k_cache, v_cache, slow, dim ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
