@@ -85,7 +85,7 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scale", "window", "stride_qb", "stride_qh", "stride_tb"])  # one variant for any
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, scale, window,
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
                    SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
