@@ -12,7 +12,7 @@ steps=${*:-test kernels engine serve router}
 model="--model mistral-7b --load-format dummy --dtype bfloat16"
 for step in $steps; do
   case $step in
-    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_overlap.py 2>&1 | tail -3 ;;
+    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py ${TESTS:-tests/test_overlap.py} 2>&1 | tail -3 ;;
     kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
     engine) timeout 300 $PY -m deploy.cli bench engine $model --batches 1,32,64 --prompt-len 512 --decode-steps 64 \
