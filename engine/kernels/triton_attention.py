@@ -215,7 +215,9 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
     splits = splits_for(batch, kv_heads, q.device, config)
     upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)  # the interpreter has no bf16 dot
     block_d = max(triton.next_power_of_2(dim), 16)
-    q, lens = q.contiguous(), lens.contiguous()  # lens may be a column of the runner's packed tables
+    # lens may be a column of the runner's packed tables: a fresh int32 copy (a 16-byte aligned pointer, or a row
+    # of one would compile another variant), none for the graphs' own int32 buffer
+    q, lens = q.contiguous(), lens.to(torch.int32).contiguous()
     part_o = torch.empty(batch * heads * splits * block_d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
