@@ -2,7 +2,9 @@
 them: ``transfer`` (KV transfer A/B between two processes, loopback or a shaped namespace link), ``serve`` (load
 against any OpenAI-compatible endpoint), ``compare`` (colocated vs disaggregated per transport), ``soak`` (long
 runs: errors and RSS growth), ``chaos`` (workers SIGKILLed under load), ``goodput`` (highest rate within an SLO per
-configuration), ``stream`` (layer-wise KV streaming on and off), ``idle`` and ``engine`` (the engine alone, at any
-``--tp``, against the HBM limit); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
+configuration), ``stream`` (layer-wise KV streaming on and off), ``idle``, ``engine`` (the engine alone, at any
+``--tp``, against the HBM limit), ``kernels`` (each decode-step kernel and whole steps against the bandwidth and
+matmul rate measured in the same run) and ``router`` (tokens/s one router process streams, fed by
+``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
-sizes, checked), ``device_*.sh``, ``gpu_tp.sh``)."""
+sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``)."""
