@@ -55,7 +55,7 @@ async def _stream(port: int, body: bytes) -> tuple[int, int]:
     if at < 0:
         raise RuntimeError(f"no usage in the stream's end: {tail[-300:]!r}")
     tokens = int(tail[at + 20:tail.index(b",", at)].strip().rstrip(b"}"))
-    return tokens, events - 2  # the usage chunk and [DONE] carry no token
+    return tokens, events - 3  # the finish chunk, the usage chunk and [DONE] carry no token
 
 
 async def _client_async(port: int, streams: int, max_tokens: int, until: float, start_at: float) -> dict:
