@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_layers import rotate
+
 TILE = 64
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -46,16 +48,8 @@ def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_p
     head = tl.program_id(1)  # query heads, then KV heads (whose programs also move V)
     d = tl.arange(0, BLOCK)
     mask = d < HALF
-    dt = q_ptr.dtype.element_ty
     base = token * stride_row + head * 2 * HALF
-    x1 = tl.load(qkv_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(qkv_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
-    r1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    r2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    r1, r2 = rotate(qkv_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF, q_ptr.dtype.element_ty)
     if head < HEADS:
         out = (token * HEADS + head) * 2 * HALF
         tl.store(q_ptr + out + d, r1, mask=mask)

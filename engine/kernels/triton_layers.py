@@ -57,25 +57,29 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    mask = d < HALF
-    dt = out_ptr.dtype.element_ty
-    base = (token * heads + head) * 2 * HALF
+def rotate(x_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF: tl.constexpr, dt: tl.constexpr):
+    """The two rotated halves of the head at ``x_ptr + base`` (rounded as ``Rotary``'s torch form)."""
     x1 = tl.load(x_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
     c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
     c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
     s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
     s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0).to(dt).to(tl.float32)
-    a1 = (x1 * c1).to(dt).to(tl.float32)
-    b1 = (-x2 * s1).to(dt).to(tl.float32)
-    a2 = (x2 * c2).to(dt).to(tl.float32)
-    b2 = (x1 * s2).to(dt).to(tl.float32)
-    tl.store(out_ptr + base + d, (a1 + b1).to(dt), mask=mask)
-    tl.store(out_ptr + base + HALF + d, (a2 + b2).to(dt), mask=mask)
+    r1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    r2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return r1, r2
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    base = (token * heads + head) * 2 * HALF
+    r1, r2 = rotate(x_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + base + d, r1, mask=mask)
+    tl.store(out_ptr + base + HALF + d, r2, mask=mask)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
