@@ -1,11 +1,15 @@
 """The Triton kernels of the CUDA decode path against the torch operations they replace (``engine.paged``), bit for
 bit on the stores and within rounding on attention: on a GPU, or on the CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``). Skipped where triton is not installed (CI's CPU install); ``bench/device_fast.sh`` runs it."""
+(``TRITON_INTERPRET=1``, set here when there is no GPU; the test extras install triton, so CI runs them).
+Skipped where triton is not installed; ``bench/gpu_decode.sh test`` runs them on a GPU."""
 import importlib.util
 import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the kernels under Triton's interpreter (read when they are defined: set first)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.kernels import paged
 
