@@ -23,9 +23,13 @@ def _engine(args, cases):
     budget = sum(b * (c + args.step_count + 48) for b, c in cases)  # tokens, all cases at once, generous
     cfg = EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
                        max_model_len=longest, max_num_seqs=widest, max_batched_tokens=16384)
-    probe = make_engine(EngineConfig(**{**cfg.__dict__, "num_blocks": 4, "decode_graphs": "off"}))
-    per_token = probe.kv_bytes_per_token
-    del probe
+    import torch
+
+    from engine.models.llama import ModelSpec
+    from engine.models.presets import preset_config
+
+    spec = ModelSpec.from_hf(preset_config(args.model))
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * getattr(torch, args.dtype).itemsize
     engine = make_engine(EngineConfig(**{**cfg.__dict__, "kv_budget_bytes": budget * per_token}))
     engine.warm_up()
     return engine
