@@ -107,7 +107,7 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
             t.start()
         for _ in threads:  # every stream is under way
             assert started.acquire(timeout=60)
-        busiest = max(healthy(url, "decode"), key=lambda w: w.get("active", 0))  # the one with streams on it
+        busiest = max(healthy(url, "decode"), key=lambda w: w.get("outstanding", 0))  # the router's count, now
         victim = next(a for a in actors.values()
                       if a["name"].startswith("decode") and a.get("process") == busiest["pid"])
         killed_at = time.monotonic()
