@@ -28,6 +28,7 @@ from engine.parallel.heads import kv_range, piece_id, recv_pieces
 from kvtransfer import TransferError, TransferStatus, make_receiver
 from kvtransfer import spec as transport_spec
 from kvtransfer.phases import PhaseTimes, merge_ranks
+from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ def write(engine, pieces: list, table: list) -> PhaseTimes:
                 else:
                     with received.phases.measure("deserialize"):
                         views = unpack(received.buffer, received.layout)
+                if needs_convert(received.layout, engine.kv_dtype, engine.kv_scales):
+                    with received.phases.measure("convert"):
+                        views = convert(views, received.layout, engine.kv_dtype, engine.kv_scales)
                 with received.phases.measure("h2d"):
                     engine.pool.scatter(table, views, heads=heads)
             for name, value in received.phases.to_dict().items():

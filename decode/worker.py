@@ -32,7 +32,8 @@ from engine.factory import make_engine
 from engine.requests import first_message, new_sequence, resumed_sequence
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
 from kvtransfer import spec as transport_spec
-from kvtransfer.tensors import dtype_name, unpack
+from kvtransfer.convert import convert, needs_convert
+from kvtransfer.tensors import unpack
 
 from .tp_kv import GroupReceive
 
@@ -108,7 +109,7 @@ class DecodeWorker(WorkerLoop):
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
-                "kv_geometry": list(e.model_kv_shape),
+                "kv_geometry": list(e.model_kv_shape), "kv_dtype": str(e.kv_dtype).removeprefix("torch."),
                 "kv_reserved_bytes": sum(list(self.reserved.values())), "preemptions": e.scheduler.preemptions,
                 "kv_landed_in_blocks": self.kv_landed,
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
@@ -204,7 +205,7 @@ class DecodeWorker(WorkerLoop):
         """(Receiver thread) Blocks for an arriving KV, so its bytes land where decode will read them."""
         layers, heads, head_dim = self.engine.kv_shape
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (layers, heads, head_dim) \
-                or layout.dtype != dtype_name(self.engine.dtype) or tid in self.landing:
+                or needs_convert(layout, self.engine.kv_dtype, self.engine.kv_scales) or tid in self.landing:
             return None
         table = self.engine.reserve(layout.num_tokens)
         if table is None:
@@ -260,9 +261,9 @@ class DecodeWorker(WorkerLoop):
         else:
             with received.phases.measure("deserialize"):
                 views = unpack(received.buffer, received.layout)
-        if views[0][0].dtype != self.engine.dtype:  # a heterogeneous pair: the sender's engine ran another dtype
+        if needs_convert(received.layout, self.engine.kv_dtype, self.engine.kv_scales):  # another dtype, or FP8
             with received.phases.measure("convert"):
-                views = [(k.to(self.engine.dtype), v.to(self.engine.dtype)) for k, v in views]
+                views = convert(views, received.layout, self.engine.kv_dtype, self.engine.kv_scales)
         self.blocked.append((seq, received, views, prefix))
         self._admit_blocked()
 

@@ -57,6 +57,12 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights made on each rank's device at load; --model is then a shape name "
                         "(llama-3-70b, mistral-7b, ...) or a directory with a config.json")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="what the KV pool stores: auto (the model's dtype) or fp8 (e4m3, a scale per layer for K and "
+                        "V: half the bytes per token in the pool and on every transport)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: FP8 weights with per-output-channel scales, activations quantized per token (CUDA, "
+                        "compute capability 8.9+); an FP8 checkpoint loads as it is, a bf16 one is quantized at load")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")
@@ -149,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
                        f"worker (default: --tp){' (colocated workers too)' if role == 'decode' else ''}")
         u.add_argument(f"--{role}-device", default=None, help=f"device of the {role} workers (default: --device), "
                        "e.g. --prefill-tp 2 --decode-device cuda:1")
+        u.add_argument(f"--{role}-kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                       help=f"KV dtype of the {role} workers (default: --kv-cache-dtype); the decode side converts "
+                            "KV that arrives in another")
     _add_engine(u)
 
     dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
@@ -210,7 +219,9 @@ def _engine_config(args):
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
                         decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
                         engine=args.engine, tp=args.tp, load_format=args.load_format,
-                        overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True))
+                        overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True),
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                        quantization=getattr(args, "quantization", None))
 
 
 def _transport_config(args, port=0):

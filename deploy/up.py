@@ -49,7 +49,10 @@ def engine_args(args) -> list[str]:
         out += ["--threads", str(args.threads)]
     out += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--decode-graphs", args.decode_graphs, "--tp", str(getattr(args, "tp", 1)),
-            "--load-format", getattr(args, "load_format", "auto")]
+            "--load-format", getattr(args, "load_format", "auto"),
+            "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
+    if getattr(args, "quantization", None):
+        out += ["--quantization", args.quantization]
     if args.max_batched_tokens:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.ray_address:
@@ -70,10 +73,10 @@ def engine_args(args) -> list[str]:
 def role_engine(args, role: str) -> list[str]:
     """``--prefill-engine``/``-tp``/``-device`` and the decode ones (a later flag wins over the shared one)."""
     out = []
-    for flag in ("engine", "tp", "device"):
+    for flag in ("engine", "tp", "device", "kv_cache_dtype"):
         value = getattr(args, f"{role}_{flag}", None)
         if value is not None:
-            out += [f"--{flag}", str(value)]
+            out += [f"--{flag.replace('_', '-')}", str(value)]
     return out
 
 

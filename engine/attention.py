@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .quant import kv_fp8
 
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
@@ -168,38 +169,43 @@ def _cached_varlen(query_starts, context_lens, tables, block_size, device) -> tu
     return slots, starts[0], starts[1], longest, max(context_lens)
 
 
-def write_kv(k_cache, v_cache, k, v, slots) -> None:
+def write_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
+    """The new tokens' K/V into their slots (``scales``: an FP8 pool's ``(k_scale, v_scale)``)."""
     heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slots, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, slots, v)
+    ks, vs = scales or (None, None)
+    kv_fp8.put(k_cache.view(-1, heads, dim), slots, kv_fp8.store(k_cache, k, ks))
+    kv_fp8.put(v_cache.view(-1, heads, dim), slots, kv_fp8.store(v_cache, v, vs))
 
 
-def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
-    """``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` -> ``[tokens, heads, dim]``."""
+def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, scales=None) -> torch.Tensor:
+    """``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` -> ``[tokens, heads, dim]``;
+    ``scales``: ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``), else None."""
     if meta.paged is not None:
-        meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, scale, meta.window)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
+        return meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, scale, meta.window, scales=scales)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
     if meta.mixed:
         n = meta.mixed
         out = torch.empty_like(q)
-        out[:n] = meta.mixed_ops.decode(q[:n], k_cache, v_cache, meta.tables, meta.lens, scale, meta.window)
-        out[n:] = _attend_written(q[n:], k[n:], v[n:], k_cache, v_cache, meta.rest, scale)
+        out[:n] = meta.mixed_ops.decode(q[:n], k_cache, v_cache, meta.tables, meta.lens, scale, meta.window,
+                                        scales=scales)
+        out[n:] = _attend_written(q[n:], k[n:], v[n:], k_cache, v_cache, meta.rest, scale, scales)
         return out
-    return _attend_written(q, k, v, k_cache, v_cache, meta, scale)
+    return _attend_written(q, k, v, k_cache, v_cache, meta, scale, scales)
 
 
-def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
-    """``attend`` once the new K/V are in the pool."""
+def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, scales=None) -> torch.Tensor:
+    """``attend`` once the new K/V are in the pool (read back dequantized; the new tokens' own K/V as computed)."""
     if meta.decode_only:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, scales)
     if meta.varlen is not None:
         return varlen_kernel()(q, k, v, *meta.varlen, scale, meta.window)
     heads, dim = k_cache.shape[-2:]
+    ks, vs = scales or (None, None)
     if meta.varlen_cached is not None:
         slots, starts, k_starts, longest, k_longest = meta.varlen_cached
-        keys = k_cache.view(-1, heads, dim).index_select(0, slots)
-        values = v_cache.view(-1, heads, dim).index_select(0, slots)
+        keys = kv_fp8.read(k_cache.view(-1, heads, dim).index_select(0, slots), ks, q.dtype)
+        values = kv_fp8.read(v_cache.view(-1, heads, dim).index_select(0, slots), vs, q.dtype)
         return varlen_kernel()(q, keys, values, starts, longest, scale, meta.window, k_starts, k_longest)
     flat_k, flat_v = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     out = torch.empty_like(q)
@@ -209,7 +215,7 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> 
             keys, values, mask = k[s:e], v[s:e], None
         else:
             slots, mask = segment
-            keys, values = flat_k[slots], flat_v[slots]
+            keys, values = kv_fp8.read(flat_k[slots], ks, q.dtype), kv_fp8.read(flat_v[slots], vs, q.dtype)
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         if keys.shape[0] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
             group = q.shape[1] // keys.shape[0]
@@ -220,12 +226,14 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float) -> 
     return out
 
 
-def _decode(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, meta: AttnMeta, scale: float, scales=None) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     flat = meta.decode_slots.flatten()
-    keys = k_cache.view(-1, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
-    values = v_cache.view(-1, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    ks, vs = scales or (None, None)
+    keys = kv_fp8.read(k_cache.view(-1, kv_heads, dim).index_select(0, flat), ks, q.dtype).view(batch, -1, kv_heads, dim)
+    values = kv_fp8.read(v_cache.view(-1, kv_heads, dim).index_select(0, flat), vs, q.dtype).view(batch, -1, kv_heads,
+                                                                                                   dim)
     if (FORCE_DECODE or ("sdpa" if q.device.type == "cpu" else "matmul")) == "sdpa":
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=meta.decode_mask[:, None, None, :], scale=scale, enable_gqa=True)

@@ -8,6 +8,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DECODE_GRAPHS = ("auto", "off", "eager", "cuda")
 ENGINES = ("auto", "torch", "mlx")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 with per-layer scales (quant.kv_fp8)
+QUANTIZATIONS = (None, "fp8")  # fp8: FP8 weights, per-output-channel scales (quant.fp8_linear; CUDA)
 TINY = "tiny-llama"
 
 
@@ -31,6 +33,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
     overlap: bool = True  # launch the next decode step before reading this one's tokens (engine.overlap)
     warmup: bool = True  # workers run engine.warmup before they serve
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @property
     def tokenizer_source(self) -> str:
@@ -61,5 +65,9 @@ class EngineConfig:
             raise ValueError("tp must be a positive integer")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} not in {LOAD_FORMATS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} not in {QUANTIZATIONS[1:]} (or none)")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("kv_budget_bytes must be >= 0 and num_blocks positive")

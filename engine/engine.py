@@ -22,7 +22,8 @@ from .kernels import paged
 from .graphs import DecodeGraphs
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
-from .models.llama import use_kernels
+from .models.llama import use_fp8_kv, use_kernels
+from .quant import kv_fp8
 from .parallel.group import SINGLE, TPGroup
 from . import overlap
 from .sampler import choose_later
@@ -70,14 +71,17 @@ class Engine:
         self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
         self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)  # this rank's
         self.model_kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)  # the model's, all ranks together
-        self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.dtype.itemsize
+        self.kv_dtype = kv_fp8.kv_dtype(cfg.kv_cache_dtype, self.dtype)  # what the pool stores
+        kv_scales = use_fp8_kv(self.model, self.kv_dtype == kv_fp8.FP8)
+        self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.kv_dtype.itemsize
         self.block_size = cfg.block_size
         self.num_blocks = self.group.min_int(cfg.num_blocks or self._default_blocks(cfg), self.device)
         if not cfg.num_blocks:
             self._fit_context()
         memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
         self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, self.heads.kv_heads, spec.head_dim,
-                           self.dtype, self.device, memory)
+                           self.kv_dtype, self.device, memory, kv_scales)
+        self.kv_scales = self.pool.scales  # FP8: (k_scale, v_scale) per layer; None otherwise
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
@@ -88,7 +92,8 @@ class Engine:
         self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
         self.inflight: overlap.InFlight | None = None  # a decode step still on the device (``overlap``)
         self.overlapped = 0  # steps left on the device while the next was prepared
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+        log.info("KV pool: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * self.block_bytes / 2**20)
 
     def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from .attention import block_slots
+from .quant import kv_fp8
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
-                 memory: torch.Tensor | None = None):
-        """``memory``: zeroed uint8 memory to lay the pool out in (e.g. shared with a transport); else allocated."""
+                 memory: torch.Tensor | None = None, scales: list | None = None):
+        """``memory``: zeroed uint8 memory to lay the pool out in (e.g. shared with a transport); else allocated.
+        ``scales``: per layer ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``; 1.0 when not given)."""
         shape = (num_blocks, block_size, kv_heads, head_dim)
         if memory is None:
             self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -26,7 +28,10 @@ class KVPool:
             views = [memory[i * n:(i + 1) * n].view(dtype).view(shape) for i in range(2 * num_layers)]
             self.layers = list(zip(views[0::2], views[1::2]))
         self.block_size = block_size
-        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.scales = None
+        if dtype == kv_fp8.FP8:
+            self.scales = [tuple(map(float, s)) for s in scales] if scales else [(1.0, 1.0)] * num_layers
         self.flat = [(k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)) for k, v in self.layers]
 
     def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
@@ -67,13 +72,16 @@ class KVPool:
         return out
 
     def scatter(self, table: list[int], layers, heads: tuple | None = None) -> None:
-        """Write canonical ``(k, v)`` layers (any device/dtype-compatible tensors) into the sequence's blocks
-        (``heads``: into the pool's heads ``[first, end)`` only)."""
+        """Write canonical ``(k, v)`` layers (any device; any float dtype, cast, but FP8 into an FP8 pool only: its
+        scales are the pool's, so convert first) into the sequence's blocks (``heads``: its heads ``[first, end)``)."""
         it = iter(layers)
         first = next(it)
         tokens = first[0].shape[0]
         slots = self._slots(table, tokens, self.layers[0][0].device)
         h0, h1 = heads or (0, self.kv_heads)
         for (kc, vc), (k, v) in zip(self.layers, [first, *it], strict=True):
-            kc.view(-1, self.kv_heads, self.head_dim)[:, h0:h1].index_copy_(0, slots, k.to(kc.device, kc.dtype))
-            vc.view(-1, self.kv_heads, self.head_dim)[:, h0:h1].index_copy_(0, slots, v.to(vc.device, vc.dtype))
+            for cache, new in ((kc, k), (vc, v)):
+                if (cache.dtype == kv_fp8.FP8) != (new.dtype == kv_fp8.FP8):
+                    raise ValueError(f"{new.dtype} KV into a {cache.dtype} pool: convert it first")
+                kv_fp8.put(cache.view(-1, self.kv_heads, self.head_dim)[:, h0:h1], slots,
+                           new.to(cache.device, cache.dtype))

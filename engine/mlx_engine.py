@@ -110,6 +110,9 @@ class MlxEngine:
             group = start_group(dataclasses.replace(cfg, engine="mlx"), torch.device("cpu"))
         self.group, self.plan, self.plan_in = group or SINGLE, (group or SINGLE).plan, plan_in
         self._done: set = set()
+        if cfg.kv_cache_dtype != "auto" or cfg.quantization:
+            raise ValueError("the mlx engine keeps its KV in the model's dtype (mlx-lm's batched decode cache has no "
+                             "quantized form) and takes no --quantization (load an mlx-lm quantized model instead)")
         self.model, self.tokenizer, self.name, self.max_len, dtype, suppress = load_mlx(cfg)
         layer = self.model.layers[0].self_attn
         heads = getattr(layer, "n_kv_heads", None) or getattr(layer, "num_key_value_heads")
@@ -117,6 +120,7 @@ class MlxEngine:
         self.mx_dtype = dtype or self.model.layers[0].input_layernorm.weight.dtype  # norms stay unquantized
         self.dtype = TORCH_OF[str(self.mx_dtype).split(".")[-1]]
         self.device = torch.device("cpu")
+        self.kv_dtype, self.kv_scales = self.dtype, None  # the caches keep the model's dtype (see load_mlx)
         self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))  # whole heads: what rank 0 sends
         self.model_kv_shape = self.kv_shape
         if self.group.size > 1:

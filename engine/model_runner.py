@@ -55,8 +55,8 @@ class ModelRunner:
         self.suppress = torch.tensor(suppress, device=device) if suppress else None
         self.window = model.spec.sliding_window
         self.graphs = graphs
-        self.half_on_cuda = torch.device(device).type == "cuda" and pool.layers[0][0].dtype in (torch.float16,
-                                                                                                 torch.bfloat16)
+        self.half_on_cuda = torch.device(device).type == "cuda" and next(model.parameters()).dtype in (
+            torch.float16, torch.bfloat16)
 
     def _meta(self, rows: list[StepRow], decode_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.pool.block_size

@@ -14,6 +14,7 @@ all before ``kv_sent`` and before the blocks are freed (``GroupPushes``).
 ``kv_cancel{rid}`` stops a push in flight."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from engine.progress import LayerProgress, StepFailed
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
 from kvtransfer import spec as transport_spec
 from kvtransfer.phases import PHASES, PhaseTimes, merge_ranks
-from kvtransfer.tensors import dtype_name
+from kvtransfer.convert import layout_for
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int,
     own = kv_range(heads, group.size, group.rank)[0]
     total = PhaseTimes()
     for dst, lo, hi in send_pieces(heads, group.size, group.rank, b):
-        layout = KVLayout(spec.num_layers, hi - lo, spec.head_dim, tokens, dtype_name(engine.dtype))
+        layout = layout_for((spec.num_layers, hi - lo, spec.head_dim), tokens, engine.kv_dtype, engine.kv_scales)
         tid = piece_id(rid, lo, len(recv_pieces(heads, group.size, b, dst)))
         whole = (lo - own, hi - own) == (0, engine.heads.kv_heads)
         if whole and sender.takes_pieces(engine.device):
@@ -60,7 +61,7 @@ def push_whole(sender, rid: str, dests: list, layout: KVLayout, layers, meta=Non
     slice (a copy of the head range), as one prefill rank of a group of one would send it."""
     heads, total = layout.num_kv_heads, PhaseTimes()
     for dst, lo, hi in send_pieces(heads, 1, 0, len(dests)):
-        part = KVLayout(layout.num_layers, hi - lo, layout.head_dim, layout.num_tokens, layout.dtype)
+        part = dataclasses.replace(layout, num_kv_heads=hi - lo)
         kv = layers if (lo, hi) == (0, heads) else [tuple(_heads_of(t, lo, hi) for t in kv) for kv in layers]
         phases = sender.send(dests[dst], piece_id(rid, lo, len(recv_pieces(heads, 1, len(dests), dst))), part, kv,
                              meta)

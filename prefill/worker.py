@@ -40,7 +40,7 @@ from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
-from kvtransfer.tensors import dtype_name
+from kvtransfer.convert import layout_for
 
 from .tp_kv import GroupPushes, cancel_slices, push_group, push_whole
 
@@ -108,6 +108,7 @@ class PrefillWorker(WorkerLoop):
                 "kv_gathered_bytes": getattr(self.sender, "gathered_bytes", 0), "kv_blocks": self.engine.num_blocks,
                 "kv_blocks_free": self.engine.blocks.num_free,
                 "kv_geometry": list(self.engine.model_kv_shape), "prefilling": len(self.live),
+                "kv_dtype": str(self.engine.kv_dtype).removeprefix("torch."),
                 "kv_skipped_bytes": self.kv_skipped_bytes, **self.engine.prefix_info()}
 
     def busy(self):
@@ -321,8 +322,7 @@ class PrefillWorker(WorkerLoop):
         return self._layout(n - m * bs), seq.block_table[m:]
 
     def _layout(self, tokens: int) -> KVLayout:
-        layers, heads, head_dim = self.engine.kv_shape
-        return KVLayout(layers, heads, head_dim, tokens, dtype_name(self.engine.dtype))
+        return layout_for(self.engine.kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
 
     def _push(self, rid, dest, layout, kv, created, source, computed, meta=None):
         """(Sender thread) ``computed``: when the prompt's compute ended (``perf_counter``), or the step's

@@ -17,15 +17,27 @@ def test_layout_roundtrips_through_msgpack():
     assert KVLayout.from_dict(msgpack.unpackb(wire)) == layout
 
 
+def test_fp8_layout_carries_its_scales():
+    layout = KVLayout(2, 8, 128, 871, "float8_e4m3fn", (0.5, 1.0, 2.0, 0.25))
+    back = KVLayout.from_dict(layout.to_dict())
+    assert back == layout and back.scale_pairs() == [(0.5, 1.0), (2.0, 0.25)]
+    assert layout.total_nbytes * 2 == KVLayout(2, 8, 128, 871, "bfloat16").total_nbytes
+    assert KVLayout(2, 8, 128, 871, "float8_e4m3fn").scale_pairs() == [(1.0, 1.0)] * 2
+
+
 @pytest.mark.parametrize("bad", [
-    {"v": 1, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 2, "layers": 0, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 2, "layers": 1, "kv_heads": -1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "complex64"},
-    {"v": 2, "layers": 1.5, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
-    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
-    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1 << 40, "dtype": "float16"},
+    {"v": 2, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 4, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16", "scales": [1.0, 1.0]},
+    {"v": 3, "layers": 2, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float8_e4m3fn", "scales": [1.0, 1.0]},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float8_e4m3fn", "scales": [1.0, 0.0]},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float8_e4m3fn", "scales": "ab"},
+    {"v": 3, "layers": 0, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": -1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "complex64"},
+    {"v": 3, "layers": 1.5, "kv_heads": 1, "head_dim": 1, "tokens": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "dtype": "float16"},
+    {"v": 3, "layers": 1, "kv_heads": 1, "head_dim": 1, "tokens": 1 << 40, "dtype": "float16"},
     [1, 2, 3],
 ])
 def test_layout_rejects_invalid_descriptions(bad):

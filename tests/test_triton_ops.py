@@ -221,3 +221,41 @@ def test_varlen_over_cached_prefixes_matches_one_sdpa_per_chunk(window):
     got = attend(q, k, v, k_cache, v_cache, fast, dim ** -0.5)
     want = attend(q, k, v, k_cache, v_cache, slow, dim ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pool_kernels_match_the_torch_forms(dtype):
+    """An FP8 pool (``quant.kv_fp8``): stores quantize as the torch forms do, byte for byte; decode reads the same
+    dequantized values (the scales folded in)."""
+    from engine.kernels import triton_attention as triton_ops
+    from engine.models.rope import Rotary
+    from engine.quant import kv_fp8
+
+    heads, kv_heads, dim, block, blocks = 8, 2, 32, 16, 12
+    g = torch.Generator().manual_seed(8)
+    scales = (0.05, 0.02)
+    k_cache = kv_fp8.quantize(torch.randn(blocks, block, kv_heads, dim, generator=g), scales[0]).to(DEVICE)
+    v_cache = kv_fp8.quantize(torch.randn(blocks, block, kv_heads, dim, generator=g), scales[1]).to(DEVICE)
+    q = torch.randn(3, heads, dim, generator=g).to(DEVICE, dtype)
+    tables = torch.randperm(blocks, generator=g)[:12].view(3, 4).to(DEVICE, torch.int32)
+    lens = torch.tensor([40, 1, 64], dtype=torch.int32, device=DEVICE)
+    want = paged.decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, scales=scales)
+    got = triton_ops.decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, scales=scales)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype) * 30  # some saturate
+    rotary = Rotary(dim, 256, 10000.0).to(DEVICE)
+    positions, slots = torch.tensor([0, 7, 99, 255], device=DEVICE), torch.tensor([3, -1, 40, 9], device=DEVICE)
+    pools = [[c.clone() for c in (k_cache, v_cache)] for _ in range(2)]
+    args = (qkv, rotary.cos[positions], rotary.sin[positions])
+    paged.rope_store(*args, *pools[0], slots, heads, kv_heads, scales)
+    triton_ops.rope_store(*args, *pools[1], slots, heads, kv_heads, scales)
+    assert pools[1][0].float().abs().max() == 448.0 and not pools[1][1].float().isnan().any()
+    k, v = (torch.randn(4, kv_heads, dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    for ops, pool in ((paged, pools[0]), (triton_ops, pools[1])):
+        ops.store_kv(*pool, k, v, slots.flip(0), scales)
+    for a, b in zip(pools[1], pools[0]):
+        if torch.cuda.is_available():
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:  # the interpreter's fp32 -> e4m3 cast rounds values just under a power of two down a whole binade
+            assert (a.view(torch.uint8) != b.view(torch.uint8)).float().mean() < 0.02

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import kv_fp8
 
-def store_kv(k_cache, v_cache, k, v, slots) -> None:
+
+def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
+    """``scales``: ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``: values stored divided by them)."""
     heads, dim = k_cache.shape[-2:]
     keep = slots >= 0
     index = torch.where(keep, slots, slots[0])  # padding rows repeat row 0's write (row 0 is never padding)
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        new = new.to(cache.dtype)
-        cache.view(-1, heads, dim).index_copy_(0, index, torch.where(keep[:, None, None], new, new[:1]))
+    ks, vs = scales or (None, None)
+    for cache, new, s in ((k_cache, k, ks), (v_cache, v, vs)):
+        new = kv_fp8.store(cache, torch.where(keep[:, None, None], new, new[:1]), s)
+        kv_fp8.put(cache.view(-1, heads, dim), index, new)
 
 
-def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int) -> torch.Tensor:
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None) -> torch.Tensor:
     """Rotary on the new tokens' q and k (``cos``/``sin`` ``[tokens, dim]``, rounded as ``models.rope.Rotary``),
     the keys and values into their ``slots``; returns the queries ``[tokens, heads, dim]``."""
     dim = k_cache.shape[-1]
@@ -31,17 +35,19 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
     half = dim // 2
     q, k = (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin for x in (q, k))
-    store_kv(k_cache, v_cache, k, v, slots)
+    store_kv(k_cache, v_cache, k, v, slots, scales)
     return q
 
 
-def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0) -> torch.Tensor:
-    """``q`` ``[batch, heads, dim]`` -> ``[batch, heads, dim]``; rows with ``lens == 0`` give zeros."""
+def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0, scales=None) -> torch.Tensor:
+    """``q`` ``[batch, heads, dim]`` -> ``[batch, heads, dim]``; rows with ``lens == 0`` give zeros; ``scales``:
+    an FP8 pool's ``(k_scale, v_scale)``."""
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).flatten(1)
-    keys = k_cache.view(-1, kv_heads, dim)[slots].float()
-    values = v_cache.view(-1, kv_heads, dim)[slots].float()
+    ks, vs = scales or (None, None)
+    keys = kv_fp8.read(k_cache.view(-1, kv_heads, dim)[slots], ks, torch.float32)
+    values = kv_fp8.read(v_cache.view(-1, kv_heads, dim)[slots], vs, torch.float32)
     pos = torch.arange(slots.shape[1], device=q.device)
     lens = lens.long()[:, None]
     valid = pos[None, :] < lens

@@ -22,28 +22,48 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_new, stride_slot,
-                  N: tl.constexpr, BLOCK_N: tl.constexpr):
+def _quantized(x, scale, FP8: tl.constexpr):
+    """``x`` as the pool stores it: divided by ``scale`` and saturated for an FP8 pool (``quant.kv_fp8``)."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    return x
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_new, stride_slot, k_scale, v_scale,
+                  N: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     if slot >= 0:
         n = tl.arange(0, BLOCK_N)
         mask = n < N
-        tl.store(kc_ptr + slot * stride_slot + n, tl.load(k_ptr + i * stride_new + n, mask=mask), mask=mask)
-        tl.store(vc_ptr + slot * stride_slot + n, tl.load(v_ptr + i * stride_new + n, mask=mask), mask=mask)
+        dt = kc_ptr.dtype.element_ty
+        k = _quantized(tl.load(k_ptr + i * stride_new + n, mask=mask), k_scale, FP8)
+        v = _quantized(tl.load(v_ptr + i * stride_new + n, mask=mask), v_scale, FP8)
+        tl.store(kc_ptr + slot * stride_slot + n, k.to(dt), mask=mask)
+        tl.store(vc_ptr + slot * stride_slot + n, v.to(dt), mask=mask)
 
 
-def store_kv(k_cache, v_cache, k, v, slots) -> None:
+def _fp8(cache, scales) -> tuple:
+    """``(is the pool FP8, k_scale, v_scale)``."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    ks, vs = scales if fp8 and scales else (1.0, 1.0)
+    return fp8, float(ks), float(vs)
+
+
+def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
     heads, dim = k_cache.shape[-2:]
     k, v = k.contiguous(), v.contiguous()
     n = heads * dim
-    _store_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), n, N=n,
-                                 BLOCK_N=triton.next_power_of_2(n))
+    fp8, ks, vs = _fp8(k_cache, scales)
+    _store_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), n, ks, vs, N=n,
+                                 BLOCK_N=triton.next_power_of_2(n), FP8=fp8)
 
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row, stride_slot,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                       k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # query heads, then KV heads (whose programs also move V)
     d = tl.arange(0, BLOCK)
@@ -59,28 +79,32 @@ def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_p
         if slot >= 0:
             kvh = head - HEADS
             at = slot * stride_slot + kvh * 2 * HALF
-            tl.store(kc_ptr + at + d, r1, mask=mask)
-            tl.store(kc_ptr + at + HALF + d, r2, mask=mask)
+            dt = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + at + d, _quantized(r1, k_scale, FP8).to(dt), mask=mask)
+            tl.store(kc_ptr + at + HALF + d, _quantized(r2, k_scale, FP8).to(dt), mask=mask)
             v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
-            tl.store(vc_ptr + at + d, tl.load(qkv_ptr + v_at + d, mask=mask), mask=mask)
-            tl.store(vc_ptr + at + HALF + d, tl.load(qkv_ptr + v_at + HALF + d, mask=mask), mask=mask)
+            v1 = _quantized(tl.load(qkv_ptr + v_at + d, mask=mask), v_scale, FP8)
+            v2 = _quantized(tl.load(qkv_ptr + v_at + HALF + d, mask=mask), v_scale, FP8)
+            tl.store(vc_ptr + at + d, v1.to(dt), mask=mask)
+            tl.store(vc_ptr + at + HALF + d, v2.to(dt), mask=mask)
 
 
-def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int) -> torch.Tensor:
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None) -> torch.Tensor:
     """``qkv`` ``[tokens, (heads + 2 kv_heads) * dim]`` -> the rotated queries ``[tokens, heads, dim]``; the
     rotated keys and the values go straight to their ``slots`` of the pool (none for a negative slot)."""
     dim = k_cache.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype, device=qkv.device)
     half = dim // 2
+    fp8, ks, vs = _fp8(k_cache, scales)
     _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
-        qkv, q, k_cache, v_cache, cos, sin, slots, qkv.stride(0), kv_heads * dim, HEADS=heads, KV_HEADS=kv_heads,
-        HALF=half, BLOCK=triton.next_power_of_2(half))
+        qkv, q, k_cache, v_cache, cos, sin, slots, qkv.stride(0), kv_heads * dim, ks, vs, HEADS=heads,
+        KV_HEADS=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), FP8=fp8)
     return q
 
 
-@triton.jit(do_not_specialize=["scale", "window", "stride_qb", "stride_qh", "stride_tb"])  # one variant for any
-def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, scale, window,
+@triton.jit(do_not_specialize=["scale", "v_scale", "window", "stride_qb", "stride_qh", "stride_tb"])  # one variant for any
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, scale, v_scale, window,
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
                    SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
@@ -112,22 +136,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, s
         block = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kvh * stride_ch
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 -> q's dtype
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     at = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + split
-    tl.store(part_o + at[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_o + at[:, None] * BLOCK_D + d[None, :], acc * v_scale, mask=gmask[:, None])
     tl.store(part_ml + at * 2, m, mask=gmask)
     tl.store(part_ml + at * 2 + 1, l_sum, mask=gmask)
 
@@ -201,7 +221,9 @@ def precompile(q, k_cache, v_cache, scale: float, window: int, max_batch: int) -
 
 
 def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
-           config: DecodeConfig | None = None) -> torch.Tensor:
+           config: DecodeConfig | None = None, scales=None) -> torch.Tensor:
+    """Attention of each row's query over its first ``lens`` tokens of the pool; an FP8 pool's values are read as
+    the query's dtype, the K scale folded into the softmax scale and the V scale into the output."""
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     config = config or config_for(batch, kv_heads)
@@ -214,8 +236,9 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
     q, lens = q.contiguous(), lens.to(torch.int32).contiguous()
     part_o = torch.empty(batch * heads * splits * block_d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
+    _, ks, vs = _fp8(k_cache, scales)
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, lens, part_o, part_ml, scale, window,
+        q, k_cache, v_cache, tables, lens, part_o, part_ml, scale * ks, vs, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         SPLITS=splits, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, D=dim,
         BLOCK_D=block_d, TILE=config.tile, PRECISION="ieee" if upcast else "tf32", UPCAST=upcast,

@@ -95,21 +95,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.scale = s.head_dim ** -0.5
+        self.k_scale = self.v_scale = 1.0  # an FP8 KV cache's scales (an FP8 checkpoint's k_scale/v_scale)
+        self.kv_scales = None  # (k_scale, v_scale) while the pool is FP8 (``use_fp8_kv``)
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
         n, d = x.shape[0], self.s.head_dim
         qkv = self.qkv_proj(x)
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
-                                      self.kv_heads)
-            out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window)
+                                      self.kv_heads, self.kv_scales)
+            out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
+                                    scales=self.kv_scales)
             return self.o_proj(out.reshape(n, -1))
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
-        return self.o_proj(attend(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
+        return self.o_proj(attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -195,6 +198,17 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def use_fp8_kv(model: nn.Module, on: bool) -> list:
+    """Attention reads and writes an FP8 pool (``quant.kv_fp8``) with each layer's scales, or not; returns the
+    scales per layer ``(k_scale, v_scale)``."""
+    scales = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_scales = (module.k_scale, module.v_scale) if on else None
+            scales.append((module.k_scale, module.v_scale))
+    return scales
 
 
 def use_kernels(model: nn.Module, kernels) -> None:
