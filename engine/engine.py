@@ -24,6 +24,7 @@ from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
 from .models.llama import use_fp8_kv, use_kernels
 from .quant import kv_fp8
+from .quant.fp8_linear import Fp8Linear
 from .parallel.group import SINGLE, TPGroup
 from . import overlap
 from .sampler import choose_later
@@ -60,6 +61,7 @@ class Engine:
         loaded = load(cfg, self.group, device)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
         self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
+        self.quantization = loaded.quantization
         if self.device.type == "cuda":  # cuDNN attention plans each new shape anew: every prompt length would pay it
             torch.backends.cuda.enable_cudnn_sdp(False)
             torch.cuda.set_device(self.device)  # kernels launched by Triton go to the current device
@@ -118,6 +120,11 @@ class Engine:
                 return None
         if layers is not None:
             use_kernels(self.model, layers)
+            from .kernels import triton_quant
+
+            for module in self.model.modules():
+                if isinstance(module, Fp8Linear):
+                    module.quantize_activations = triton_quant.quantize_rows
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 

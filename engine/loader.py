@@ -15,6 +15,8 @@ from .models import build
 from .models.presets import SHAPES, preset_config
 from .models.weights import load_dummy, load_state, load_weights
 from .parallel.group import SINGLE, TPGroup
+from .quant import checkpoint as fp8_checkpoint
+from .quant import fp8_linear
 from .tiny import TINY_NAME, build_tiny_model
 from .tokenizer import ByteTokenizer, HFTokenizer
 
@@ -72,13 +74,14 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     suppress: list[int] | None
+    quantization: str | None = None  # "fp8": the projections are ``fp8_linear.Fp8Linear``
 
 
 def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None = None) -> Loaded:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = device or pick_device(cfg.device)
-    suppress = None
+    suppress, kv_scales = None, {}
     if cfg.model == TINY_NAME and cfg.load_format != "dummy":
         hf = build_tiny_model()
         dtype = pick_dtype(cfg.dtype, device)
@@ -94,18 +97,29 @@ def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None
         if cfg.load_format == "dummy":
             load_dummy(model)
         else:
-            load_weights(model, cfg.model)
+            kv_scales = load_weights(model, cfg.model)
         tokenizer, name, suppress = _tokenizer(cfg)
     else:
         raise ValueError(f"model {cfg.model!r} is neither {TINY_NAME!r} nor a local checkpoint directory "
                          f"(with --load-format dummy also a shape: {', '.join(sorted(SHAPES))})")
     model.fuse()
     model.eval()
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.k_scale, layer.self_attn.v_scale = kv_scales.get(i, (1.0, 1.0))
+    quantization = cfg.quantization or ("fp8" if fp8_checkpoint.is_fp8_checkpoint(config) else None)
+    if quantization == "fp8":
+        fp8_linear.check_device(device)
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"--quantization fp8 computes in bf16 or fp16, not {dtype} (give --dtype bfloat16)")
+        count = fp8_linear.quantize_model(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights just replaced: give their memory to the KV pool
+        log.info("FP8 weights: %d projections quantized per output channel", count)
     max_len = getattr(config, "max_position_embeddings", None) or 2048
     if cfg.max_model_len:
         max_len = min(max_len, cfg.max_model_len)
     log.info("loaded %s on %s as %s (context %d)", name, device, dtype, max_len)
-    return Loaded(model, tokenizer, cfg.served_name or name, max_len, device, dtype, suppress)
+    return Loaded(model, tokenizer, cfg.served_name or name, max_len, device, dtype, suppress, quantization)
 
 
 def _config(cfg: EngineConfig):

@@ -259,3 +259,18 @@ def test_fp8_pool_kernels_match_the_torch_forms(dtype):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         else:  # the interpreter's fp32 -> e4m3 cast rounds values just under a power of two down a whole binade
             assert (a.view(torch.uint8) != b.view(torch.uint8)).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_matches_the_torch_form(dtype):
+    from engine.kernels import triton_quant
+    from engine.quant.fp8_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 200, generator=g) * torch.logspace(-2, 2, 5)[:, None]).to(DEVICE, dtype)
+    x[4] = 0  # an all-zero row: the floor scale, zeros out
+    (want, want_scale), (got, got_scale) = quantize_rows(x), triton_quant.quantize_rows(x)
+    torch.testing.assert_close(got_scale, want_scale)
+    differ = (got.view(torch.uint8) != want.view(torch.uint8)).float().mean()
+    assert differ == 0 if torch.cuda.is_available() else differ < 0.02  # the interpreter's e4m3 cast: see above
+    assert got[4].float().abs().max() == 0

@@ -225,6 +225,9 @@ def _joined(*linears: nn.Linear) -> nn.Linear:
     with torch.device("meta"):
         joined = nn.Linear(first.in_features, out, bias=first.bias is not None)
     joined.weight = nn.Parameter(torch.cat([lin.weight.data for lin in linears]), requires_grad=False)
+    rows = [getattr(lin.weight, "fp8_row_scale", None) for lin in linears]  # an FP8 checkpoint's grid (quant)
+    if all(r is not None for r in rows):
+        joined.weight.fp8_row_scale = torch.cat(rows)
     if first.bias is not None:
         joined.bias = nn.Parameter(torch.cat([lin.bias.data for lin in linears]), requires_grad=False)
     return joined

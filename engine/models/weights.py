@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..parallel.layers import full_shape, shard_of
+from ..quant import checkpoint as fp8_checkpoint
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -24,20 +25,29 @@ def checkpoint_files(path: str) -> list[str]:
     raise ValueError(f"{path} has no model.safetensors nor model.safetensors.index.json")
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
+def load_weights(model: torch.nn.Module, path: str) -> dict:
+    """Returns the checkpoint's KV cache scales ``{layer: (k_scale, v_scale)}`` (FP8 checkpoints; else empty)."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     tied = getattr(model.spec, "tie_word_embeddings", False)
     missing = set(params) - ({"lm_head.weight"} if tied else set())
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    scales = _scales(files)
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name not in params:
                     continue
                 if tied and name == "lm_head.weight":
                     continue
-                tensor = shard_of(f.get_tensor(name), model, name)
+                tensor, rows = f.get_tensor(name), None
+                if tensor.dtype in fp8_checkpoint.FP8_DTYPES:  # an FP8 checkpoint's weight: by its scale
+                    rows = fp8_checkpoint.row_scales(tensor, name, scales)
+                    tensor = fp8_checkpoint.dequantize(tensor, name, scales, params[name].dtype)
+                    if rows is not None:  # the grid fp8_linear quantizes on again (this rank's rows)
+                        params[name].fp8_row_scale = _rows_of(rows, model, name)
+                tensor = shard_of(tensor, model, name)
                 if tensor.shape != params[name].shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
                 with torch.no_grad():
@@ -45,6 +55,25 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                 missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    return fp8_checkpoint.kv_scales(scales)
+
+
+def _rows_of(rows: torch.Tensor, model: torch.nn.Module, name: str) -> torch.Tensor:
+    """This rank's part of a per-row vector of the checkpoint tensor ``name`` (all of it when its columns are split)."""
+    owner, _, leaf = name.rpartition(".")
+    rule = getattr(model.get_submodule(owner), "tp_slices", {}).get(leaf)
+    return rows if rule is None or rule[0] != 0 else shard_of(rows, model, name)
+
+
+def _scales(files: list[str]) -> dict:
+    """Every quantization scale the checkpoint holds, by name (small tensors: read before the weights they scale)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys() if fp8_checkpoint.is_scale(name)})
+    return out
 
 
 def load_state(model: torch.nn.Module, state: dict) -> None:
