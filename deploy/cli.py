@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import chaos, compare, engine, goodput, idle, kernels, router, serve, soak, stream, transfer
+    from bench import chaos, compare, engine, fp8, goodput, idle, kernels, router, serve, soak, stream, transfer
 
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
@@ -206,6 +206,8 @@ def _parser() -> argparse.ArgumentParser:
     idle.add_arguments(bsub.add_parser("idle", help="prefill forward after decode, spin or sleep (the cold-worker effect)"))
     kernels.add_arguments(bsub.add_parser("kernels", help="each decode-step kernel and whole steps: time, bytes or "
                                           "FLOPs, fraction of the measured bandwidth and matmul rate"))
+    fp8.add_arguments(bsub.add_parser("fp8", help="FP8 weights and FP8 KV cache against bf16 in one run: decode "
+                                      "tok/s, sequences per KV budget, long-context steps, logits agreement"))
     router.add_arguments(bsub.add_parser("router", help="tokens/s one router process streams to clients (a fake "
                                          "worker feeds it as fast as asked)"))
     return ap

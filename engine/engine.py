@@ -120,11 +120,12 @@ class Engine:
                 return None
         if layers is not None:
             use_kernels(self.model, layers)
-            from .kernels import triton_quant
+            from .kernels import triton_fp8, triton_quant
 
             for module in self.model.modules():
                 if isinstance(module, Fp8Linear):
                     module.quantize_activations = triton_quant.quantize_rows
+                    module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 

@@ -128,3 +128,15 @@ def test_bench_router_small(tmp_path):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["tokens"] >= 16 and report["errors"] == 0 and report["tokens"] % 16 == 0
     assert report["router_us_per_token"] > 0 and report["tokens_per_event"] >= 1
+
+
+def test_bench_fp8_small(tmp_path):
+    """On the CPU: the KV parts (capacity at one budget, long-context steps, logits agreement); FP8 weights need a GPU."""
+    out = tmp_path / "fp8"
+    assert main(["bench", "fp8", "--context", "256", "--long-batch", "2", "--decode-steps", "8", "--kv-budget", "2M",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    capacity = report["capacity"]
+    assert capacity["fp8"]["kv_bytes_per_token"] * 2 == capacity["auto"]["kv_bytes_per_token"]
+    assert capacity["auto"]["running_at_once"] == capacity["auto"]["blocks_allow"] > 0 and capacity["ratio"] >= 1.9
+    assert report["long_context"]["fp8"]["step_ms"] > 0 and min(report["agreement"]["fp8_kv"]) > 0.99

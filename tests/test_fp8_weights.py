@@ -46,7 +46,7 @@ def test_fp8_layer_matches_the_bf16_layer_within_fp8_error(on_cpu):
 
 def test_quantization_off_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="CUDA GPUs only"):
-        Engine(EngineConfig(quantization="fp8", dtype="bfloat16", threads=1))
+        Engine(EngineConfig(quantization="fp8", dtype="bfloat16", device="cpu", threads=1))
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
 

@@ -274,3 +274,42 @@ def test_quantize_rows_kernel_matches_the_torch_form(dtype):
     differ = (got.view(torch.uint8) != want.view(torch.uint8)).float().mean()
     assert differ == 0 if torch.cuda.is_available() else differ < 0.02  # the interpreter's e4m3 cast: see above
     assert got[4].float().abs().max() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fp8_weight_kernel_matches_the_dequantized_matmul(rows):
+    from engine.kernels import triton_fp8
+    from engine.quant.fp8_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    weight, scale = quantize_rows(torch.randn(96, 200, generator=g))  # K not a multiple of the tile: masked
+    x = torch.randn(rows, 200, generator=g).to(DEVICE, dtype)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    got = triton_fp8.w8_matmul(x, weight, scale.reshape(1, -1), block_k=64)
+    want = (x.float() @ (weight.float() * scale).t()).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMMs and the e4m3 cast as the GPU does them")
+def test_tiny_engine_with_fp8_weights_and_kv_on_the_gpu():
+    """Decode graphs over the FP8 kernels (few-row W8A16 GEMMs, FP8 pool) next to the bf16 engine."""
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+
+    prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
+    last = {}
+    for name, kw in (("bf16", {}), ("fp8", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+        engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", threads=1, max_num_seqs=8, **kw))
+        engine.warm_up()
+        out = generate_many(engine, prompts, [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3)
+        assert all(len(s.output_ids) == 12 for _, s in out) and engine.runner.graphs.replays > 0
+        logits = []
+        head = engine.model.logits
+        engine.model.logits = lambda h: logits.append(head(h).float()) or logits[-1]
+        generate_many(engine, [prompts[1]], [SamplingParams(max_tokens=1, temperature=0)])
+        last[name] = logits[0][-1]
+    finite = torch.isfinite(last["bf16"]) & torch.isfinite(last["fp8"])
+    assert torch.nn.functional.cosine_similarity(last["bf16"][finite], last["fp8"][finite], dim=0) > 0.95

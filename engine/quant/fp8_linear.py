@@ -13,7 +13,10 @@ rank quantizes its own shard (row scales are per output channel, so a
 column-parallel shard's scales are its rows', a row-parallel shard's its own).
 
 ``quantize_rows`` is the torch reference of the per-row quantization;
-``kernels.triton_quant`` does the activations in one launch on CUDA."""
+``kernels.triton_quant`` does the activations in one launch on CUDA. A batch
+of a few rows (decode at small batch) skips the activation quantization on
+CUDA: ``kernels.triton_fp8`` widens the FP8 weights in registers instead
+(W8A16), one launch that only reads the weights."""
 from __future__ import annotations
 
 import torch
@@ -49,6 +52,8 @@ class Fp8Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` as FP8 rows and their scales; a row-parallel shard all-reduces after."""
 
     quantize_activations = staticmethod(quantize_rows)  # ``triton_quant.quantize_rows`` on CUDA (``use_kernels``)
+    few_rows = None  # ``triton_fp8.w8_matmul`` on CUDA: batches of at most ``few_rows_max`` rows (W8A16)
+    few_rows_max = 0
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group=None):
         super().__init__()
@@ -75,8 +80,12 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xq, xs = self.quantize_activations(x.reshape(-1, self.in_features))
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if self.few_rows is not None and x2.shape[0] <= self.few_rows_max:
+            y = self.few_rows(x2, self.weight, self.weight_scale)
+        else:
+            xq, xs = self.quantize_activations(x2)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias
         y = y.reshape(*shape[:-1], self.out_features)

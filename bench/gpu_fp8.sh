@@ -1,0 +1,41 @@
+#!/bin/bash
+# FP8 on one GPU (issue 28; the device tool's nvidia-h200): the Triton/FP8 checks on the GPU, then `pdserve bench fp8`
+# (projection GEMMs bf16 vs FP8, decode tok/s with bf16 and FP8 weights, 8k sequences per KV budget, 16 x 8k steps,
+# logits agreement), the few-row W8A16 kernel against _scaled_mm alone (ab), serving with an FP8 KV cache (serve), and
+# 1P1D over NCCL with FP8 KV (serve1p1d: two GPUs).
+#   OUT=bench/out/fp8 bash bench/gpu_fp8.sh [steps...]   (steps: test fp8 ab serve; serve1p1d needs two GPUs)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/out/fp8}; mkdir -p "$OUT"
+PY=${PY:-python3}
+TAG=${TAG:-h200}
+steps=${*:-test fp8 ab serve}
+model="--model mistral-7b --load-format dummy --dtype bfloat16"
+serve_c32() {  # $1 port, $2 name: two waves of 128 requests, 512/64, at concurrency 32
+  for i in $(seq 300); do curl -sf http://127.0.0.1:$1/health > /dev/null && break; sleep 1; done
+  for wave in first:0 second:1; do
+    timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:$1 --concurrency 32 --prompt-len 512 \
+      --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-$2-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
+  done
+}
+for step in $steps; do
+  case $step in
+    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kv.py \
+            tests/test_fp8_weights.py -k "not cluster and not disaggregated and not convert_on_arrival" 2>&1 | tail -3 ;;
+    fp8) timeout 560 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 --context 8192 \
+           --kv-budget 16G --out "$OUT/fp8-mistral7b-$TAG" 2>&1 | grep -v " INFO " | tail -45 ;;
+    ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 \
+          --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-scaled-mm-only-$TAG" 2>&1 | tail -8 ;;
+    serve)  # colocated, FP8 weights and FP8 KV
+      $PY -m deploy.cli up --colocated $model --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 \
+        --max-num-seqs 64 --port 8013 --ready-timeout 300 > "$OUT/up-fp8.log" 2>&1 &
+      up=$!
+      serve_c32 8013 colocated-fp8
+      kill -INT $up; wait $up ;;
+    serve1p1d)  # two GPUs: prefill on cuda:0, decode on cuda:1, FP8 KV over NCCL
+      $PY -m deploy.cli up --transport nccl $model --kv-cache-dtype fp8 --max-model-len 4096 --max-num-seqs 64 \
+        --port 8014 --ready-timeout 300 > "$OUT/up-1p1d-fp8.log" 2>&1 &
+      up=$!
+      serve_c32 8014 1p1d-nccl-fp8kv
+      kill -INT $up; wait $up ;;
+  esac
+done
