@@ -21,7 +21,7 @@ for step in $steps; do
   case $step in
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kv.py \
             tests/test_fp8_weights.py -k "not cluster and not disaggregated and not convert_on_arrival" 2>&1 | tail -3 ;;
-    fp8) timeout 560 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 --context 8192 \
+    fp8) timeout 560 $PY -m deploy.cli bench fp8 $model --batches 1,8,32,64 --prompt-len 512 --context 8192 \
            --kv-budget 16G --out "$OUT/fp8-mistral7b-$TAG" 2>&1 | grep -v " INFO " | tail -45 ;;
     ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 \
           --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-scaled-mm-only-$TAG" 2>&1 | tail -8 ;;

@@ -81,20 +81,29 @@ def paged_pool(batch: int, ctx: int, kv_heads: int, dim: int, block: int, dtype,
     return k, v, order.view(batch, per).int(), torch.full((batch,), ctx, dtype=torch.int32, device=device)
 
 
-def decode_attention(ops, ref, spec, cases, dtype, device, block: int, configs=None) -> list:
+def decode_attention(ops, ref, spec, cases, dtype, device, block: int, configs=None, fp8: bool = False) -> list:
     """Paged decode attention (``ops.decode``) per ``(batch, context)``: checked against ``ref.decode`` (fp32)
-    first, then timed with each of ``configs`` (``ops.DecodeConfig``; None: the kernel's own choice)."""
+    first, then timed with each of ``configs`` (``ops.DecodeConfig``; None: the kernel's own choice). ``fp8``: over
+    an FP8 pool (``quant.kv_fp8``, scales 0.5)."""
+    from engine.quant import kv_fp8
+
     gen = torch.Generator(device=device).manual_seed(0)
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = []
     for batch, ctx in cases:
         k, v, tables, lens = paged_pool(batch, ctx, kv_heads, dim, block, dtype, device, gen)
         q = torch.empty(batch, heads, dim, dtype=dtype, device=device).normal_(generator=gen)
-        scale = dim ** -0.5
-        want = ref.decode(q[:2].float(), k.float(), v.float(), tables[:2], lens[:2], scale)
+        scale, scales = dim ** -0.5, None
+        if fp8:
+            scales = (0.5, 0.5)
+            k, v = kv_fp8.quantize(k, 0.5), kv_fp8.quantize(v, 0.5)
+        want = ref.decode(q[:2].float(), k.float() * (0.5 if fp8 else 1), v.float() * (0.5 if fp8 else 1), tables[:2],
+                          lens[:2], scale)
         kv_bytes = 2 * batch * ctx * kv_heads * dim * k.element_size()
         for config in configs or [None]:
             kw = {"config": config} if config is not None else {}
+            if fp8:
+                kw["scales"] = scales
             got = ops.decode(q, k, v, tables, lens, scale, **kw)
             err = (got[:2].float() - want).abs().max().item()
             ms = timed(lambda: ops.decode(q, k, v, tables, lens, scale, **kw), device)

@@ -34,6 +34,8 @@ def add_arguments(p):
     p.add_argument("--step-count", type=int, default=20)
     p.add_argument("--buffer-mib", type=int, default=0, help="bytes of the bandwidth test (default 2048 CUDA, 256 CPU)")
     p.add_argument("--sweep", action="store_true", help="time a grid of decode attention configurations")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="decode attention over an "
+                   "FP8 pool (quant.kv_fp8)")
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,steps")
     p.add_argument("--out", default="bench/out/kernels")
 
@@ -106,7 +108,8 @@ def run(args) -> int:
 
     if "decode" in only:
         configs = sweep_configs(ops) if args.sweep and device.type == "cuda" else None
-        rows = fractions(kc.decode_attention(ops, paged, spec, _cases(args.decode_cases), dtype, device, 16, configs), lim)
+        rows = fractions(kc.decode_attention(ops, paged, spec, _cases(args.decode_cases), dtype, device, 16, configs,
+                                             fp8=args.kv_cache_dtype == "fp8"), lim)
         report["decode_attention"] = best_per_case(rows)
         if configs:
             report["decode_sweep"] = rows
