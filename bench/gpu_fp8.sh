@@ -20,7 +20,8 @@ serve_c32() {  # $1 port, $2 name: two waves of 128 requests, 512/64, at concurr
 for step in $steps; do
   case $step in
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kv.py \
-            tests/test_fp8_weights.py -k "not cluster and not disaggregated and not convert_on_arrival" 2>&1 | tail -3 ;;
+            tests/test_fp8_weights.py -k "not cluster and not disaggregated and not convert_on_arrival" --tb=line 2>&1 \
+            | grep -E "^(E |FAILED|/)|passed|failed" | tail -12 ;;
     fp8) timeout 560 $PY -m deploy.cli bench fp8 $model --batches 1,8,32,64 --prompt-len 512 --context 8192 \
            --kv-budget 16G --out "$OUT/fp8-mistral7b-$TAG" 2>&1 | grep -v " INFO " | tail -45 ;;
     ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 \

@@ -120,12 +120,7 @@ class Engine:
                 return None
         if layers is not None:
             use_kernels(self.model, layers)
-            from .kernels import triton_fp8, triton_quant
-
-            for module in self.model.modules():
-                if isinstance(module, Fp8Linear):
-                    module.quantize_activations = triton_quant.quantize_rows
-                    module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
+            fp8_kernels(self.model)
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
@@ -341,3 +336,18 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fp8_kernels(model) -> None:
+    """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches on
+    ``triton_fp8``, and the norms and SiLU-times-up before them writing e4m3 themselves."""
+    from .kernels import triton_fp8, triton_quant
+
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.quantize_activations = triton_quant.quantize_rows
+            module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
+    for layer in model.model.layers:
+        layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
+        layer.post_attention_layernorm.quantized = isinstance(layer.mlp.gate_up_proj, Fp8Linear)
+        layer.mlp.quantized = isinstance(layer.mlp.down_proj, Fp8Linear)

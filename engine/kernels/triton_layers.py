@@ -1,7 +1,10 @@
 """RMSNorm (alone, or with the residual add before it), rotary embedding and
 the MLP's SiLU-times-up as one Triton kernel each (CUDA), in place of the
 several elementwise launches their torch forms take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
-``MLP``), so bf16 results match to the last place."""
+``MLP``), so bf16 results match to the last place. Before an FP8 projection
+(``quant.fp8_linear``) the RMSNorm and SiLU-times-up kernels also quantize
+their output rows to e4m3 (``rmsnorm_fp8``, ``silu_mul_fp8``): the numbers of
+``quantize_rows`` after them, without its launch."""
 from __future__ import annotations
 
 import torch
@@ -116,3 +119,88 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _rmsnorm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                        ADD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    mask = n < N
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        total = (x + tl.load(r_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + row * N + n, total, mask=mask)
+        x = total.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * scale).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    _store_fp8_row(q_ptr + row * N, s_ptr + row, (w * y).to(dt).to(tl.float32), n, mask)
+
+
+@triton.jit
+def _store_fp8_row(q_ptr, s_ptr, out, n, mask):
+    """A whole row (rounded to the model's dtype) as e4m3 with its scale, as ``fp8_linear.quantize_rows``."""
+    s = tl.maximum(tl.max(tl.abs(out), axis=0) / 448.0, 1e-12)
+    tl.store(q_ptr + n, tl.minimum(tl.maximum(out / s, -448.0), 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr, s)
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``rmsnorm(x [+ residual])`` quantized per row for an FP8 projection: ``Quantized`` (plus the sum, with
+    ``residual``); the numbers of ``add_rmsnorm`` then ``quantize_rows``, in one launch."""
+    from ..quant.fp8_linear import Quantized
+    from ..quant.kv_fp8 import FP8
+
+    x = x.contiguous()
+    n = x.shape[-1]
+    rows = x.numel() // n
+    q = torch.empty(*x.shape, dtype=FP8, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    _rmsnorm_fp8_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, weight, q, s, total, eps,
+                                 N=n, BLOCK=triton.next_power_of_2(n), ADD=residual is not None,
+                                 num_warps=8 if n >= 2048 else 4)
+    out = Quantized(q, s, x.dtype)
+    return (out, total) if residual is not None else out
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], tl.float32)
+    for first in range(0, N, BLOCK):  # the row's max first (the activations are recomputed, not stored)
+        col = first + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_silu_times_up(x_ptr, row, col, N, dt)))
+    s = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for first in range(0, N, BLOCK):
+        col = first + tl.arange(0, BLOCK)
+        act = _silu_times_up(x_ptr, row, col, N, dt)
+        tl.store(q_ptr + row * N + col, tl.minimum(tl.maximum(act / s, -448.0), 448.0).to(q_ptr.dtype.element_ty),
+                 mask=col < N)
+    tl.store(s_ptr + row, s)
+
+
+@triton.jit
+def _silu_times_up(x_ptr, row, col, N: tl.constexpr, dt: tl.constexpr):
+    mask = col < N
+    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    return (act * up).to(dt).to(tl.float32)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor):
+    """``silu_mul`` quantized per row for the FP8 down projection (``Quantized``), in one launch."""
+    from ..quant.fp8_linear import Quantized
+    from ..quant.kv_fp8 import FP8
+
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // (2 * n)
+    q = torch.empty(*gate_up.shape[:-1], n, dtype=FP8, device=gate_up.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    _silu_mul_fp8_kernel[(rows,)](gate_up, q, s, N=n, BLOCK=min(4096, triton.next_power_of_2(n)), num_warps=8)
+    return Quantized(q, s, gate_up.dtype)

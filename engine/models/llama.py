@@ -57,6 +57,7 @@ class ModelSpec:
 
 class RMSNorm(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
+    quantized = False  # with kernels: the output quantized for the FP8 projection after it (``quant.fp8_linear``)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -65,6 +66,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """The normed ``x``; with ``residual``: ``(normed x + residual, x + residual)`` (the sum in ``x``'s dtype)."""
+        if self.kernels is not None and self.quantized:
+            return self.kernels.rmsnorm_fp8(x, self.weight, self.eps, residual)
         if residual is not None:
             if self.kernels is not None:
                 return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
@@ -99,8 +102,8 @@ class Attention(nn.Module):
         self.kv_scales = None  # (k_scale, v_scale) while the pool is FP8 (``use_fp8_kv``)
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
-        n, d = x.shape[0], self.s.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)  # x may be ``Quantized`` (an FP8 qkv_proj after a fused norm)
+        n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                       self.kv_heads, self.kv_scales)
@@ -117,6 +120,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
+    quantized = False  # with kernels: SiLU-times-up writes e4m3 for the FP8 down projection
 
     def __init__(self, s: ModelSpec, group: TPGroup = SINGLE):
         super().__init__()
@@ -132,7 +136,8 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
+            act = self.kernels.silu_mul_fp8(gate_up) if self.quantized else self.kernels.silu_mul(gate_up)
+            return self.down_proj(act)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 

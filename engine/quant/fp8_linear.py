@@ -13,11 +13,14 @@ rank quantizes its own shard (row scales are per output channel, so a
 column-parallel shard's scales are its rows', a row-parallel shard's its own).
 
 ``quantize_rows`` is the torch reference of the per-row quantization;
-``kernels.triton_quant`` does the activations in one launch on CUDA. A batch
-of a few rows (decode at small batch) skips the activation quantization on
-CUDA: ``kernels.triton_fp8`` widens the FP8 weights in registers instead
-(W8A16), one launch that only reads the weights."""
+``kernels.triton_quant`` does the activations in one launch on CUDA, and the
+RMSNorm and SiLU-times-up kernels before three of the four projections write
+their output quantized (``Quantized``), so no launch is spent on it there. A
+batch of a few rows (decode at small batch) goes to ``kernels.triton_fp8``
+instead of cuBLAS: the same products, tiles sized for few rows."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -48,11 +51,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+class Quantized(NamedTuple):
+    """Activations already in e4m3 (``values`` ``[..., K]``) with their per-row ``scales`` ``[rows, 1]``: what a
+    fused RMSNorm or SiLU-times-up kernel hands the FP8 projection after it (``triton_layers``)."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype  # what the projection returns (the model's dtype)
+
+
 class Fp8Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` as FP8 rows and their scales; a row-parallel shard all-reduces after."""
 
     quantize_activations = staticmethod(quantize_rows)  # ``triton_quant.quantize_rows`` on CUDA (``use_kernels``)
-    few_rows = None  # ``triton_fp8.w8_matmul`` on CUDA: batches of at most ``few_rows_max`` rows (W8A16)
+    few_rows = None  # ``triton_fp8.w8_matmul`` on CUDA: batches of at most ``few_rows_max`` rows
     few_rows_max = 0
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group=None):
@@ -78,14 +89,18 @@ class Fp8Linear(nn.Module):
         bias = linear.bias.data if linear.bias is not None else None
         return cls(q, scale, bias, getattr(linear, "group", None))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.few_rows is not None and x2.shape[0] <= self.few_rows_max:
-            y = self.few_rows(x2, self.weight, self.weight_scale)
+    def forward(self, x) -> torch.Tensor:
+        """``x``: activations in the model's dtype, or ``Quantized`` ones."""
+        if isinstance(x, Quantized):
+            shape, dtype = x.values.shape, x.dtype
+            xq, xs = x.values.reshape(-1, self.in_features), x.scales
         else:
-            xq, xs = self.quantize_activations(x2)
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=x.dtype)
+            shape, dtype = x.shape, x.dtype
+            xq, xs = self.quantize_activations(x.reshape(-1, self.in_features))
+        if self.few_rows is not None and xq.shape[0] <= self.few_rows_max:
+            y = self.few_rows(xq, self.weight, self.weight_scale, x_scale=xs, out_dtype=dtype)
+        else:
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=dtype)
         if self.bias is not None:
             y = y + self.bias
         y = y.reshape(*shape[:-1], self.out_features)
