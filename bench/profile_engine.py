@@ -119,8 +119,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--graph-times", default="", help="batch sizes to break down into graph replay, kernel and host")
     ap.add_argument("--prefill", default="", help="N:LEN: profile one step over N fresh prompts of LEN tokens, then stop")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args(argv)
-    engine = Engine(EngineConfig(model=args.model, device="cuda", max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30))
+    engine = Engine(EngineConfig(model=args.model, device="cuda", max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30,
+                                 load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype, max_model_len=4096))
+    engine.warm_up()
     print("device micro-benchmarks:", micro(engine.device), flush=True)
     import random
 
@@ -135,7 +142,7 @@ def main(argv=None) -> int:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=24))
     return 0
 
 

@@ -35,10 +35,11 @@ def test_rows_quantize_to_their_own_scale():
 
 def test_fp8_layer_matches_the_bf16_layer_within_fp8_error(on_cpu):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(256, 128, bias=True).to(torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (older torch has no per-row FP8 scales on the CPU)
+    linear = torch.nn.Linear(256, 128, bias=True).to(device, torch.bfloat16)
     layer = Fp8Linear.of(linear)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.nbytes * 2 == linear.weight.nbytes
-    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16, device=device)
     want, got = linear(x).float(), layer(x).float()
     assert got.shape == want.shape
     assert ((got - want).norm() / want.norm()) < 0.06  # weights and activations each ~2.7%
@@ -99,7 +100,8 @@ def test_fp8_checkpoints_load_and_generate(tmp_path, on_cpu, layout):
     state = load_file(os.path.join(path, "model.safetensors"))
     if layout != "block":  # per-row and per-tensor checkpoints come back to their own codes
         o = engine.model.model.layers[1].self_attn.o_proj
-        assert torch.equal(o.weight.view(torch.uint8), state["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))
+        want = state["model.layers.1.self_attn.o_proj.weight"].to(o.weight.device)
+        assert torch.equal(o.weight.view(torch.uint8), want.view(torch.uint8))
     plain = Engine(EngineConfig(model=str(tmp_path / "plain"), dtype="bfloat16", threads=1, decode_graphs="off"))
     want, got = _last_logits(plain), _last_logits(engine)
     finite = torch.isfinite(want) & torch.isfinite(got)

@@ -2,8 +2,9 @@
 the MLP's SiLU-times-up as one Triton kernel each (CUDA), in place of the
 several elementwise launches their torch forms take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
 ``MLP``), so bf16 results match to the last place. Before an FP8 projection
-(``quant.fp8_linear``) the RMSNorm and SiLU-times-up kernels also quantize
-their output rows to e4m3 (``rmsnorm_fp8``, ``silu_mul_fp8``): the numbers of
+(``quant.fp8_linear``) the RMSNorm kernel also quantizes its output rows to
+e4m3 (``rmsnorm_fp8``) and SiLU-times-up hands over each row's max|x|
+(``silu_mul_fp8``; the projection quantizes as it reads): the numbers of
 ``quantize_rows`` after them, without its launch."""
 from __future__ import annotations
 
@@ -167,20 +168,13 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_max_kernel(x_ptr, out_ptr, max_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    dt = x_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], tl.float32)
-    for first in range(0, N, BLOCK):  # the row's max first (the activations are recomputed, not stored)
-        col = first + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_silu_times_up(x_ptr, row, col, N, dt)))
-    s = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    for first in range(0, N, BLOCK):
-        col = first + tl.arange(0, BLOCK)
-        act = _silu_times_up(x_ptr, row, col, N, dt)
-        tl.store(q_ptr + row * N + col, tl.minimum(tl.maximum(act / s, -448.0), 448.0).to(q_ptr.dtype.element_ty),
-                 mask=col < N)
-    tl.store(s_ptr + row, s)
+    chunk = tl.program_id(1)
+    col = chunk * BLOCK + tl.arange(0, BLOCK)
+    act = _silu_times_up(x_ptr, row, col, N, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + col, act.to(out_ptr.dtype.element_ty), mask=col < N)
+    tl.store(max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(act), axis=0))
 
 
 @triton.jit
@@ -193,14 +187,17 @@ def _silu_times_up(x_ptr, row, col, N: tl.constexpr, dt: tl.constexpr):
 
 
 def silu_mul_fp8(gate_up: torch.Tensor):
-    """``silu_mul`` quantized per row for the FP8 down projection (``Quantized``), in one launch."""
-    from ..quant.fp8_linear import Quantized
-    from ..quant.kv_fp8 import FP8
+    """``silu_mul`` for the FP8 down projection: the activations in the model's dtype with each row's max|x| in
+    parts (one per program: ``RowMax``), so the projection's kernel quantizes them as it reads them; one launch,
+    as parallel as ``silu_mul``."""
+    from ..quant.fp8_linear import RowMax
 
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     rows = gate_up.numel() // (2 * n)
-    q = torch.empty(*gate_up.shape[:-1], n, dtype=FP8, device=gate_up.device)
-    s = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    _silu_mul_fp8_kernel[(rows,)](gate_up, q, s, N=n, BLOCK=min(4096, triton.next_power_of_2(n)), num_warps=8)
-    return Quantized(q, s, gate_up.dtype)
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    parts = triton.cdiv(n, block)
+    maxes = torch.empty(rows, parts, dtype=torch.float32, device=gate_up.device)
+    _silu_mul_max_kernel[(rows, parts)](gate_up, out, maxes, N=n, BLOCK=block)
+    return RowMax(out, maxes)

@@ -59,6 +59,14 @@ class Quantized(NamedTuple):
     dtype: torch.dtype  # what the projection returns (the model's dtype)
 
 
+class RowMax(NamedTuple):
+    """Activations in the model's dtype (``values`` ``[..., K]``) with each row's max|x| in parts (``maxes``
+    ``[rows, parts]``): the few-row kernel quantizes them as it reads them (scale ``max / 448``, as
+    ``quantize_rows``); elsewhere they are quantized first."""
+    values: torch.Tensor
+    maxes: torch.Tensor
+
+
 class Fp8Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` as FP8 rows and their scales; a row-parallel shard all-reduces after."""
 
@@ -91,7 +99,14 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """``x``: activations in the model's dtype, or ``Quantized`` ones."""
-        if isinstance(x, Quantized):
+        if isinstance(x, RowMax):
+            shape, dtype = x.values.shape, x.values.dtype
+            rows = x.values.reshape(-1, self.in_features)
+            if self.few_rows is not None and rows.shape[0] <= self.few_rows_max:
+                y = self.few_rows(rows, self.weight, self.weight_scale, row_max=x.maxes)
+                return self._out(y, shape)
+            xq, xs = self.quantize_activations(rows)
+        elif isinstance(x, Quantized):
             shape, dtype = x.values.shape, x.dtype
             xq, xs = x.values.reshape(-1, self.in_features), x.scales
         else:
@@ -101,6 +116,9 @@ class Fp8Linear(nn.Module):
             y = self.few_rows(xq, self.weight, self.weight_scale, x_scale=xs, out_dtype=dtype)
         else:
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=dtype)
+        return self._out(y, shape)
+
+    def _out(self, y: torch.Tensor, shape) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
         y = y.reshape(*shape[:-1], self.out_features)
