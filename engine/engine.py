@@ -340,7 +340,7 @@ def free_memory(device: torch.device) -> int:
 
 def fp8_kernels(model) -> None:
     """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches on
-    ``triton_fp8``, and the norms and SiLU-times-up before them writing e4m3 themselves."""
+    ``triton_fp8``, and the norms before q/k/v and gate/up writing e4m3 themselves."""
     from .kernels import triton_fp8, triton_quant
 
     for module in model.modules():
@@ -350,4 +350,3 @@ def fp8_kernels(model) -> None:
     for layer in model.model.layers:
         layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
         layer.post_attention_layernorm.quantized = isinstance(layer.mlp.gate_up_proj, Fp8Linear)
-        layer.mlp.quantized = isinstance(layer.mlp.down_proj, Fp8Linear)

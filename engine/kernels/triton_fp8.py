@@ -8,8 +8,8 @@ rows of the already quantized activations as the narrow right one ("swap
 AB": ``BLOCK_M`` >= 16 rows, padded), then applies both scales:
 ``y[t, o] = (xq[t] . wq[o]) * s_x[t] * s_w[o]`` -- the numbers of
 ``_scaled_mm`` (W8A8, per-token and per-channel scales). The activations come
-quantized from the kernel before (``triton_layers``: RMSNorm and SiLU-times-up
-write e4m3 rows and their scales) or are quantized here in one more launch
+quantized from the kernel before (``triton_layers``: the RMSNorms write e4m3
+rows and their scales) or are quantized here in one more launch
 (``triton_quant``). ``pdserve bench fp8`` times the tiles; ``config_for``
 holds what it measured best on an H200. ``fp8_linear.Fp8Linear`` sends
 batches of at most ``MAX_ROWS`` rows here on CUDA."""
@@ -35,20 +35,12 @@ class W8Config:
 
 @triton.jit(do_not_specialize=["M"])  # N, K specialized (multiples of 16): aligned, vectorized loads
 def _w8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr,
-               BLOCK_P: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     nmask = n < N
     mmask = m < M
-    if PARTS > 0:  # x in the model's dtype, xs_ptr each row's max|x| in PARTS parts: quantize as we read
-        p = tl.arange(0, BLOCK_P)
-        parts = tl.load(xs_ptr + m[:, None] * PARTS + p[None, :], mask=mmask[:, None] & (p < PARTS)[None, :],
-                        other=0.0)
-        x_scale = tl.maximum(tl.max(parts, axis=1) / 448.0, 1e-12)
-    else:
-        x_scale = tl.load(xs_ptr + m, mask=mmask, other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: output channels down, rows across
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
@@ -56,14 +48,12 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, M, N, K, stride_xm, stride_
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0)
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
-        if PARTS > 0:
-            xt = tl.minimum(tl.maximum(xt.to(tl.float32) / x_scale[None, :], -448.0), 448.0).to(w.dtype)
         if UPCAST:  # the interpreter multiplies no FP8
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
             acc += tl.dot(w, xt)
     acc = acc * tl.load(s_ptr + n, mask=nmask, other=0.0)[:, None]
-    acc = acc * x_scale[None, :]
+    acc = acc * tl.load(xs_ptr + m, mask=mmask, other=0.0)[None, :]
     tl.store(out_ptr + m[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=mmask[None, :] & nmask[:, None])
 
@@ -80,17 +70,12 @@ def config_for(rows: int, n: int, k: int) -> W8Config:
 
 
 def w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: W8Config | None = None,
-              x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              row_max: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` ``[rows, K]`` times FP8 ``weight`` ``[N, K]`` with per-channel ``scale`` (``[N]`` or ``[1, N]``) ->
     ``[rows, N]`` in ``out_dtype`` (default ``x``'s, bf16 for FP8 ``x``): ``x`` in bf16/fp16 is quantized per row
-    (by the kernel itself given each row's max|x| in parts, ``row_max`` ``[rows, parts]``; else one launch
-    before); e4m3 ``x`` comes with its ``x_scale`` ``[rows, 1]``."""
+    here; e4m3 ``x`` comes with its ``x_scale`` ``[rows, 1]``."""
     dtype = out_dtype or (torch.bfloat16 if x_scale is not None else x.dtype)
-    parts = 0
-    if row_max is not None:
-        x_scale, parts = row_max, row_max.shape[1]
-    elif x_scale is None:
+    if x_scale is None:
         from .triton_quant import quantize_rows
 
         x, x_scale = quantize_rows(x)
@@ -102,18 +87,17 @@ def w8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config
     key = (c, block_m)
     c = _SMALLER.get(key, c)
     try:
-        _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c, parts)
+        _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c)
     except triton.runtime.errors.OutOfResources:  # a GPU with less shared memory (Ada: 100 KB): shorter tiles
         _SMALLER[key] = c = W8Config(c.block_n, 128, c.warps, 2)
-        _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c, parts)
+        _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c)
     return out
 
 
 _SMALLER: dict = {}
 
 
-def _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c, parts) -> None:
+def _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c) -> None:
     _w8_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, scale, x_scale, out, rows, n, k, x.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", PARTS=parts,
-        BLOCK_P=max(2, triton.next_power_of_2(parts)), num_warps=c.warps, num_stages=c.stages)
+        BLOCK_K=c.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=c.warps, num_stages=c.stages)

@@ -3,9 +3,11 @@ the MLP's SiLU-times-up as one Triton kernel each (CUDA), in place of the
 several elementwise launches their torch forms take; rounded at the same points as the torch forms (``RMSNorm``, ``Rotary``,
 ``MLP``), so bf16 results match to the last place. Before an FP8 projection
 (``quant.fp8_linear``) the RMSNorm kernel also quantizes its output rows to
-e4m3 (``rmsnorm_fp8``) and SiLU-times-up hands over each row's max|x|
-(``silu_mul_fp8``; the projection quantizes as it reads): the numbers of
-``quantize_rows`` after them, without its launch."""
+e4m3 (``rmsnorm_fp8``): the numbers of ``quantize_rows`` after it, without its
+launch. (SiLU-times-up does not: a whole row per program, as quantizing needs,
+took 7 us on an H200 at one row against 1.5 + 1.5 for its parallel kernel and
+the quantization launch; a down projection quantizing as it reads broke the
+kernel's pipelining.)"""
 from __future__ import annotations
 
 import torch
@@ -165,39 +167,3 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
                                  num_warps=8 if n >= 2048 else 4)
     out = Quantized(q, s, x.dtype)
     return (out, total) if residual is not None else out
-
-
-@triton.jit
-def _silu_mul_max_kernel(x_ptr, out_ptr, max_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    col = chunk * BLOCK + tl.arange(0, BLOCK)
-    act = _silu_times_up(x_ptr, row, col, N, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * N + col, act.to(out_ptr.dtype.element_ty), mask=col < N)
-    tl.store(max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(act), axis=0))
-
-
-@triton.jit
-def _silu_times_up(x_ptr, row, col, N: tl.constexpr, dt: tl.constexpr):
-    mask = col < N
-    gate = tl.load(x_ptr + row * 2 * N + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * N + N + col, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    return (act * up).to(dt).to(tl.float32)
-
-
-def silu_mul_fp8(gate_up: torch.Tensor):
-    """``silu_mul`` for the FP8 down projection: the activations in the model's dtype with each row's max|x| in
-    parts (one per program: ``RowMax``), so the projection's kernel quantizes them as it reads them; one launch,
-    as parallel as ``silu_mul``."""
-    from ..quant.fp8_linear import RowMax
-
-    gate_up = gate_up.contiguous()
-    n = gate_up.shape[-1] // 2
-    rows = gate_up.numel() // (2 * n)
-    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(n))
-    parts = triton.cdiv(n, block)
-    maxes = torch.empty(rows, parts, dtype=torch.float32, device=gate_up.device)
-    _silu_mul_max_kernel[(rows, parts)](gate_up, out, maxes, N=n, BLOCK=block)
-    return RowMax(out, maxes)

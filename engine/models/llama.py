@@ -120,7 +120,6 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
-    quantized = False  # with kernels: SiLU-times-up writes e4m3 for the FP8 down projection
 
     def __init__(self, s: ModelSpec, group: TPGroup = SINGLE):
         super().__init__()
@@ -136,8 +135,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
-            act = self.kernels.silu_mul_fp8(gate_up) if self.quantized else self.kernels.silu_mul(gate_up)
-            return self.down_proj(act)
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 

@@ -14,8 +14,8 @@ column-parallel shard's scales are its rows', a row-parallel shard's its own).
 
 ``quantize_rows`` is the torch reference of the per-row quantization;
 ``kernels.triton_quant`` does the activations in one launch on CUDA, and the
-RMSNorm and SiLU-times-up kernels before three of the four projections write
-their output quantized (``Quantized``), so no launch is spent on it there. A
+RMSNorm kernels before q/k/v and gate/up write their output quantized
+(``Quantized``), so no launch is spent on it there. A
 batch of a few rows (decode at small batch) goes to ``kernels.triton_fp8``
 instead of cuBLAS: the same products, tiles sized for few rows."""
 from __future__ import annotations
@@ -53,18 +53,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Quantized(NamedTuple):
     """Activations already in e4m3 (``values`` ``[..., K]``) with their per-row ``scales`` ``[rows, 1]``: what a
-    fused RMSNorm or SiLU-times-up kernel hands the FP8 projection after it (``triton_layers``)."""
+    fused RMSNorm kernel hands the FP8 projection after it (``triton_layers.rmsnorm_fp8``)."""
     values: torch.Tensor
     scales: torch.Tensor
     dtype: torch.dtype  # what the projection returns (the model's dtype)
-
-
-class RowMax(NamedTuple):
-    """Activations in the model's dtype (``values`` ``[..., K]``) with each row's max|x| in parts (``maxes``
-    ``[rows, parts]``): the few-row kernel quantizes them as it reads them (scale ``max / 448``, as
-    ``quantize_rows``); elsewhere they are quantized first."""
-    values: torch.Tensor
-    maxes: torch.Tensor
 
 
 class Fp8Linear(nn.Module):
@@ -99,14 +91,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """``x``: activations in the model's dtype, or ``Quantized`` ones."""
-        if isinstance(x, RowMax):
-            shape, dtype = x.values.shape, x.values.dtype
-            rows = x.values.reshape(-1, self.in_features)
-            if self.few_rows is not None and rows.shape[0] <= self.few_rows_max:
-                y = self.few_rows(rows, self.weight, self.weight_scale, row_max=x.maxes)
-                return self._out(y, shape)
-            xq, xs = self.quantize_activations(rows)
-        elif isinstance(x, Quantized):
+        if isinstance(x, Quantized):
             shape, dtype = x.values.shape, x.dtype
             xq, xs = x.values.reshape(-1, self.in_features), x.scales
         else:
@@ -116,9 +101,6 @@ class Fp8Linear(nn.Module):
             y = self.few_rows(xq, self.weight, self.weight_scale, x_scale=xs, out_dtype=dtype)
         else:
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=dtype)
-        return self._out(y, shape)
-
-    def _out(self, y: torch.Tensor, shape) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
         y = y.reshape(*shape[:-1], self.out_features)
