@@ -285,7 +285,7 @@ def markdown(r: dict) -> str:
                          f"{g['quantize_ms'] * 1e3:.1f} |")
         lines.append("")
     if "decode" in r:
-        lines += ["| batch | bf16 tok/s | FP8 weights tok/s | speedup | FP8 ms/step | FP8 weights read, of copy bw |",
+        lines += ["| batch | bf16 tok/s | FP8 weights tok/s | speedup | FP8 ms/step | FP8 weight bytes / step time, of read bw |",
                   "|---:|---:|---:|---:|---:|---:|"]
         for a, b in zip(r["decode"]["bf16"]["rows"], r["decode"]["fp8"]["rows"]):
             frac = b.get("weights_read_fraction")

@@ -27,11 +27,22 @@ def write_reports(report: dict, prefix: str) -> dict:
     table = transfer_table(report)
     with open(paths["markdown"], "w") as f:
         f.write(f"# KV transfer: {report['bytes'] / 1e6:.1f} MB, link {report['link']}\n\n`{report['command']}`\n\n{table}\n")
+        if "fp8" in report:
+            table += fp8_section(report)
+            f.write(fp8_section(report))
     png = _plot(report, prefix + ".png")
     if png:
         paths["png"] = png
     paths["markdown_text"] = table
     return paths
+
+
+def fp8_section(report: dict) -> str:
+    fp8 = {"bytes": report["fp8"]["bytes"], "summary": report["fp8"]["summary"], "link": report["link"]}
+    rows = "\n".join(f"| {n} | {s['wall']:.2f}x | {s['wire']:.2f}x |" if "wire" in s else f"| {n} | {s['wall']:.2f}x | |"
+                     for n, s in report["fp8_speedup"].items())
+    return (f"\n\n## The same KV as FP8 ({fp8['bytes'] / 1e6:.1f} MB), same run, same link\n\n{transfer_table(fp8)}\n\n"
+            f"| transport | FP8 faster, end to end | on the wire |\n|---|---:|---:|\n{rows}\n")
 
 
 def _pyplot():

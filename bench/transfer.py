@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from .payload import PRESETS, layout_from_args
+from .payload import PRESETS, as_fp8, layout_from_args
 from .report import command_line, write_reports
 from .stats import summary
 
@@ -34,6 +34,8 @@ def add_arguments(p):
     p.add_argument("--tokens", type=int, default=871)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--transports", default="tcp", help="comma-separated transport names")
+    p.add_argument("--against-fp8", action="store_true", help="also move the same KV as an FP8 cache holds it "
+                   "(e4m3, half the bytes) in the same run, over the same link, and report the speed-up per phase")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--link", default="loopback", help="loopback | netns[:RATE] (two namespaces, veth shaped by tc tbf)")
@@ -164,6 +166,17 @@ def summarize(samples, nbytes):
     return out
 
 
+def fp8_speedup(base: dict, fp8: dict) -> dict:
+    """Per transport: how many times faster the FP8 KV moved than the preset's, end to end and on the wire."""
+    out = {}
+    for name, entry in base.items():
+        row = {"wall": entry["wall_ms"]["median"] / fp8[name]["wall_ms"]["median"]}
+        if "wire_ms" in entry:
+            row["wire"] = entry["wire_ms"]["median"] / fp8[name]["wire_ms"]["median"]
+        out[name] = row
+    return out
+
+
 def environment() -> dict:
     import torch
 
@@ -194,9 +207,13 @@ def run(args) -> int:
 
         ray_cluster = RayCluster(num_cpus=2, token=os.environ.get("RAY_AUTH_TOKEN")).start()
         os.environ.update(ray_cluster.env)
+    fp8 = None
     try:
         with make_link(args.link) as link:
             samples = measure(names, layout, args.reps, args.warmup, link)
+            if args.against_fp8:
+                fp8 = as_fp8(layout)
+                fp8_samples = measure(names, fp8, args.reps, args.warmup, link)
     except LinkError as e:
         print(f"pdserve bench transfer: {e}", file=sys.stderr)
         return 2
@@ -206,6 +223,10 @@ def run(args) -> int:
     report = {"command": command_line("transfer"), "layout": layout.to_dict(),
               "bytes": layout.total_nbytes, "link": args.link, "kv_options": given, "env": environment(),
               "summary": summarize(samples, layout.total_nbytes), "samples": samples}
+    if fp8 is not None:
+        report["fp8"] = {"layout": fp8.to_dict(), "bytes": fp8.total_nbytes, "samples": fp8_samples,
+                         "summary": summarize(fp8_samples, fp8.total_nbytes)}
+        report["fp8_speedup"] = fp8_speedup(report["summary"], report["fp8"]["summary"])
     paths = write_reports(report, args.out)
     print(paths["markdown_text"])
     print("wrote " + ", ".join(v for k, v in paths.items() if k != "markdown_text"))

@@ -140,3 +140,13 @@ def test_bench_fp8_small(tmp_path):
     assert capacity["fp8"]["kv_bytes_per_token"] * 2 == capacity["auto"]["kv_bytes_per_token"]
     assert capacity["auto"]["running_at_once"] == capacity["auto"]["blocks_allow"] > 0 and capacity["ratio"] >= 1.9
     assert report["long_context"]["fp8"]["step_ms"] > 0 and min(report["agreement"]["fp8_kv"]) > 0.99
+
+
+def test_bench_transfer_against_fp8(tmp_path):
+    """The same KV as FP8 in the same run: half the bytes, a speed-up reported per transport."""
+    out = tmp_path / "fp8"
+    assert main(["bench", "transfer", "--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--tokens", "512",
+                 "--transports", "tcp", "--reps", "2", "--warmup", "1", "--against-fp8", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["fp8"]["bytes"] * 2 == report["bytes"] and report["fp8"]["layout"]["dtype"] == "float8_e4m3fn"
+    assert report["fp8_speedup"]["tcp"]["wire"] > 0 and "FP8" in out.with_suffix(".md").read_text()
