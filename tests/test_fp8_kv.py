@@ -144,3 +144,42 @@ def test_workers_of_different_kv_dtypes_convert_on_arrival(fp8_clusters, name, k
         assert body["usage"]["completion_tokens"] == 12
         assert timing["kv_bytes"] == 4 * 2 * 2 * body["usage"]["prompt_tokens"] * 16 * kv_bytes_per_element
         assert timing["convert"] > 0
+
+
+def _optional(name, module=None):
+    import importlib.util
+
+    return pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(module or name) is None,
+                                                       reason=f"{module or name} not installed"))
+
+
+@pytest.mark.parametrize("transport", ["shm", "pickle", _optional("arrow", "pyarrow"), _optional("nixl"),
+                                       _optional("mlx"), _optional("ray")])
+def test_every_cpu_transport_moves_fp8_kv_as_it_is(transport):
+    runner = Engine(EngineConfig(threads=1, kv_cache_dtype="fp8"))
+    cluster = Cluster("--transport", transport, "--kv-cache-dtype", "fp8").wait_ready()
+    try:
+        for prompt in PROMPTS[1:]:
+            want = generate(runner, prompt, SamplingParams(max_tokens=12, temperature=0))[1]
+            body = _complete(cluster.url, prompt, max_tokens=12)
+            assert body["choices"][0]["token_ids"] == want
+            timing = body["pdserve"]
+            assert timing["transport"] == transport and timing["convert"] == 0
+            assert timing["kv_bytes"] == 4 * 2 * 2 * body["usage"]["prompt_tokens"] * 16
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("mlx_lm"), reason="mlx-lm not installed")
+def test_mlx_engine_takes_fp8_kv_converted_and_refuses_an_fp8_cache_of_its_own():
+    from engine.mlx_engine import MlxEngine
+
+    with pytest.raises(ValueError, match="quantized form"):
+        MlxEngine(EngineConfig(threads=1, kv_cache_dtype="fp8"))
+    cluster = Cluster("--prefill-engine", "torch", "--decode-engine", "mlx", "--prefill-kv-cache-dtype", "fp8").wait_ready()
+    try:
+        body = _complete(cluster.url, PROMPTS[1], max_tokens=8)
+        assert body["usage"]["completion_tokens"] == 8 and body["pdserve"]["convert"] > 0
+        assert body["pdserve"]["kv_bytes"] == 4 * 2 * 2 * body["usage"]["prompt_tokens"] * 16
+    finally:
+        cluster.stop()
