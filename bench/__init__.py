@@ -4,7 +4,10 @@ against any OpenAI-compatible endpoint), ``compare`` (colocated vs disaggregated
 runs: errors and RSS growth), ``chaos`` (workers SIGKILLed under load), ``goodput`` (highest rate within an SLO per
 configuration), ``stream`` (layer-wise KV streaming on and off), ``idle``, ``engine`` (the engine alone, at any
 ``--tp``, against the HBM limit), ``kernels`` (each decode-step kernel and whole steps against the bandwidth and
-matmul rate measured in the same run) and ``router`` (tokens/s one router process streams, fed by
+matmul rate measured in the same run; ``--kv-cache-dtype fp8`` over an FP8 pool), ``fp8`` (FP8 weights and the FP8 KV
+cache against bf16 in one run: projections, decode tok/s, sequences per KV budget, long-context steps, logits
+agreement with a perturbation control) and ``router`` (tokens/s one router process streams, fed by
 ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
-sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``)."""
+sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``). ``transfer --against-fp8`` moves the same KV as an
+FP8 cache holds it in the same run."""
