@@ -245,7 +245,10 @@ def _perturb(model, relative: float) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     with torch.no_grad():
         for layer in model.model.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.ffn, "gate_up_proj", None),
+                        getattr(layer.ffn, "down_proj", None)):
+                if lin is None:  # a sparse block's experts: left as they are
+                    continue
                 noise = torch.randn(lin.weight.shape, generator=gen, device=lin.weight.device)
                 lin.weight.mul_(1 + relative * noise.to(lin.weight.dtype))
 

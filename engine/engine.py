@@ -105,6 +105,10 @@ class Engine:
         mode = cfg.decode_graphs
         if mode == "cuda" and self.device.type != "cuda":
             raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
+        if self.model.spec.moe is not None and self.device.type == "cuda" and mode in ("auto", "cuda"):
+            log.warning("mixture-of-experts model: decode runs without CUDA graphs (the reference expert loop "
+                        "synchronizes with the host)")
+            return None
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
         ops, capture, layers = paged, False, None
@@ -349,4 +353,4 @@ def fp8_kernels(model) -> None:
             module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
     for layer in model.model.layers:
         layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
-        layer.post_attention_layernorm.quantized = isinstance(layer.mlp.gate_up_proj, Fp8Linear)
+        layer.post_attention_layernorm.quantized = isinstance(getattr(layer.ffn, "gate_up_proj", None), Fp8Linear)

@@ -73,7 +73,7 @@ def load_mlx(cfg: EngineConfig):
         tokenizer, name, config = ByteTokenizer(), TINY_NAME, hf.config.to_dict()
         suppress = list(hf.generation_config.suppress_tokens or []) or None
     elif os.path.isdir(cfg.model):
-        model, config = load_model(Path(cfg.model))
+        model, config = load_model(Path(cfg.model), model_config=_legacy_keys(cfg.model))
         tokenizer, name = HFTokenizer(cfg.model), os.path.basename(os.path.normpath(cfg.model))
         suppress = None
     else:
@@ -88,6 +88,22 @@ def load_mlx(cfg: EngineConfig):
     if cfg.max_model_len:
         max_len = min(max_len, cfg.max_model_len)
     return model, tokenizer, cfg.served_name or name, max_len, dtype, suppress
+
+
+def _legacy_keys(path: str) -> dict:
+    """Keys mlx-lm reads that transformers 5 writes under other names (``rope_parameters.rope_theta``;
+    ``num_local_experts`` for Qwen3-MoE's ``num_experts``), copied to the names mlx-lm expects."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    out = {}
+    theta = (c.get("rope_parameters") or {}).get("rope_theta")
+    if "rope_theta" not in c and theta is not None:
+        out["rope_theta"] = theta
+    if "num_experts" not in c and "num_local_experts" in c:
+        out["num_experts"] = c["num_local_experts"]
+    return out
 
 
 class MlxEngine:

@@ -23,7 +23,7 @@ def mlx_engine(model, **kw):
     return MlxEngine(EngineConfig(model=model, threads=1, **kw), **engine_kw)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "tiny-llama"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "tiny-llama", "mixtral", "qwen3-moe"])
 def model(request, tmp_path_factory):
     if request.param == "tiny-llama":
         return "tiny-llama"

@@ -20,6 +20,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 GREEDY = dict(temperature=0, ignore_eos=True, logprobs=0)
 

@@ -8,11 +8,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"moe": "mixtral"},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": "qwen3_moe"},
 }
 
 
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def build(hf_config, group=None) -> LlamaForCausalLM:

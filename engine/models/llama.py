@@ -1,5 +1,7 @@
 """The Llama family as plain torch modules over the paged KV pool: Llama 2/3,
-Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k per head).
+Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on q and k per head), and
+their mixture-of-experts relatives Mixtral and Qwen3-MoE (``moe``: a sparse
+block in place of the MLP).
 Parameter names follow the Hugging Face checkpoints, so their tensors load
 by name. ``forward`` takes the packed new tokens of a batch, their positions
 and the attention metadata, and returns hidden states; ``logits`` projects
@@ -16,6 +18,7 @@ from ..attention import AttnMeta, attend
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.heads import HeadShard
 from ..parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from .moe import MoESpec, SparseMoE
 from .rope import Rotary
 
 
@@ -36,9 +39,10 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    moe: MoESpec | None = None
 
     @classmethod
-    def from_hf(cls, c, qkv_bias: bool = False, qk_norm: bool = False) -> "ModelSpec":
+    def from_hf(cls, c, qkv_bias: bool = False, qk_norm: bool = False, moe: str | None = None) -> "ModelSpec":
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or None
         theta = getattr(c, "rope_theta", None) or (rope or {}).get("rope_theta") or 10000.0
@@ -52,7 +56,8 @@ class ModelSpec:
             max_position_embeddings=c.max_position_embeddings,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(getattr(c, "attention_bias", False)), qk_norm=qk_norm,
-            sliding_window=window if window and window < c.max_position_embeddings else None)
+            sliding_window=window if window and window < c.max_position_embeddings else None,
+            moe=MoESpec.from_hf(c, moe) if moe else None)
 
 
 class RMSNorm(nn.Module):
@@ -141,10 +146,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
+    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE, index: int = 0):
         super().__init__()
         self.self_attn = Attention(s, rotary, group)
-        self.mlp = MLP(s, group)
+        sparse = s.moe is not None and index in s.moe.sparse_layers
+        self.ffn_name = s.moe.module_name if sparse else "mlp"  # the checkpoint's name for the block
+        setattr(self, self.ffn_name, SparseMoE(s.hidden_size, s.moe, group) if sparse else MLP(s, group))
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
@@ -155,14 +162,19 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, positions, meta, k_cache, v_cache), residual)
-        return self.mlp(h), residual
+        return self.ffn(h), residual
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The feed-forward block: ``MLP``, or ``SparseMoE`` (under ``block_sparse_moe`` in Mixtral)."""
+        return getattr(self, self.ffn_name)
 
 
 class Backbone(nn.Module):
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary, group) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary, group, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
@@ -181,9 +193,12 @@ class LlamaForCausalLM(nn.Module):
         """One GEMM for q/k/v and one for gate/up in every layer, which ``forward`` uses (called once the weights
         are loaded by their HF names): fewer, larger launches that read each weight once."""
         for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
+            a, m = layer.self_attn, layer.ffn
             a.qkv_proj = _joined(a.q_proj, a.k_proj, a.v_proj)
             del a.q_proj, a.k_proj, a.v_proj
+            if isinstance(m, SparseMoE):
+                m.fuse()
+                continue
             m.gate_up_proj = _joined(m.gate_proj, m.up_proj)
             del m.gate_proj, m.up_proj
 

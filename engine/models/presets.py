@@ -18,6 +18,15 @@ SHAPES = {
     "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                        max_position_embeddings=40960, tie_word_embeddings=True)),
+    "mixtral-8x7b": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                                           rope_theta=1e6)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                             moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, num_experts=128,
+                                             num_experts_per_tok=8, norm_topk_prob=True,
+                                             max_position_embeddings=40960, rope_theta=1e6)),
     # a prefill forward of 2,000 tokens takes seconds on a CPU while its 64 MB fp32 KV crosses 10 Gbit/s in ~55 ms
     # multi-turn chat on a CPU: a 2,000-token system prompt costs a few hundred ms to prefill, a turn's suffix little
     "chat-cpu": ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
