@@ -241,12 +241,26 @@ def hbm_limit(engine, args) -> dict | None:
     tbps = args.hbm_tbps or next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
     if not tbps:
         return None
+    from engine.models.moe import SparseMoE
+
     embed = engine.model.model.embed_tokens.weight  # decode reads a row of it (unless it is the tied lm_head)
+    experts = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
+    expert_params = {id(p) for m in experts for p in (m.w_gate_up, m.w_down)}
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()
-                  if p is not embed or engine.model.spec.tie_word_embeddings)
+                  if (p is not embed or engine.model.spec.tie_word_embeddings) and id(p) not in expert_params)
     kv = engine.kv_bytes_per_token
 
+    def expert_bytes(batch: int) -> float:
+        """A step reads each expert its batch routed to: with ``E`` experts and ``k`` per token spread evenly
+        (random weights route about so), ``E * (1 - (1 - k/E) ** batch)`` per layer."""
+        total = 0.0
+        for m in experts:
+            e, k = m.m.num_experts, m.m.top_k
+            per = (m.w_gate_up.numel() + m.w_down.numel()) * m.w_down.element_size() / e
+            total += e * (1 - (1 - k / e) ** batch) * per
+        return total
+
     def tok_per_s(batch: int, context: int) -> float:
-        return batch / ((weights + batch * context * kv) / (tbps * 1e12))
+        return batch / ((weights + expert_bytes(batch) + batch * context * kv) / (tbps * 1e12))
     return {"gpu": name, "nominal_tb_per_s": tbps, "weight_bytes_per_rank": weights, "kv_bytes_per_token_per_rank": kv,
             "tok_per_s": tok_per_s}

@@ -23,6 +23,7 @@ from .graphs import DecodeGraphs
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
 from .models.llama import use_fp8_kv, use_kernels
+from .models.moe import SparseMoE
 from .quant import kv_fp8
 from .quant.fp8_linear import Fp8Linear
 from .parallel.group import SINGLE, TPGroup
@@ -105,10 +106,6 @@ class Engine:
         mode = cfg.decode_graphs
         if mode == "cuda" and self.device.type != "cuda":
             raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
-        if self.model.spec.moe is not None and self.device.type == "cuda" and mode in ("auto", "cuda"):
-            log.warning("mixture-of-experts model: decode runs without CUDA graphs (the reference expert loop "
-                        "synchronizes with the host)")
-            return None
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
         ops, capture, layers = paged, False, None
@@ -125,6 +122,11 @@ class Engine:
         if layers is not None:
             use_kernels(self.model, layers)
             fp8_kernels(self.model)
+            from .kernels import triton_moe
+
+            for module in self.model.modules():
+                if isinstance(module, SparseMoE):
+                    module.kernels = triton_moe
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 

@@ -352,3 +352,42 @@ def test_tiny_engine_with_fp8_weights_and_kv_on_the_gpu():
         last[name] = logits[0][-1]
     finite = torch.isfinite(last["bf16"]) & torch.isfinite(last["fp8"])
     assert torch.nn.functional.cosine_similarity(last["bf16"][finite], last["fp8"][finite], dim=0) > 0.95
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 4, 2), (40, 6, 2), (3, 16, 4)])
+def test_fused_moe_matches_the_expert_loop(tokens, experts, top_k):
+    """Pairs sorted by expert, padded into blocks, two grouped GEMMs, the routing weight, each token's sum."""
+    from engine.kernels import triton_moe
+    from engine.models.moe import experts_reference
+
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter = 48, 32
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(DEVICE)
+    w_down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(DEVICE)
+    probs = torch.softmax(torch.randn(tokens, experts, generator=g), -1).to(DEVICE)
+    weights, ids = probs.topk(top_k, dim=-1)
+    slots, block_expert = triton_moe.align(ids, experts, 16)
+    assert sorted(slots[slots < tokens * top_k].tolist()) == list(range(tokens * top_k))
+    want = experts_reference(x, weights, ids, w_gate_up, w_down)
+    got = triton_moe.experts(x, weights, ids, w_gate_up, w_down)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode graphs capture the MoE kernels on CUDA")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_moe_engine_on_the_kernels_gives_the_same_tokens(tmp_path, family):
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+    from tests.test_paged_engine import write_family
+
+    path = write_family(tmp_path, family)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
+    plain = Engine(EngineConfig(model=path, device="cuda", dtype="float32", decode_graphs="off", threads=1))
+    want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
+    fast = Engine(EngineConfig(model=path, device="cuda", dtype="float32", threads=1, max_num_seqs=8))
+    fast.warm_up()
+    assert [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)] == want
+    assert fast.runner.graphs.replays > 0

@@ -10,8 +10,8 @@ Qwen3-MoE ``mlp.experts.E.gate_proj/up_proj/down_proj``): they load by name
 into per-expert layers, and ``fuse`` stacks them into one ``[experts, 2 *
 inter, hidden]`` gate/up tensor and one ``[experts, hidden, inter]`` down
 tensor. ``forward`` runs the reference path (a loop over the experts the batch
-hit, tokens gathered and scattered back: the CPU, and what the CUDA kernel is
-checked against). Under tensor parallelism each rank holds its slice of every
+hit, tokens gathered and scattered back: the CPU, and what the CUDA kernels of
+``kernels.triton_moe`` are checked against). Under tensor parallelism each rank holds its slice of every
 expert's intermediate width (gate/up rows, down columns) and the block's
 output is all-reduced once."""
 from __future__ import annotations
@@ -70,6 +70,8 @@ class Expert(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    kernels = None  # ``kernels.triton_moe`` on CUDA (the engine sets it): grouped GEMMs, no host synchronization
+
     def __init__(self, hidden: int, m: MoESpec, group: TPGroup = SINGLE):
         super().__init__()
         if m.inter % group.size:
@@ -100,7 +102,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        return self.group.all_reduce(experts_reference(x, weights, ids, self.w_gate_up, self.w_down))
+        run = self.kernels.experts if self.kernels is not None else experts_reference
+        return self.group.all_reduce(run(x, weights, ids, self.w_gate_up, self.w_down))
 
 
 def experts_reference(x, weights, ids, w_gate_up, w_down) -> torch.Tensor:
