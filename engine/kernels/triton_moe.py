@@ -1,7 +1,8 @@
 """The mixture-of-experts block as grouped GEMMs in Triton (CUDA; ``models.moe`` runs it when the engine has the
 kernels), with fixed shapes for a given token count, so a decode CUDA graph captures it.
 
-``align`` (torch, no host synchronization) sorts the ``tokens * top_k`` (token, expert) pairs by expert and pads
+A batch of a few tokens (pairs at most half the experts) gets a block per pair instead (``one_pair_blocks``).
+Otherwise ``align`` (torch, no host synchronization) sorts the ``tokens * top_k`` (token, expert) pairs by expert and pads
 each expert's run to a multiple of ``BLOCK_M``: ``slots`` lists pair ids in that order (``pairs`` marks padding),
 ``block_expert`` gives each ``BLOCK_M`` block its expert (-1: past the end). ``_moe_gemm`` then runs one program per
 (block, ``BLOCK_N`` output columns): the block's rows gathered (``x[pair // top_k]`` for gate/up, the pair's own row
@@ -72,6 +73,15 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, slots_ptr, experts_ptr, weights_ptr, pairs,
                  mask=valid[:, None] & nmask[None, :])
 
 
+def one_pair_blocks(ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block per (token, expert) pair, nothing sorted: for a batch of a few tokens, whose pairs rarely share an
+    expert (the sort and its dozen small launches cost more than reading an expert twice)."""
+    pairs = ids.numel()
+    slots = torch.full((pairs, block_m), pairs, dtype=torch.int64, device=ids.device)
+    slots[:, 0] = torch.arange(pairs, device=ids.device)
+    return slots.flatten(), ids.flatten()
+
+
 def block_m_for(tokens: int, top_k: int, num_experts: int) -> int:
     """Rows per block: 16 (the tensor cores' least) while experts see a few tokens each, 64 for prompts."""
     return 16 if tokens * top_k <= 4 * num_experts else 64
@@ -94,7 +104,10 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     block_m = block_m_for(tokens, top_k, w_gate_up.shape[0])
-    slots, block_expert = align(ids, w_gate_up.shape[0], block_m)
+    if pairs * 2 <= w_gate_up.shape[0]:
+        slots, block_expert = one_pair_blocks(ids, block_m)
+    else:
+        slots, block_expert = align(ids, w_gate_up.shape[0], block_m)
     x = x.contiguous()
     gate_up = torch.empty(pairs, w_gate_up.shape[1], dtype=x.dtype, device=x.device)
     _gemm(x, w_gate_up, gate_up, slots, block_expert, weights, pairs, top_k, False, block_m)
