@@ -2,7 +2,7 @@
 # Mixture-of-experts on one GPU (issue 29; the device tool's nvidia-h200): the MoE kernel checks on the GPU, engine
 # decode for the Qwen3-30B-A3B and Mixtral-8x7B shapes (random bf16 weights made on the GPU), serving Qwen3-30B-A3B
 # colocated (serve) and 1P1D over NCCL (serve1p1d: two GPUs).
-#   OUT=bench/out/moe bash bench/gpu_moe.sh [steps...]   (steps: test engine serve; serve1p1d needs two GPUs)
+#   OUT=bench/out/moe bash bench/gpu_moe.sh [steps...]   (steps: test engine loop serve; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/moe}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -25,6 +25,10 @@ for step in $steps; do
       timeout 280 $PY -m deploy.cli bench engine --model mixtral-8x7b --load-format dummy --dtype bfloat16 --batches 1,32 \
         --prompt-len 512 --decode-steps 32 --requests 16 --max-num-seqs 32 --max-model-len 4096 --kv-budget 8G \
         --out "$OUT/engine-mixtral-8x7b-$TAG" 2>&1 | tail -6 ;;
+    loop)  # the reference loop over experts (no graphs: it synchronizes with the host), for the fused kernel's A/B
+      PDSERVE_MOE_KERNEL=0 timeout 300 $PY -m deploy.cli bench engine $qwen --batches 1,8,64 --prompt-len 512 \
+        --decode-steps 16 --requests 8 --max-num-seqs 64 --max-model-len 4096 --kv-budget 8G \
+        --out "$OUT/engine-qwen3-30b-a3b-expert-loop-$TAG" 2>&1 | tail -7 ;;
     serve)
       $PY -m deploy.cli up --colocated $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8015 \
         --ready-timeout 300 > "$OUT/up-moe.log" 2>&1 &

@@ -108,6 +108,9 @@ class Engine:
             raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
+        if self.model.spec.moe is not None and os.environ.get("PDSERVE_MOE_KERNEL") == "0" and mode != "eager":
+            log.warning("PDSERVE_MOE_KERNEL=0: the reference expert loop (host synchronizing), no decode graphs")
+            return None  # for the A/B of ``bench/gpu_moe.sh loop``
         ops, capture, layers = paged, False, None
         if mode in ("auto", "cuda") and self.device.type == "cuda":
             try:
