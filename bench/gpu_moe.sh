@@ -9,13 +9,7 @@ PY=${PY:-python3}
 TAG=${TAG:-h200}
 steps=${*:-test engine serve}
 qwen="--model qwen3-30b-a3b --load-format dummy --dtype bfloat16"
-serve_c32() {  # $1 port, $2 name: two waves of 128 requests, 512/64, at concurrency 32
-  for i in $(seq 300); do curl -sf http://127.0.0.1:$1/health > /dev/null && break; sleep 1; done
-  for wave in first:0 second:1; do
-    timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:$1 --concurrency 32 --prompt-len 512 \
-      --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-$2-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
-  done
-}
+source "$(dirname "$0")/gpu_serve.sh"  # serve_c32
 for step in $steps; do
   case $step in
     test) timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py -k moe --tb=line 2>&1 | tail -3 ;;
