@@ -1,7 +1,7 @@
 #!/bin/bash
 # FP8 on one GPU (issue 28; the device tool's nvidia-h200): the Triton/FP8 checks on the GPU, then `pdserve bench fp8`
 # (projection GEMMs bf16 vs FP8, decode tok/s with bf16 and FP8 weights, 8k sequences per KV budget, 16 x 8k steps,
-# logits agreement), the few-row W8A16 kernel against _scaled_mm alone (ab), serving with an FP8 KV cache (serve), and
+# logits agreement), _scaled_mm for every batch, without the few-row kernel (ab), serving with an FP8 KV cache (serve), and
 # 1P1D over NCCL with FP8 KV (serve1p1d: two GPUs).
 #   OUT=bench/out/fp8 bash bench/gpu_fp8.sh [steps...]   (steps: test fp8 ab serve; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -333,7 +333,7 @@ def test_fused_norm_quantizes_as_the_separate_launch(residual):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMMs and the e4m3 cast as the GPU does them")
 def test_tiny_engine_with_fp8_weights_and_kv_on_the_gpu():
-    """Decode graphs over the FP8 kernels (few-row W8A16 GEMMs, FP8 pool) next to the bf16 engine."""
+    """Decode graphs over the FP8 kernels (few-row FP8 GEMMs, FP8 pool) next to the bf16 engine."""
     from engine import EngineConfig, SamplingParams
     from engine.engine import Engine
     from engine.generate import generate_many

@@ -62,7 +62,7 @@ class Quantized(NamedTuple):
 class Fp8Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` as FP8 rows and their scales; a row-parallel shard all-reduces after."""
 
-    quantize_activations = staticmethod(quantize_rows)  # ``triton_quant.quantize_rows`` on CUDA (``use_kernels``)
+    quantize_activations = staticmethod(quantize_rows)  # ``triton_quant.quantize_rows`` on CUDA (``engine.fp8_kernels``)
     few_rows = None  # ``triton_fp8.w8_matmul`` on CUDA: batches of at most ``few_rows_max`` rows
     few_rows_max = 0
 
