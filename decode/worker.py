@@ -10,9 +10,11 @@ them; otherwise the KV is copied from the transport's buffer into blocks
 running sequences together in one batched forward (continuous batching):
 tokens go out as ``tokens`` messages, the last as ``done`` with the transfer
 phases and decode timing; what one step emits for one router travels as one
-``batch``. In colocated mode the worker also accepts ``generate``: the same
-engine prefills the prompt (in chunks, mixed with the decode steps of the
-others) and answers ``first`` itself.
+``batch``. The worker also accepts ``generate`` (colocated mode, and local
+prefill when the router's ``--disagg`` is auto or never): the same engine
+prefills the prompt (in chunks, mixed with the decode steps of the others,
+at most ``--step-prefill-tokens`` or what ``--slo-tpot-ms`` allows per step
+that decodes: ``engine.step_budget``) and answers ``first`` itself.
 
 Admission: each sequence reserves the blocks of ``prompt + max new tokens``
 when it is accepted; a request that does not fit is refused with 503 and
@@ -99,6 +101,7 @@ class DecodeWorker(WorkerLoop):
         self.landing: dict[str, list] = {}
         self.held: dict[str, tuple[list, float]] = {}
         self.kv_landed = 0
+        self.local_prefills = 0  # prompts computed here (generate) by a decode worker of a disaggregated cluster
 
     def info(self):
         e = self.engine
@@ -111,7 +114,9 @@ class DecodeWorker(WorkerLoop):
                 "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
                 "kv_geometry": list(e.model_kv_shape), "kv_dtype": str(e.kv_dtype).removeprefix("torch."),
                 "kv_reserved_bytes": sum(list(self.reserved.values())), "preemptions": e.scheduler.preemptions,
-                "kv_landed_in_blocks": self.kv_landed,
+                "kv_landed_in_blocks": self.kv_landed, "local_prefill": True, "local_prefills": self.local_prefills,
+                "prefilling": sum(1 for live in list(self.live.values()) if live.colocated and not live.seq.num_output),
+                **getattr(e, "step_info", dict)(),
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0),
                 **e.prefix_info()}
@@ -150,7 +155,7 @@ class DecodeWorker(WorkerLoop):
                 self._try_start(rid)
         elif op == "_adopted":
             self.group_kv.finish(rid)
-        elif op == "generate" and self.colocated:
+        elif op == "generate":
             self._generate(msg)
         elif op == "hold" and not self.colocated:
             self._hold(rid, msg.get("keys"))
@@ -294,6 +299,7 @@ class DecodeWorker(WorkerLoop):
             return
         self.engine.add(seq)
         self.live[rid] = Live(seq, colocated=True)
+        self.local_prefills += not self.colocated
 
     def _abort(self, rid):
         msg = self.waiting.pop(rid, (None,))[0]

@@ -52,6 +52,10 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens one engine step may compute; longer prompts are prefilled in chunks (default: 8192 "
                         "on a GPU, 2048 on the CPU)")
+    p.add_argument("--step-prefill-tokens", type=int, default=None,
+                   help="prompt tokens a step that also decodes may take (default: --max-batched-tokens)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="learn that cap from measured steps to keep steps that decode within this many ms")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: processes with one device each "
                    "(cuda:K..K+N-1 from --device cuda:K; gloo ranks on the CPU)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -85,6 +89,16 @@ def _add_worker(p: argparse.ArgumentParser):
     _add_engine(p)
 
 
+def _add_disagg(p: argparse.ArgumentParser, default):
+    p.add_argument("--disagg", choices=["always", "never", "auto"], default=default,
+                   help="where prompts are prefilled: always on prefill workers (default), never (on the decode "
+                        "worker), auto (per request, from the uncached prompt length and the queues)")
+    p.add_argument("--disagg-local-tokens", type=int, default=None if default is None else 512,
+                   help="auto: uncached prompts of at most this many tokens are prefilled on the decode worker")
+    p.add_argument("--disagg-prefill-queue", type=int, default=None,
+                   help="auto: prompts in flight on every prefill worker that make them busy (default 4)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     ap.add_argument("--log-level", default="INFO")
@@ -108,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
                    "of the picks after max(1s, 2 intervals) without a pong, its requests failed after max(3s, 6))")
     r.add_argument("--retries", type=int, default=None, help="times a request that failed before decode streamed a "
                    "token runs again on other workers (default 2)")
+    _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
     r.add_argument("--workers-file", default=None, help="JSON {prefill: [...], decode: [...]} of worker addresses, "
@@ -138,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-weight", type=float, default=0.5, help="kv_aware: weight of load against cached prefix")
     u.add_argument("--ready-timeout", type=float, default=180.0)
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
+    _add_disagg(u, "always")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
@@ -223,7 +239,9 @@ def _engine_config(args):
                         engine=args.engine, tp=args.tp, load_format=args.load_format,
                         overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                        quantization=getattr(args, "quantization", None))
+                        quantization=getattr(args, "quantization", None),
+                        step_prefill_tokens=getattr(args, "step_prefill_tokens", None),
+                        slo_tpot_ms=getattr(args, "slo_tpot_ms", None))
 
 
 def _transport_config(args, port=0):

@@ -55,6 +55,9 @@ def engine_args(args) -> list[str]:
         out += ["--quantization", args.quantization]
     if args.max_batched_tokens:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
+    for flag in ("step_prefill_tokens", "slo_tpot_ms"):
+        if getattr(args, flag, None) is not None:
+            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.ray_address:
         out += ["--ray-address", args.ray_address]
     if not getattr(args, "prefix_caching", True):
@@ -138,7 +141,10 @@ def plan(args) -> list[list[str]]:
         cmds = placed
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
                      "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5)),
-                     "--retries", str(getattr(args, "retries", 2))]
+                     "--retries", str(getattr(args, "retries", 2)), "--disagg", getattr(args, "disagg", "always"),
+                     "--disagg-local-tokens", str(getattr(args, "disagg_local_tokens", 512))]
+    if getattr(args, "disagg_prefill_queue", None):
+        router += ["--disagg-prefill-queue", str(args.disagg_prefill_queue)]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]

@@ -35,6 +35,8 @@ class EngineConfig:
     warmup: bool = True  # workers run engine.warmup before they serve
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    step_prefill_tokens: int | None = None  # prompt tokens a step that also decodes takes at most (step_budget)
+    slo_tpot_ms: float | None = None  # or: learn that cap to keep such steps within this time
 
     @property
     def tokenizer_source(self) -> str:
@@ -69,5 +71,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} not in {QUANTIZATIONS[1:]} (or none)")
+        if self.step_prefill_tokens is not None and (type(self.step_prefill_tokens) is not int
+                                                     or self.step_prefill_tokens < 1):
+            raise ValueError("step_prefill_tokens must be a positive integer")
+        if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
+            raise ValueError("slo_tpot_ms must be positive")
         if self.kv_budget_bytes < 0 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("kv_budget_bytes must be >= 0 and num_blocks positive")

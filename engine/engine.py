@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from .parallel.group import SINGLE, TPGroup
 from . import overlap
 from .sampler import choose_later
 from .scheduler import Scheduler
+from .step_budget import PrefillBudget, StepLog, StepRecord
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class StepOutput:
     refused: list = field(default_factory=list)
     scheduled: list = field(default_factory=list)
     batch_tokens: int = 0
+    decode_rows: int = 0
 
 
 class Engine:
@@ -88,6 +91,9 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
+        self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
+        self.scheduler.prefill_cap = self.prefill_budget.tokens()
+        self.step_log = StepLog()
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
@@ -132,6 +138,11 @@ class Engine:
                     module.kernels = triton_moe
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
+
+    def step_info(self) -> dict:
+        """The prompt-token cap of steps that decode, and the most prompt tokens such a step took."""
+        return {**self.prefill_budget.info(), "mixed_steps": self.step_log.mixed_steps,
+                "step_prompt_tokens_max": self.step_log.most_prompt_tokens_while_decoding}
 
     def prefix_info(self) -> dict:
         """What a worker reports about its prefix cache (and what the router needs to compute its keys)."""
@@ -242,12 +253,26 @@ class Engine:
         return self.scheduler.has_work or self.inflight is not None
 
     def step(self) -> StepOutput:
-        """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on."""
+        """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on; logged
+        (``step_log``) and timed for the prompt-token cap of steps that decode (``step_budget``)."""
+        start = time.perf_counter()
+        out = self._step()
+        if out.scheduled:
+            rows = out.decode_rows
+            record = StepRecord(rows, out.batch_tokens - rows, (time.perf_counter() - start) * 1e3)
+            self.step_log.add(record)
+            if self.prefill_budget.active:
+                self.prefill_budget.observe(record)
+                self.scheduler.prefill_cap = self.prefill_budget.tokens()
+        return out
+
+    def _step(self) -> StepOutput:
         out = StepOutput()
         if self.inflight is not None and not overlap.can_follow(self):
             self._read_inflight(out)
         batch = self.scheduler.schedule()
         out.refused, out.scheduled, out.batch_tokens = batch.refused, batch.seqs, batch.num_tokens
+        out.decode_rows = batch.decode_rows
         if not batch.seqs:
             if self.inflight is not None:
                 self._read_inflight(out)

@@ -4,6 +4,9 @@ Each step takes, within a token budget: one token for every running
 sequence that decodes, the next chunk of every running sequence that is
 still prefilling (prompts longer than the budget go in chunks), then new
 sequences from the waiting queue while blocks and the sequence limit allow.
+While any running sequence decodes, prompt tokens (chunks and new
+prompts) are capped at ``prefill_cap`` as well (``step_budget``: a step's
+prompt tokens lengthen every decoding sequence's time per token).
 When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed (its prompt and the tokens generated so far). A
@@ -30,6 +33,7 @@ class Batch:
     chunks: list[int] = field(default_factory=list)
     refused: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    decode_rows: int = 0  # sequences this step advances by one generated token
 
     def add(self, seq: Sequence, chunk: int) -> None:
         self.seqs.append(seq)
@@ -52,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.prefill_cap: int | None = None  # prompt tokens of a step that also decodes (None: budget only)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,18 +90,26 @@ class Scheduler:
 
     def _schedule(self) -> Batch:
         batch, budget = Batch(), self.max_batched_tokens
+        prompt_left = self._prompt_tokens_left()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running or (seq.pending and seq.capped):  # capped: ends when its held token is read
                 continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
+            decodes = chunk == 1 and seq.num_output > 0
+            if not decodes:
+                chunk = min(chunk, prompt_left)
+                if chunk == 0:
+                    continue
+                prompt_left -= chunk
             if not self._make_room(seq, seq.num_computed + chunk, batch):
                 continue
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
+            batch.decode_rows += decodes
             budget -= chunk
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget and prompt_left and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_blocks:
                 self.waiting.popleft()
@@ -104,7 +117,7 @@ class Scheduler:
                 continue
             hits = self._cached_prefix(seq)
             computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1) if hits else seq.num_computed
-            chunk = min(seq.num_tokens - computed, budget)
+            chunk = min(seq.num_tokens - computed, budget, prompt_left)
             shared = computed // self.blocks.block_size if hits else len(seq.block_table)
             if self.blocks.blocks_for(computed + chunk) - shared > self.blocks.num_free - self._idle_among(hits):
                 break
@@ -116,7 +129,15 @@ class Scheduler:
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
             budget -= chunk
+            prompt_left -= chunk
         return batch
+
+    def _prompt_tokens_left(self) -> int:
+        """Prompt tokens this step may take: ``prefill_cap`` while a running sequence decodes, else the budget."""
+        if self.prefill_cap is None or not any(s.num_output and s.num_tokens - s.num_computed == 1
+                                               for s in self.running):
+            return self.max_batched_tokens
+        return max(1, self.prefill_cap)
 
     def keys(self, seq: Sequence, tokens: int) -> list[int]:
         """Prefix-cache keys of the first full blocks of ``seq`` covering at most ``tokens`` tokens."""

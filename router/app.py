@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admission import Admission
 from .config import RouterConfig
+from .disagg import DisaggPolicy
 from .errors import ApiError, error_body
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -94,7 +95,8 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
-                      retry_wait_s=cfg.retry_wait_s)
+                      retry_wait_s=cfg.retry_wait_s,
+                      disagg=DisaggPolicy(cfg.disagg, cfg.disagg_local_tokens, cfg.disagg_prefill_queue))
     service.inboxes = inboxes
 
     def mode() -> str:

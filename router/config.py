@@ -3,6 +3,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, fields
 
+from .disagg import DisaggPolicy
 from .policy import POLICIES
 
 
@@ -26,6 +27,9 @@ class RouterConfig:
     max_queue: int = 256
     queue_timeout_s: float = 30.0
     max_body_bytes: int = 8 << 20
+    disagg: str = "always"  # always | never | auto: where prompts are prefilled (router.disagg)
+    disagg_local_tokens: int = 512  # auto: uncached prompts of at most this many tokens prefill on decode
+    disagg_prefill_queue: int = 4  # auto: prompts in flight on every prefill worker that count as busy
     workers_file: str = ""  # JSON {"prefill": [...], "decode": [...], "colocated": [...]}, re-read every second
 
     def __post_init__(self):
@@ -41,10 +45,13 @@ class RouterConfig:
             raise ValueError("kv_weight must be >= 0")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
+        DisaggPolicy(self.disagg, self.disagg_local_tokens, self.disagg_prefill_queue)  # raises if invalid
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated workers or prefill+decode workers, not both")
-        if not self.colocated and not (self.prefill and self.decode) and not self.workers_file:
-            raise ValueError("need at least one prefill and one decode worker (or colocated workers)")
+        if not self.colocated and not (self.prefill or self.disagg != "always") and not self.workers_file:
+            raise ValueError("need at least one prefill worker (or --disagg auto|never), or colocated workers")
+        if not self.colocated and not self.decode and not self.workers_file:
+            raise ValueError("need at least one decode worker (or colocated workers)")
         for addr in self.prefill + self.decode + self.colocated:
             if not addr.startswith("tcp://"):
                 raise ValueError(f"worker address {addr!r} must look like tcp://host:port")

@@ -21,7 +21,9 @@ def run_router(args) -> int:
                      queue_timeout_s=args.queue_timeout, heartbeat_s=args.heartbeat,
                      stale_after_s=max(1.0, args.heartbeat * 2) if args.heartbeat else None,
                      dead_after_s=max(3.0, args.heartbeat * 6) if args.heartbeat else None,
-                     retries=getattr(args, "retries", None))
+                     retries=getattr(args, "retries", None), disagg=getattr(args, "disagg", None),
+                     disagg_local_tokens=getattr(args, "disagg_local_tokens", None),
+                     disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None))
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:

@@ -42,6 +42,8 @@ class Metrics:
         self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.retries = Counter("pdserve_request_retries", "Requests run again on other workers, by what failed",
                                ["reason"], registry=r)
+        self.disagg = Counter("pdserve_disagg_requests", "Prompts prefilled on a prefill worker (remote) or on their "
+                              "decode worker (local), by why (router.disagg)", ["where", "reason"], registry=r)
         self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)

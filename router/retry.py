@@ -61,6 +61,7 @@ class RequestRun:
     workers: dict = field(default_factory=dict)  # role -> the client the current attempt uses
     reasons: list = field(default_factory=list)
     timing: dict = field(default_factory=dict)
+    local: bool = False  # this attempt's prompt is computed where it decodes (colocated, or --disagg local)
 
     @property
     def attempt_rid(self) -> str:

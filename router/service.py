@@ -3,7 +3,8 @@
 Disaggregated: pick a prefill and a decode worker, ask prefill (with the
 decode worker's KV address), relay ``first`` as soon as it comes, then ask
 decode to continue and relay its ``tokens``/``done``. Colocated: one
-``generate`` to a colocated worker. A worker's failure before decode streamed
+``generate`` to a colocated worker; so too when ``router.disagg`` decides a
+prompt is prefilled locally, on its decode worker. A worker's failure before decode streamed
 a token runs the request again elsewhere (``router.retry``); any other
 ``error`` ends the stream. An attempt that ends early aborts its work on
 every worker involved."""
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import estimate_prompt_tokens
+from .disagg import DisaggPolicy
 from .errors import ApiError
 from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
@@ -72,7 +74,9 @@ class Finished:
 
 class Service:
     def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0,
-                 kv_aware: bool = False, tokenizer: str | None = None, retries: int = 2, retry_wait_s: float = 3.0):
+                 kv_aware: bool = False, tokenizer: str | None = None, retries: int = 2, retry_wait_s: float = 3.0,
+                 disagg: DisaggPolicy | None = None):
+        self.disagg = disagg or DisaggPolicy()
         self.retries = retries
         self.retry_wait_s = retry_wait_s
         self.kv_aware = kv_aware
@@ -105,8 +109,14 @@ class Service:
                     out.append(f"prefill {p.address} and decode {d.address}: {problem}")
         return out
 
+    def _roles(self) -> list[str]:
+        """The roles a request needs a worker of (decode workers prefill themselves unless ``always``)."""
+        if self.colocated:
+            return ["colocated"]
+        return ["prefill", "decode"] if self.disagg.mode == "always" else ["decode"]
+
     def ready(self) -> bool:
-        roles = ["colocated"] if self.colocated else ["prefill", "decode"]
+        roles = self._roles()
         return all(self.groups.get(r) and self.groups[r].healthy() for r in roles)
 
     def check_model(self, model: str) -> None:
@@ -160,8 +170,8 @@ class Service:
                             "it balances load only", spec)
         return self._tokens
 
-    async def _prompt(self, payload: dict):
-        if not self.kv_aware:
+    async def _prompt(self, payload: dict, always: bool = False):
+        if not (self.kv_aware or always):
             return None
         tokens = self._router_tokens()
         return PromptKeys(await asyncio.to_thread(prompt_ids, tokens, payload) if tokens is not None else None)
@@ -205,7 +215,7 @@ class Service:
     async def _await_workers(self) -> bool:
         """Before a retry: whether a worker of each role it needs is in the picks, waiting ``retry_wait_s`` at
         most (for a restart, or the death of a hung worker to be noticed)."""
-        roles = ["colocated"] if self.colocated else ["prefill", "decode"]
+        roles = self._roles()
         end = time.monotonic() + self.retry_wait_s
         while not all(self.groups[r].ready() for r in roles):
             if time.monotonic() >= end:
@@ -221,7 +231,7 @@ class Service:
         try:
             first_worker = await self._send_prompt(run, rid, inbox, involved)
             fresh = None
-            if run.first is None or not self.colocated:  # a colocated resume goes on from the first token itself
+            if run.first is None or not run.local:  # a local resume goes on from the first token itself
                 fresh = await self._first(inbox, timing, first_worker)
             if run.first is None:
                 first = run.first = fresh
@@ -232,7 +242,7 @@ class Service:
             elif fresh is not None and fresh["token"] != run.first["token"]:
                 log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
                          rid, fresh["token"], run.first["token"])
-            first, decode_worker = run.first, run.workers.get("decode")
+            first, decode_worker = run.first, None if run.local else run.workers.get("decode")
             kv_tp = (fresh or first).get("kv_tp", 1)  # the prefill group whose head slices decode receives
             self.admission.adjust(rid, first["prompt_tokens"] + (first["params"].get("max_tokens") or 0))
             if first.get("finish_reason"):
@@ -271,15 +281,16 @@ class Service:
         max_new = (first or payload)["params"].get("max_tokens") or 1 << 20
         tokens = (first["prompt_tokens"] if first else estimate_prompt_tokens(payload)) + max_new
         prompt = await self._prompt(payload)
+        run.local = self.colocated
         if self.colocated:
             worker = run.workers["colocated"] = await self.admission.acquire(self.groups["colocated"], rid, tokens,
                                                                               prompt, run.avoid)
-            run.timing["transport"] = "none"
-            resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
-            await self._dispatch(worker, involved, rid, "generate", **payload, resume=resume)
-            return worker
+            return await self._generate_here(run, worker, rid, involved)
         decode = run.workers["decode"] = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt,
                                                                       run.avoid)
+        if await self._decide(run, decode, prompt) == "local":
+            run.local = True
+            return await self._generate_here(run, decode, rid, involved)
         prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid)
         problem = pair_mismatch(prefill.info, decode.info)
         if problem:
@@ -290,6 +301,30 @@ class Service:
         await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
                              **payload)
         return prefill
+
+    async def _generate_here(self, run: RequestRun, worker, rid: str, involved: list):
+        """The prompt (and, on a retry, the client's first token) computed on the worker that decodes it."""
+        first = run.first
+        run.timing["transport"] = "none"
+        resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
+        await self._dispatch(worker, involved, rid, "generate", **run.payload, resume=resume)
+        return worker
+
+    async def _decide(self, run: RequestRun, decode, prompt) -> str:
+        """Local or remote prefill (``router.disagg``); recorded in the timing (the response's ``pdserve``)."""
+        if self.disagg.mode == "auto":
+            keys = prompt if prompt is not None and prompt.ids is not None else await self._prompt(run.payload, True)
+            total = len(keys.ids) if keys is not None and keys.ids is not None else estimate_prompt_tokens(run.payload)
+            uncached = total - cached_blocks(decode, keys) * int(decode.info.get("kv_block_size") or 0)
+        else:
+            uncached = 0
+        decision = self.disagg.decide(uncached, self.groups["prefill"].healthy(run.avoid)
+                                      if self.groups.get("prefill") else [], decode)
+        if decision.where == "local" and decode.info.get("local_prefill") is False:
+            decision = type(decision)("remote", "decode_cannot_prefill")
+        run.timing.update(disagg=decision.where, disagg_reason=decision.reason)
+        self.metrics.disagg.labels(decision.where, decision.reason).inc()
+        return decision.where
 
     async def _first(self, inbox, timing: dict, first_worker) -> dict:
         """The ``first`` message (a streamed KV can be in place before the first token is out)."""
@@ -322,7 +357,7 @@ class Service:
                 if msg.get("phases"):
                     timing["kv"] = msg["phases"]
                     self.metrics.observe_transfer(timing["transport"], msg["phases"])
-                if not self.colocated and "overlap" not in timing:
+                if not run.local and "overlap" not in timing:
                     await self._await_kv_sent(inbox, timing)
                 yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion, self._close_timing(run))
                 return

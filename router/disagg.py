@@ -1,0 +1,62 @@
+"""Where a request's prompt is prefilled: on a prefill worker (remote, its KV
+then moves to the decode worker) or on the decode worker itself (local).
+
+``always`` (the default) prefills every prompt remotely, ``never`` every one
+locally (the decode workers then act as colocated replicas that a prefill
+pool can still serve later), ``auto`` decides per request, in this order:
+
+- no prefill worker in the picks: local (``no_prefill_worker``);
+- the prompt's uncached part (its tokens less the prefix the decode worker
+  reported holding) is at most ``local_tokens``: local (``short``): a short
+  chunk costs the decode steps less than a transfer and a second queue;
+- every prefill worker already has ``prefill_queue`` prompts or more in
+  flight: local (``prefill_busy``), unless the decode worker has as many
+  prompts of its own to prefill (then remote, ``long``);
+- otherwise remote (``long``).
+
+Local prefill on a decode worker runs in chunks under that worker's
+per-step prompt-token cap (``engine.step_budget``: ``--slo-tpot-ms`` or
+``--step-prefill-tokens``), so it does not stretch the running sequences'
+time per token past the SLO. The decision and its reason go into the
+response's ``pdserve`` block and ``pdserve_disagg_requests``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("always", "never", "auto")
+
+
+@dataclass(frozen=True)
+class Decision:
+    where: str  # "local" | "remote"
+    reason: str
+
+
+@dataclass
+class DisaggPolicy:
+    mode: str = "always"
+    local_tokens: int = 512
+    prefill_queue: int = 4
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"disagg {self.mode!r} not in {MODES}")
+        if self.local_tokens < 0 or self.prefill_queue < 1:
+            raise ValueError("disagg_local_tokens must be >= 0 and disagg_prefill_queue >= 1")
+
+    def decide(self, uncached_tokens: int, prefill_workers: list, decode_worker) -> Decision:
+        """``prefill_workers``: those in the picks (``outstanding``: prompts the router has in flight there);
+        ``decode_worker``: the one this request will decode on (its ``info["prefilling"]``: local prompts it has
+        not finished)."""
+        if self.mode == "always":
+            return Decision("remote", "always")
+        if self.mode == "never":
+            return Decision("local", "never")
+        if not prefill_workers:
+            return Decision("local", "no_prefill_worker")
+        if uncached_tokens <= self.local_tokens:
+            return Decision("local", "short")
+        queue = min(w.outstanding for w in prefill_workers)
+        if queue >= self.prefill_queue and int(decode_worker.info.get("prefilling") or 0) < queue:
+            return Decision("local", "prefill_busy")
+        return Decision("remote", "long")

@@ -1,0 +1,157 @@
+"""Conditional disaggregation (``--disagg auto``): short prompts prefilled on their decode worker, long ones on a
+prefill worker, both equal to the colocated reference; and the prompt-token cap of steps that decode."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from deploy.local import Cluster
+from tests.test_failures import eventually
+from engine import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.sequence import Sequence
+from engine.step_budget import PrefillBudget, StepRecord
+from router.config import RouterConfig
+from router.disagg import DisaggPolicy
+
+
+def worker(outstanding=0, prefilling=0):
+    return SimpleNamespace(outstanding=outstanding, info={"prefilling": prefilling})
+
+
+@pytest.mark.parametrize("mode,uncached,prefill,decode,expected", [
+    ("always", 10, [worker()], worker(), ("remote", "always")),
+    ("never", 5000, [worker()], worker(), ("local", "never")),
+    ("auto", 5000, [], worker(), ("local", "no_prefill_worker")),
+    ("auto", 512, [worker()], worker(), ("local", "short")),
+    ("auto", 513, [worker()], worker(), ("remote", "long")),
+    ("auto", 5000, [worker(4), worker(6)], worker(), ("local", "prefill_busy")),
+    ("auto", 5000, [worker(4)], worker(prefilling=4), ("remote", "long")),
+    ("auto", 5000, [worker(3), worker(9)], worker(), ("remote", "long")),
+])
+def test_the_policy_decides_from_the_uncached_length_and_the_queues(mode, uncached, prefill, decode, expected):
+    d = DisaggPolicy(mode, local_tokens=512, prefill_queue=4).decide(uncached, prefill, decode)
+    assert (d.where, d.reason) == expected
+
+
+def test_bad_disagg_settings_are_refused():
+    with pytest.raises(ValueError, match="disagg"):
+        RouterConfig(decode=["tcp://127.0.0.1:1"], prefill=["tcp://127.0.0.1:2"], disagg="sometimes")
+    with pytest.raises(ValueError, match="prefill worker"):
+        RouterConfig(decode=["tcp://127.0.0.1:1"])
+    assert RouterConfig(decode=["tcp://127.0.0.1:1"], disagg="never").disagg == "never"
+    with pytest.raises(ValueError, match="step_prefill_tokens"):
+        EngineConfig(step_prefill_tokens=0)
+
+
+def test_the_learned_cap_keeps_the_modelled_step_within_the_slo():
+    budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
+    assert budget.tokens() == 256  # nothing measured yet
+    for _ in range(30):
+        budget.observe(StepRecord(8, 0, 4.0))  # decode only: 4 ms
+        budget.observe(StepRecord(8, 1000, 24.0))  # 1000 prompt tokens add 20 ms
+    assert budget.tokens() == pytest.approx(300, abs=3)  # (10 - 4) / 0.02
+    budget.observe(StepRecord(0, 4000, 500.0))  # nothing decoded: no TPOT at stake, not learned from
+    assert budget.tokens() == pytest.approx(300, abs=3)
+    tight = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=3.0)
+    tight.observe(StepRecord(8, 0, 4.0))
+    tight.observe(StepRecord(8, 100, 6.0))
+    assert tight.tokens() == 16  # the SLO is already missed by decode alone: one block a step, prompts still move
+
+
+def run_engine(cap: int | None, prompts: list[list[int]], max_tokens: int) -> tuple[dict, Engine]:
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", step_prefill_tokens=cap, max_batched_tokens=256,
+                                 warmup=False))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    def seq(i, ids):
+        return Sequence(f"r{i}", ids, params, engine.tokenizer, engine.max_len)
+
+    seqs = [seq(0, prompts[0])]
+    for s in seqs:
+        engine.add(s)
+    for _ in range(3):  # the first sequence decodes before the long prompts come
+        engine.step()
+    seqs += [seq(i + 1, ids) for i, ids in enumerate(prompts[1:])]
+    for s in seqs[1:]:
+        engine.add(s)
+    out = {}
+    while engine.has_work:
+        for s, _ in engine.step().tokens:
+            out[s.rid] = list(s.output_ids)
+    return out, engine
+
+
+def test_steps_that_decode_take_at_most_the_capped_prompt_tokens_and_the_tokens_do_not_change():
+    prompts = [list(range(5, 25)), list(range(30, 230)), list(range(3, 163))]
+    capped, engine = run_engine(24, prompts, 12)
+    plain, reference = run_engine(None, prompts, 12)
+    assert capped == plain
+    mixed = [r for r in engine.step_log.steps if r.decode_rows and r.prompt_tokens]
+    assert mixed and max(r.prompt_tokens for r in mixed) <= 24
+    assert engine.step_info()["step_prompt_tokens_max"] <= 24
+    assert max(r.prompt_tokens for r in reference.step_log.steps if r.decode_rows) > 24  # the cap made the difference
+
+
+@pytest.fixture(scope="module")
+def pair():
+    clusters = [Cluster("--disagg", "auto", "--disagg-local-tokens", "64", "--step-prefill-tokens", "16"),
+                Cluster("--colocated")]
+    try:
+        yield [c.wait_ready() for c in clusters]
+    finally:
+        for c in clusters:
+            c.stop()
+
+
+def complete(url: str, prompt: str, max_tokens: int = 12):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+
+
+def decode_info(cluster) -> dict:
+    """What the decode worker reported in its last pong (the router's /health)."""
+    return httpx.get(cluster.url + "/health").json()["workers"]["decode"][0]
+
+
+def test_auto_prefills_short_prompts_locally_and_long_ones_remotely_with_the_colocated_tokens(pair):
+    auto, colocated = pair
+    short, long = "Hello there", "a long prompt for the prefill worker " * 6
+    for prompt, where, reason in ((short, "local", "short"), (long, "remote", "long")):
+        got, want = complete(auto.url, prompt), complete(colocated.url, prompt)
+        assert got.choices[0].text == want.choices[0].text
+        block = got.model_extra["pdserve"]
+        assert (block["disagg"], block["disagg_reason"]) == (where, reason)
+        assert (block["kv_bytes"] > 0) == (where == "remote")
+    metrics = httpx.get(auto.url + "/metrics").text
+    assert 'pdserve_disagg_requests_total{reason="short",where="local"} 1.0' in metrics
+    assert 'pdserve_disagg_requests_total{reason="long",where="remote"} 1.0' in metrics
+
+
+def test_local_prefill_next_to_a_decoding_stream_keeps_to_the_step_cap(pair):
+    auto, colocated = pair
+    stream = threading.Thread(target=complete, args=(auto.url, "stream on", 200))
+    stream.start()
+    try:
+        prompt = "x" * 60  # 62 tokens: local, in chunks of 16 next to the decoding stream
+        assert complete(auto.url, prompt).choices[0].text == complete(colocated.url, prompt).choices[0].text
+    finally:
+        stream.join(120)
+    assert eventually(lambda: decode_info(auto)["local_prefills"] >= 2, 5, 0.1)
+    decode = decode_info(auto)
+    assert decode["step_prefill_cap"] == 16
+    assert decode["mixed_steps"] >= 1 and 0 < decode["step_prompt_tokens_max"] <= 16
+
+
+def test_never_with_no_prefill_worker_serves_from_the_decode_workers():
+    cluster = Cluster("--prefill", "0", "--disagg", "never").wait_ready()
+    try:
+        got = complete(cluster.url, "Hello there")
+        assert got.choices[0].text and got.model_extra["pdserve"]["disagg"] == "local"
+        assert eventually(lambda: decode_info(cluster)["local_prefills"] == 1, 5, 0.1)
+    finally:
+        cluster.stop()
