@@ -48,6 +48,10 @@ def add_arguments(p):
     p.add_argument("--kv-budget", default="0", help="KV pool per rank, e.g. 8G (default: the engine's)")
     p.add_argument("--hbm-tbps", type=float, default=None, help="nominal memory bandwidth per GPU for the limit "
                    "line (default: known GPUs: H200 4.8, H100 3.35)")
+    p.add_argument("--profile", action="store_true", help="also measure a profile for `pdserve plan` (prefill "
+                   "times by prompt length, decode step times by batch and context): OUT-profile.json")
+    p.add_argument("--profile-prompts", default="128,512,2048,8192", help="--profile: prompt lengths")
+    p.add_argument("--profile-contexts", default="512,2048,8192", help="--profile: decode contexts")
     p.add_argument("--out", default="bench/out/engine")
 
 
@@ -189,6 +193,12 @@ def run(args) -> int:
     off = offline(engine, args.requests, _range(args.input_len), _range(args.output_len), rng)
     print(f"offline {off['requests']} requests: {off['output_tok_per_s']:.1f} output tok/s, "
           f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
+    profile = None
+    if args.profile:
+        from .plan.measure import measure
+
+        profile = measure(engine, batches, [int(x) for x in args.profile_prompts.split(",")],
+                          [int(x) for x in args.profile_contexts.split(",")], max(8, args.decode_steps // 4), rng)
     command = command_line("engine")
     base = decode[0]["tok_per_s"]
     report = {"command": command, "model": engine.name, "engine": getattr(engine, "kind", "torch"),
@@ -199,7 +209,8 @@ def run(args) -> int:
               "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "captured": bool(graphs.graphs),
                                                             "replays": graphs.replays},
               "decode_without_graphs": eager, "offline": off, "tp": engine.group.size if hasattr(engine, "group") else 1,
-              "hbm": {k: v for k, v in limit.items() if k != "tok_per_s"} if limit else None}
+              "hbm": {k: v for k, v in limit.items() if k != "tok_per_s"} if limit else None,
+              "profile": profile.to_dict() if profile else None}
     lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |"
              + (" HBM limit tok/s | of limit |" if limit else "")
              + (" without graphs tok/s |" if eager else "") + (" HF eager tok/s | pdserve / HF |" if hf else ""),
@@ -219,6 +230,9 @@ def run(args) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
+    if profile is not None:
+        profile.notes["command"] = command
+        profile.save(args.out + "-profile.json")
     with open(args.out + ".md", "w") as f:
         f.write(f"# Engine throughput ({engine.name}, {engine.device}, {engine.dtype})\n\n`{command}`\n\n{text}")
     print(text)

@@ -1,4 +1,6 @@
-"""Workload shapes for ``bench serve``: prompt/output lengths and arrival times."""
+"""Workload shapes for ``bench serve``, ``bench goodput`` and ``pdserve plan``: prompt/output lengths and
+arrival times. ``uniform``: lengths uniform in the ranges given; ``mixed``: 70% prompts of 128-1,024 tokens and
+30% of 6,000-8,000, outputs 128-512 (the ranges given are ignored); a JSONL trace: its rows, in order."""
 from __future__ import annotations
 
 import json
@@ -32,13 +34,50 @@ def synthetic_prompt(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-def build(count: int, prompt_len: str, max_tokens: str, seed: int = 0, jsonl: str | None = None) -> list[Request]:
-    rng = random.Random(seed)
+WORKLOADS = ("uniform", "mixed")
+MIXED = ((0.7, (128, 1024)), (0.3, (6000, 8000)))
+MIXED_OUTPUT = (128, 512)
+
+
+def lengths(count: int, prompt_len: str, max_tokens: str, seed: int = 0, workload: str = "uniform",
+            jsonl: str | None = None) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of ``count`` requests; a JSONL row gives ``prompt_tokens`` (or a ``prompt``,
+    a token per character as for the byte tokenizer) and ``max_tokens`` (or ``output_tokens``)."""
     if jsonl:
-        with open(jsonl) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        if not rows:
-            raise ValueError(f"{jsonl} has no requests")
+        rows = _rows(jsonl)
+        return [(int(r.get("prompt_tokens") or len(r.get("prompt", ""))),
+                 int(r.get("output_tokens") or r.get("max_tokens") or parse_range(max_tokens)[0]))
+                for r in (rows[i % len(rows)] for i in range(count))]
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r} not in {WORKLOADS}")
+    rng = random.Random(seed)
+    if workload == "mixed":
+        out = []
+        for _ in range(count):
+            share = MIXED[0][1] if rng.random() < MIXED[0][0] else MIXED[1][1]
+            out.append((rng.randint(*share), rng.randint(*MIXED_OUTPUT)))
+        return out
+    (plo, phi), (olo, ohi) = parse_range(prompt_len), parse_range(max_tokens)
+    return [(rng.randint(plo, phi), rng.randint(olo, ohi)) for _ in range(count)]
+
+
+def _rows(jsonl: str) -> list[dict]:
+    with open(jsonl) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{jsonl} has no requests")
+    return rows
+
+
+def build(count: int, prompt_len: str, max_tokens: str, seed: int = 0, jsonl: str | None = None,
+          workload: str = "uniform") -> list[Request]:
+    rng = random.Random(seed)
+    if workload != "uniform" and not jsonl:
+        text = random.Random(seed + 7)
+        return [Request(synthetic_prompt(text, p), o) for p, o in lengths(count, prompt_len, max_tokens, seed,
+                                                                            workload)]
+    if jsonl:
+        rows = _rows(jsonl)
         return [Request(r["prompt"], int(r.get("max_tokens", parse_range(max_tokens)[0]))) for r in
                 (rows[i % len(rows)] for i in range(count))]
     plo, phi = parse_range(prompt_len)

@@ -176,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
                             "KV that arrives in another")
     _add_engine(u)
 
+    from bench.plan import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help="the best configuration of these GPUs for a workload and "
+                                          "SLOs, simulated from measured engine profiles"))
+
     dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
     dsub = dp.add_subparsers(dest="deploy", required=True)
     dr = dsub.add_parser("ray", help="start a deployment")
@@ -290,6 +295,10 @@ def main(argv=None) -> int:
         from deploy.up import up
 
         return up(args)
+    if args.cmd == "plan":
+        from bench.plan import cli as plan_cli
+
+        return plan_cli.run(args)
     if args.cmd == "bench":
         import importlib
 

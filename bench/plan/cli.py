@@ -1,0 +1,123 @@
+"""``pdserve plan``: which configuration of these GPUs serves this workload best.
+
+    pdserve bench engine --profile ... --out prof-tp1     # on the hardware: writes prof-tp1.json
+    pdserve plan --profile prof-tp1.json --gpus 2 --workload mixed --slo-ttft-ms 2000 --slo-tpot-ms 10
+
+Prints every candidate (``search``) with its predicted goodput, the best one
+and its ``pdserve up`` command. ``--validate K`` then starts the best K with
+``pdserve up`` here and measures them with ``bench goodput`` at rates around
+the prediction, and prints predicted vs measured."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+
+import sys
+
+from ..workload import WORKLOADS, lengths
+from .profile import Profile
+from .search import SLO, Horizon, candidates, rank
+
+
+def add_arguments(p):
+    p.add_argument("--profile", action="append", required=True,
+                   help="a profile JSON from `pdserve bench engine --profile` (repeatable: one per TP degree)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
+    p.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    p.add_argument("--prompt-len", default="1000:4000", help="uniform: prompt tokens LO:HI")
+    p.add_argument("--max-tokens", default="128:512", help="uniform: output tokens LO:HI")
+    p.add_argument("--trace", default=None, help="JSONL rows of {prompt_tokens, output_tokens} instead")
+    p.add_argument("--requests", type=int, default=300, help="distinct request lengths drawn from the workload")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals simulated per rate")
+    p.add_argument("--max-requests", type=int, default=2000, help="at most this many simulated requests per rate")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=10.0)
+    p.add_argument("--slo-stall-ms", type=float, default=None, help="longest gap between two tokens")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--link-gb-s", type=float, default=100.0, help="KV transfer bandwidth between GPUs (GB/s); "
+                   "`pdserve bench transfer` measures it")
+    p.add_argument("--local-tokens", type=int, default=512, help="--disagg auto: prompts prefilled on decode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", type=int, default=0, help="measure the best K candidates with bench goodput")
+    p.add_argument("--up-args", default="", help="--validate: arguments every pdserve up gets (e.g. --load-format "
+                   "dummy --dtype bfloat16)")
+    p.add_argument("--validate-requests", type=int, default=60)
+    p.add_argument("--out", default="bench/out/plan")
+
+
+def load_profiles(paths: list[str]) -> dict[int, Profile]:
+    profiles: dict[int, Profile] = {}
+    for path in paths:
+        prof = Profile.load(path)
+        if prof.tp in profiles:
+            raise ValueError(f"two profiles for tp={prof.tp}: give one per TP degree")
+        profiles[prof.tp] = prof
+    if len({p.model for p in profiles.values()}) > 1:
+        raise ValueError("the profiles are of different models")
+    return profiles
+
+
+def table(ranked, slo: SLO) -> str:
+    rows = ["| configuration | GPUs | predicted goodput (req/s) | pdserve up |", "|---|---|---|---|"]
+    for c in ranked:
+        rows.append(f"| {c.name} | {c.gpus} | {c.goodput:.2f} | `{c.up_command('MODEL', slo)}` |")
+    return "\n".join(rows)
+
+
+def validate(best, args, model: str, slo: SLO) -> list[dict]:
+    from .. import goodput as gp
+
+    out = []
+    for c in best:
+        rates = ",".join(f"{c.goodput * f:.3g}" for f in (0.5, 0.8, 1.0, 1.25) if c.goodput * f > 0) or "0.1"
+        ns = argparse.Namespace(rates=rates, requests=args.validate_requests, prompt_len=args.prompt_len,
+                                max_tokens=args.max_tokens, workload=args.workload, slo_ttft_ms=slo.ttft_ms,
+                                slo_tpot_ms=slo.tpot_ms, slo_stall_ms=slo.stall_ms, attainment=slo.attainment,
+                                ttft_concurrency="", ready_timeout=600.0, seed=args.seed, warmup_requests=4)
+        up = shlex.split(c.up_command(model, slo))[2:] + shlex.split(args.up_args)
+        measured = gp.measure(c.name, up, ns)
+        out.append({"name": c.name, "predicted": c.goodput, "measured": measured["goodput_rate"],
+                    "rates": measured["rates"]})
+        print(f"  {c.name}: predicted {c.goodput:.2f} req/s, measured {measured['goodput_rate']:.2f}", flush=True)
+    return out
+
+
+def run(args) -> int:
+    try:
+        profiles = load_profiles(args.profile)
+        work = lengths(args.requests, args.prompt_len, args.max_tokens, args.seed, args.workload, args.trace)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms, args.attainment)
+    cands = candidates(args.gpus, profiles, slo)
+    if not cands:
+        print(f"error: no configuration of {args.gpus} GPUs with the TP degrees profiled ({sorted(profiles)})")
+        return 2
+    ranked = rank(cands, profiles, work, slo, args.link_gb_s, args.local_tokens, args.seed,
+                  Horizon(args.duration, args.max_requests))
+    model = next(iter(profiles.values())).model
+    best = ranked[0]
+    report = {"command": " ".join(["pdserve", "plan", *sys.argv[sys.argv.index("plan") + 1:]])
+              if "plan" in sys.argv else "pdserve plan", "gpus": args.gpus, "model": model, "slo": vars(slo),
+              "workload": {"kind": "trace" if args.trace else args.workload, "prompt_len": args.prompt_len,
+                           "max_tokens": args.max_tokens, "requests": args.requests},
+              "candidates": [{"name": c.name, "goodput": c.goodput, "up": c.up_command(model, slo)} for c in ranked],
+              "recommended": best.name}
+    md = table(ranked, slo)
+    print(md)
+    print(f"\nrecommended: {best.name} ({best.goodput:.2f} req/s predicted)\n  {best.up_command(model, slo)}")
+    if args.validate:
+        report["validation"] = validate(ranked[:args.validate], args, model, slo)
+        top = max(report["validation"], key=lambda v: v["measured"])
+        report["picked_vs_best_measured"] = (report["validation"][0]["measured"] / top["measured"]
+                                             if top["measured"] else None)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"`{report['command']}`\n\n{md}\n\nRecommended: **{best.name}**: `{best.up_command(model, slo)}`\n")
+    print(f"wrote {args.out}.json, .md")
+    return 0

@@ -1,0 +1,102 @@
+"""An engine's measured speed on one kind of device, the planner's input.
+
+A profile (JSON, ``PROFILE_VERSION``) holds what ``pdserve bench engine
+--profile`` measured for one model at one tensor-parallel degree:
+
+- ``prefill``: ``[{"tokens": n, "ms": t}]``, one prompt of ``n`` tokens
+  prefilled alone (a step of ``n`` prompt tokens);
+- ``decode``: ``[{"batch": b, "context": c, "step_ms": t}]``, a decode step
+  of ``b`` sequences of ``c`` tokens each;
+- ``kv_bytes_per_token`` (all ranks), ``kv_capacity_tokens`` (the pool),
+  ``max_batched_tokens``, ``tp``, ``device``, ``model``.
+
+Times between the points are interpolated linearly (prefill in the token
+count; decode in the batch, then in the context) and extrapolated from the
+last two points."""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class Profile:
+    model: str
+    device: str
+    tp: int
+    prefill: list[dict]
+    decode: list[dict]
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    max_batched_tokens: int = 8192
+    version: int = PROFILE_VERSION
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.version != PROFILE_VERSION:
+            raise ValueError(f"profile version {self.version}, this pdserve reads {PROFILE_VERSION}")
+        if self.tp < 1 or self.kv_capacity_tokens < 1 or self.kv_bytes_per_token < 1:
+            raise ValueError("a profile needs tp, kv_capacity_tokens and kv_bytes_per_token >= 1")
+        if len(self.prefill) < 2 or any(p["tokens"] <= 0 or p["ms"] <= 0 for p in self.prefill):
+            raise ValueError("a profile needs at least two prefill points with positive tokens and ms")
+        if not self.decode or any(p["batch"] < 1 or p["context"] < 1 or p["step_ms"] <= 0 for p in self.decode):
+            raise ValueError("a profile needs decode points with batch, context >= 1 and positive step_ms")
+        self.prefill = sorted(self.prefill, key=lambda p: p["tokens"])
+        self._decode: dict[int, list[tuple[int, float]]] = {}
+        for p in self.decode:
+            self._decode.setdefault(int(p["batch"]), []).append((int(p["context"]), float(p["step_ms"])))
+        for rows in self._decode.values():
+            rows.sort()
+        self._batches = sorted(self._decode)
+
+    def prefill_ms(self, tokens: int) -> float:
+        """A step of ``tokens`` prompt tokens (0 for none)."""
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, _interpolate([(p["tokens"], p["ms"]) for p in self.prefill], tokens))
+
+    def decode_ms(self, batch: int, context: float) -> float:
+        """A step of ``batch`` sequences of ``context`` tokens on average (0 for none)."""
+        if batch <= 0:
+            return 0.0
+        by_batch = [(b, _interpolate(self._decode[b], context)) for b in self._batches]
+        return max(1e-3, _interpolate(by_batch, batch))
+
+    def prefill_ms_per_token(self) -> float:
+        """The prefill curve's slope between its first and last points."""
+        lo, hi = self.prefill[0], self.prefill[-1]
+        return max((hi["ms"] - lo["ms"]) / (hi["tokens"] - lo["tokens"]), 1e-9)
+
+    def kv_transfer_ms(self, tokens: int, link_gb_s: float) -> float:
+        return tokens * self.kv_bytes_per_token / (link_gb_s * 1e9) * 1e3
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        with open(path) as f:
+            data = json.load(f)
+        data = data.get("profile", data)  # a bench engine report holds it under "profile"
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        try:
+            return cls(**known)
+        except TypeError as e:
+            raise ValueError(f"{path} is not a pdserve profile: {e}") from None
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through ``points`` (sorted by x), extended along the end segments."""
+    if len(points) == 1:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1

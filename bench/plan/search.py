@@ -1,0 +1,141 @@
+"""Every configuration of the GPUs given, and the goodput each is predicted to reach.
+
+Candidates for ``gpus`` GPUs and the profiles given (one per TP degree):
+``N colocated`` replicas of TP t (``N x t = gpus``), the same with the
+prompt-token cap of steps that decode set from the TPOT SLO (``capped``),
+and every ``xPyD`` split (prefill TP a, decode TP b, ``x a + y b = gpus``),
+with every prompt prefilled remotely (``always``) and with ``--disagg auto``.
+
+Goodput: the highest Poisson request rate at which at least ``attainment``
+of the requests (the first tenth, the warm-up, not counted; at least
+``duration_s`` of arrivals, at most ``max_requests``, so that a rate is
+sustained rather than a burst the queues absorb) meet the TTFT
+and TPOT SLOs (and the longest-gap SLO when given): found by doubling, then
+bisection. The workload and its arrivals are seeded, so the ranking is
+deterministic: goodput, then fewer GPUs, then name."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .profile import Profile
+from .simulate import Instance, Layout, SimRequest, simulate
+
+BISECTIONS = 12
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    tpot_ms: float
+    stall_ms: float | None = None
+    attainment: float = 0.9
+
+
+@dataclass
+class Candidate:
+    name: str
+    kind: str  # colocated | split
+    replicas: int = 0
+    prefill: int = 0
+    decode: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    disagg: str = "always"
+    slo_tpot_ms: float | None = None  # instances that prefill cap steps that decode to keep within it
+    gpus: int = 0
+    goodput: float = 0.0
+
+    def layout(self, profiles: dict[int, Profile], link_gb_s: float, local_tokens: int) -> Layout:
+        if self.kind == "colocated":
+            p = profiles[self.decode_tp]
+            return Layout(colocated=[Instance(f"c{i}", "colocated", p, self.slo_tpot_ms) for i in range(self.replicas)])
+        pre, dec = profiles[self.prefill_tp], profiles[self.decode_tp]
+        return Layout(prefill=[Instance(f"p{i}", "prefill", pre) for i in range(self.prefill)],
+                      decode=[Instance(f"d{i}", "decode", dec, self.slo_tpot_ms) for i in range(self.decode)],
+                      local_tokens=local_tokens if self.disagg == "auto" else None, link_gb_s=link_gb_s)
+
+    def up_command(self, model: str, slo: SLO) -> str:
+        if self.kind == "colocated":
+            cmd = f"pdserve up --model {model} --colocated --decode {self.replicas} --gpus {self.gpus}"
+            cmd += f" --tp {self.decode_tp}" if self.decode_tp > 1 else ""
+            return cmd + (f" --slo-tpot-ms {slo.tpot_ms:g}" if self.slo_tpot_ms is not None else "")
+        cmd = (f"pdserve up --model {model} --prefill {self.prefill} --decode {self.decode} --gpus {self.gpus} "
+               f"--transport nccl")
+        if self.prefill_tp > 1 or self.decode_tp > 1:
+            cmd += f" --prefill-tp {self.prefill_tp} --decode-tp {self.decode_tp}"
+        return cmd + (f" --disagg auto --slo-tpot-ms {slo.tpot_ms:g}" if self.disagg == "auto" else "")
+
+
+def candidates(gpus: int, profiles: dict[int, Profile], slo: SLO) -> list[Candidate]:
+    out = []
+    for tp in sorted(profiles):
+        if gpus % tp == 0:
+            n = gpus // tp
+            out.append(Candidate(f"{n}x colocated tp{tp}", "colocated", replicas=n, decode_tp=tp, gpus=gpus))
+            out.append(Candidate(f"{n}x colocated tp{tp} capped", "colocated", replicas=n, decode_tp=tp, gpus=gpus,
+                                 slo_tpot_ms=slo.tpot_ms))
+    for a in sorted(profiles):
+        for b in sorted(profiles):
+            for x in range(1, gpus // a + 1):
+                rest = gpus - x * a
+                if rest <= 0 or rest % b:
+                    continue
+                y = rest // b
+                base = f"{x}P{y}D" + (f" tp{a}/{b}" if a > 1 or b > 1 else "")
+                for mode in ("always", "auto"):
+                    out.append(Candidate(base + (" auto" if mode == "auto" else ""), "split", prefill=x, decode=y,
+                                         prefill_tp=a, decode_tp=b, disagg=mode, gpus=gpus,
+                                         slo_tpot_ms=slo.tpot_ms if mode == "auto" else None))
+    return out
+
+
+@dataclass(frozen=True)
+class Horizon:
+    duration_s: float = 60.0
+    max_requests: int = 2000
+
+
+def workload_requests(lengths: list[tuple[int, int]], rate: float, seed: int,
+                      horizon: Horizon = Horizon()) -> list[SimRequest]:
+    """Poisson arrivals at ``rate`` of the lengths given (cycled): ``duration_s`` of them, at least all the lengths
+    once, at most ``max_requests``."""
+    count = min(horizon.max_requests, max(len(lengths), int(rate * horizon.duration_s)))
+    rng, t, out = random.Random(seed + 1), 0.0, []
+    for i in range(count):
+        prompt, output = lengths[i % len(lengths)]
+        out.append(SimRequest(t, prompt, output))
+        t += rng.expovariate(rate) * 1e3
+    return out
+
+
+def attainment(requests: list[SimRequest], slo: SLO) -> float:
+    counted = requests[len(requests) // 10:]
+    good = sum(1 for r in counted if r.ttft_ms <= slo.ttft_ms and r.tpot_ms <= slo.tpot_ms
+               and (slo.stall_ms is None or r.longest_gap <= slo.stall_ms))
+    return good / max(1, len(counted))
+
+
+def goodput(candidate: Candidate, profiles: dict[int, Profile], lengths: list[tuple[int, int]], slo: SLO,
+            link_gb_s: float, local_tokens: int, seed: int = 0, horizon: Horizon = Horizon()) -> float:
+    def meets(rate: float) -> bool:
+        reqs = simulate(candidate.layout(profiles, link_gb_s, local_tokens),
+                        workload_requests(lengths, rate, seed, horizon))
+        return attainment(reqs, slo) >= slo.attainment
+
+    lo, hi = 0.0, 0.25
+    while meets(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e5:
+            return lo
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
+def rank(cands: list[Candidate], profiles: dict[int, Profile], lengths, slo: SLO, link_gb_s: float,
+         local_tokens: int, seed: int = 0, horizon: Horizon = Horizon()) -> list[Candidate]:
+    for c in cands:
+        c.goodput = goodput(c, profiles, lengths, slo, link_gb_s, local_tokens, seed, horizon)
+    return sorted(cands, key=lambda c: (-round(c.goodput, 6), c.gpus, c.name))

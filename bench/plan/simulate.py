@@ -1,0 +1,222 @@
+"""A discrete-event simulation of a serving configuration, step by step, from
+an engine profile (``profile.Profile``).
+
+Each instance (a worker: one GPU, or ``tp`` of them) runs steps as the
+engine does: every decoding sequence advances one token, and prompt tokens
+are taken first come first served up to ``max_batched_tokens`` (while
+something decodes and ``slo_tpot_ms`` is set, only as many as keep the
+step within it, at least ``CAP_FLOOR``: as ``--slo-tpot-ms`` does). A step lasts ``decode_ms(rows, mean context)`` plus
+the prompt tokens' prefill time less the fixed cost a step pays once (the
+prefill curve's intercept: the weights are read once per step). A sequence
+is admitted when its prompt and output fit the KV pool.
+
+Roles: ``colocated`` instances prefill and decode; ``prefill`` instances
+only prefill, then the KV takes ``tokens x kv_bytes_per_token / link`` to
+reach the decode instance the request was given on arrival (as the router
+picks decode first); ``decode`` instances decode and, with ``local_tokens``
+(``--disagg auto``), prefill short prompts themselves. Every choice is the
+least outstanding instance, as the router's default policy.
+
+Per request: TTFT (the first token leaves the instance that prefilled),
+TPOT ((last - first) / (tokens - 1)) and the longest gap between tokens."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from .profile import Profile
+
+CAP_FLOOR = 16
+
+
+@dataclass
+class SimRequest:
+    arrival: float  # ms
+    prompt: int
+    output: int
+    left: int = 0  # prompt tokens not yet computed
+    tokens: int = 0  # emitted
+    first: float | None = None
+    last: float = 0.0
+    finish: float | None = None
+    longest_gap: float = 0.0
+    dest: "Instance | None" = None  # remote prefill: the decode instance its KV goes to
+    local: bool = True
+
+    def __post_init__(self):
+        self.left = self.prompt
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def tpot_ms(self) -> float:
+        return (self.finish - self.first) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+    def emit(self, now: float) -> None:
+        if self.tokens:
+            self.longest_gap = max(self.longest_gap, now - self.last)
+        else:
+            self.first = now
+        self.tokens += 1
+        self.last = now
+        if self.tokens >= self.output:
+            self.finish = now
+
+
+@dataclass
+class Instance:
+    name: str
+    role: str  # colocated | prefill | decode
+    profile: Profile
+    slo_tpot_ms: float | None = None
+    queue: deque = field(default_factory=deque)  # prompts to compute
+    decoding: list = field(default_factory=list)
+    arriving: deque = field(default_factory=deque)  # KV received, waiting for room
+    used: int = 0  # KV tokens reserved
+    outstanding: int = 0
+    busy: bool = False
+    step: tuple = ()  # (decoding rows, [(request, chunk)])
+
+    def fixed_ms(self) -> float:
+        p = self.profile.prefill
+        (x0, y0), (x1, y1) = (p[0]["tokens"], p[0]["ms"]), (p[1]["tokens"], p[1]["ms"])
+        intercept = y0 - (y1 - y0) * x0 / (x1 - x0)
+        return min(max(0.0, intercept), self.profile.decode_ms(1, x0))
+
+    def plan(self) -> float | None:
+        """The next step's duration (ms), or None when there is nothing to do."""
+        while self.arriving and self._fits(self.arriving[0]):
+            req = self.arriving.popleft()
+            self.used += req.prompt + req.output
+            self.decoding.append(req)
+        rows = list(self.decoding)
+        context = sum(r.prompt + r.tokens for r in rows) / len(rows) if rows else 0
+        decode_ms = self.profile.decode_ms(len(rows), context)
+        budget = self.profile.max_batched_tokens
+        if rows and self.slo_tpot_ms is not None:
+            room = (self.slo_tpot_ms - decode_ms) / self.profile.prefill_ms_per_token()
+            budget = int(max(CAP_FLOOR, min(budget, room)))
+        chunks = []
+        for req in self.queue:
+            if budget <= 0:
+                break
+            if req.left == req.prompt:  # not started: reserve its KV
+                need = req.prompt + (req.output if self.role != "prefill" else 0)
+                if self.used + need > self.profile.kv_capacity_tokens and (self.used or chunks or rows):
+                    break
+                self.used += need
+            chunk = min(req.left, budget)
+            chunks.append((req, chunk))
+            budget -= chunk
+        if not rows and not chunks:
+            return None
+        self.step = (rows, chunks)
+        prompt_tokens = sum(c for _, c in chunks)
+        extra = self.profile.prefill_ms(prompt_tokens) - (self.fixed_ms() if rows and chunks else 0.0)
+        return decode_ms + max(0.0, extra)
+
+    def _fits(self, req: SimRequest) -> bool:
+        return self.used + req.prompt + req.output <= self.profile.kv_capacity_tokens or not self.used
+
+    def finish_step(self, now: float) -> tuple[list, list]:
+        """Apply the planned step; returns (requests whose prompt ended here, requests that finished)."""
+        rows, chunks = self.step
+        done, prefilled = [], []
+        for req in rows:
+            req.emit(now)
+            if req.finish is not None:
+                done.append(req)
+        for req, chunk in chunks:
+            req.left -= chunk
+            if req.left == 0:
+                self.queue.remove(req)
+                req.emit(now)
+                prefilled.append(req)
+                if self.role == "prefill":
+                    self.used -= req.prompt
+                elif req.finish is not None:
+                    done.append(req)
+                else:
+                    self.decoding.append(req)
+        for req in done:
+            if req in self.decoding:
+                self.decoding.remove(req)
+            self.used -= req.prompt + req.output
+            self.outstanding -= 1
+        return prefilled, done
+
+
+@dataclass
+class Layout:
+    """A configuration to simulate: instances by role, and how requests are sent between them."""
+    colocated: list = field(default_factory=list)
+    prefill: list = field(default_factory=list)
+    decode: list = field(default_factory=list)
+    local_tokens: int | None = None  # decode instances prefill prompts of at most this many tokens (auto)
+    prefill_queue: int = 4
+    link_gb_s: float = 50.0
+
+
+def simulate(layout: Layout, requests: list[SimRequest]) -> list[SimRequest]:
+    """Runs every request to its end; returns them with their times."""
+    order = itertools.count()
+    events = [(r.arrival, next(order), "arrive", r) for r in requests]
+    heapq.heapify(events)
+
+    def kick(inst: Instance, now: float) -> None:
+        if not inst.busy:
+            ms = inst.plan()
+            if ms is not None:
+                inst.busy = True
+                heapq.heappush(events, (now + ms, next(order), "step", inst))
+
+    while events:
+        now, _, kind, obj = heapq.heappop(events)
+        if kind == "arrive":
+            kick(_route(layout, obj), now)
+        elif kind == "kv":
+            obj.dest.arriving.append(obj)
+            kick(obj.dest, now)
+        else:
+            obj.busy = False
+            prefilled, _ = obj.finish_step(now)
+            for req in prefilled:
+                if obj.role == "prefill":
+                    obj.outstanding -= 1
+                    if req.finish is None:
+                        ms = obj.profile.kv_transfer_ms(req.prompt, layout.link_gb_s)
+                        heapq.heappush(events, (now + ms, next(order), "kv", req))
+                    else:
+                        req.dest.outstanding -= 1
+            kick(obj, now)
+    return requests
+
+
+def _least(instances: list) -> Instance:
+    return min(instances, key=lambda i: i.outstanding)
+
+
+def _route(layout: Layout, req: SimRequest) -> Instance:
+    if layout.colocated:
+        inst = _least(layout.colocated)
+        inst.outstanding += 1
+        inst.queue.append(req)
+        return inst
+    dest = _least(layout.decode)
+    dest.outstanding += 1
+    local = not layout.prefill
+    if layout.local_tokens is not None and not local:
+        busy = min(p.outstanding for p in layout.prefill) >= layout.prefill_queue
+        local = req.prompt <= layout.local_tokens or (busy and len(dest.queue) < layout.prefill_queue)
+    if local:
+        dest.queue.append(req)
+        return dest
+    req.local, req.dest = False, dest
+    inst = _least(layout.prefill)
+    inst.outstanding += 1
+    inst.queue.append(req)
+    return inst

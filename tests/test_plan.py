@@ -1,0 +1,108 @@
+"""``pdserve plan``: profiles, the simulation, and the choice between colocation and a prefill/decode split."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.plan.profile import Profile
+from bench.plan.search import SLO, Horizon, candidates, rank
+from bench.plan.simulate import Instance, Layout, SimRequest, simulate
+from bench.workload import lengths
+
+
+def profile(prefill_ms_per_token: float, decode_base_ms: float = 5.0, tp: int = 1, **extra) -> Profile:
+    """A synthetic profile: prefill ``1 ms + per_token x n``; decode ``base + 0.05 ms per sequence + context
+    reads``."""
+    prefill = [{"tokens": n, "ms": 1.0 + prefill_ms_per_token * n} for n in (128, 1024, 8192)]
+    decode = [{"batch": b, "context": c, "step_ms": decode_base_ms + 0.05 * b + 2e-5 * b * c}
+              for b in (1, 16, 64, 256) for c in (512, 8192)]
+    return Profile(model="synthetic", device="gpu", tp=tp, prefill=prefill, decode=decode,
+                   kv_bytes_per_token=131072, kv_capacity_tokens=1_000_000, **extra)
+
+
+def test_profiles_interpolate_and_refuse_what_they_are_not():
+    p = profile(0.1)
+    assert p.prefill_ms(1024) == pytest.approx(103.4)
+    assert p.prefill_ms(2048) == pytest.approx(1.0 + 0.1 * 2048)
+    assert p.decode_ms(16, 512) == pytest.approx(5.0 + 0.8 + 2e-5 * 16 * 512)
+    assert p.decode_ms(40, 4000) == pytest.approx(5.0 + 0.05 * 40 + 2e-5 * 40 * 4000, rel=0.05)
+    assert p.kv_transfer_ms(1000, 100.0) == pytest.approx(1.31072)
+    with pytest.raises(ValueError, match="version"):
+        Profile(**{**p.to_dict(), "version": 99})
+    with pytest.raises(ValueError, match="prefill points"):
+        Profile(**{**p.to_dict(), "prefill": p.prefill[:1]})
+
+
+def test_one_request_alone_takes_its_prefill_then_one_step_per_token():
+    p = profile(0.1)
+    req = simulate(Layout(colocated=[Instance("c0", "colocated", p)]), [SimRequest(0.0, 1024, 11)])[0]
+    assert req.ttft_ms == pytest.approx(p.prefill_ms(1024))
+    assert req.tpot_ms == pytest.approx(p.decode_ms(1, 1030), rel=0.01)
+    split = Layout(prefill=[Instance("p0", "prefill", p)], decode=[Instance("d0", "decode", p)], link_gb_s=10.0)
+    req = simulate(split, [SimRequest(0.0, 1024, 11)])[0]
+    assert req.ttft_ms == pytest.approx(p.prefill_ms(1024))
+    assert req.longest_gap == pytest.approx(p.kv_transfer_ms(1024, 10.0) + p.decode_ms(1, 1025), rel=0.01)
+
+
+SLO_LONG = SLO(ttft_ms=2000.0, tpot_ms=10.0)
+
+
+def plan(prefill_per_token: float, work) -> list:
+    profiles = {1: profile(prefill_per_token, decode_base_ms=8.0)}
+    return rank(candidates(2, profiles, SLO_LONG), profiles, work, SLO_LONG, link_gb_s=100.0, local_tokens=512,
+                horizon=Horizon(duration_s=20.0, max_requests=600))
+
+
+def test_where_prefill_interference_dominates_a_split_wins_and_where_it_does_not_colocation():
+    work = lengths(100, "3000:4000", "100:200", seed=1)
+    cheap = plan(1e-3, work)  # a 4k prompt costs 4 ms: the 2 ms a decode step has to spare take 2k tokens
+    assert cheap[0].kind == "colocated", [(c.name, c.goodput) for c in cheap]
+    heavy = plan(2.5e-2, work)  # 100 ms: 80 tokens fit a decode step's 2 ms; prompts crawl, or stall decoding
+    assert heavy[0].kind == "split", [(c.name, c.goodput) for c in heavy]
+    assert heavy[0].goodput > 1.5 * max(c.goodput for c in heavy if c.kind == "colocated")
+
+
+def test_the_ranking_is_deterministic():
+    work = lengths(80, "1000:4000", "50:100", seed=3, workload="mixed")
+    first = [(c.name, c.goodput) for c in plan(1e-2, work)]
+    assert first == [(c.name, c.goodput) for c in plan(1e-2, work)]
+    assert len(first) == 4 and len({name for name, _ in first}) == 4
+
+
+def test_candidates_cover_tp_degrees_and_splits():
+    profiles = {1: profile(1e-3), 2: profile(6e-4, tp=2)}
+    names = {c.name for c in candidates(4, profiles, SLO_LONG)}
+    assert {"4x colocated tp1", "2x colocated tp2", "1P3D", "3P1D", "1P1D tp2/2", "2P1D tp1/2", "1P2D tp2/1",
+            "1P3D auto"} <= names
+
+
+def test_plan_command_writes_the_recommendation(tmp_path):
+    path = tmp_path / "prof.json"
+    profile(2.5e-2, decode_base_ms=8.0).save(str(path))
+    out = tmp_path / "plan"
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(path), "--gpus", "2",
+                          "--prompt-len", "3000:4000", "--max-tokens", "100:200", "--requests", "60",
+                          "--duration", "10", "--max-requests", "300",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["recommended"] == report["candidates"][0]["name"] == "1P1D"
+    assert "pdserve up --model synthetic" in run.stdout and "recommended:" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "none.json"),
+                          "--gpus", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error:" in bad.stdout
+
+
+def test_bench_engine_measures_a_profile_plan_reads(tmp_path):
+    out = tmp_path / "tiny"
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "engine", "--batches", "1,4",
+                          "--decode-steps", "8", "--requests", "2", "--profile", "--profile-prompts", "32,128",
+                          "--profile-contexts", "64", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    prof = Profile.load(str(tmp_path / "tiny-profile.json"))
+    assert [p["tokens"] for p in prof.prefill] == [32, 128] and {d["batch"] for d in prof.decode} == {1, 4}
+    assert prof.model == "tiny-llama" and prof.kv_capacity_tokens > 0
