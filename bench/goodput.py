@@ -7,9 +7,11 @@ Each ``--config NAME=ARGS`` is a ``pdserve up`` started here (ARGS plus the
 shared ``--up-args``), e.g. ``1p1d=--transport nccl`` and
 ``2x-colocated=--colocated --decode 2 --gpus 2``. Per configuration, after a
 short warm-up, Poisson arrivals at each of ``--rates`` (``--requests`` each,
-the same seeded workload everywhere) give the SLO attainment per rate
-(errors count as misses); the sweep stops after two rates below half the
-target. Then closed-loop runs at each of ``--ttft-concurrency`` record TTFT
+or ``--duration`` seconds of them; the first ``--warmup-requests`` not
+counted; the same seeded workload everywhere, ``--workload mixed`` too)
+give the SLO attainment per rate (errors count as misses; SLOs on TTFT,
+TPOT and, when given, each request's ITL p99 and longest stall); the sweep
+stops after two rates below half the target. Then closed-loop runs at each of ``--ttft-concurrency`` record TTFT
 median and p90. Writes JSON, Markdown and a plot of attainment vs rate."""
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import os
 import shlex
 
 from .report import command_line
-from .serve import run_load
+from .serve import run_load, within
 from .stats import summary
+from .workload import WORKLOADS
 from .transfer import environment
 
 
@@ -29,7 +32,12 @@ def add_arguments(p):
     p.add_argument("--config", action="append", required=True, help="NAME=pdserve up arguments (repeatable)")
     p.add_argument("--up-args", default="", help="arguments every configuration's pdserve up gets")
     p.add_argument("--rates", default="1,2,4,8", help="requests/s, comma-separated, ascending")
-    p.add_argument("--requests", type=int, default=40, help="requests per rate")
+    p.add_argument("--requests", type=int, default=200, help="requests per rate")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (instead)")
+    p.add_argument("--warmup-requests", type=int, default=10, help="first requests of each rate not counted")
+    p.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    p.add_argument("--slo-itl-p99-ms", type=float, default=None)
+    p.add_argument("--slo-stall-ms", type=float, default=None)
     p.add_argument("--prompt-len", default="2000:8000")
     p.add_argument("--max-tokens", default="64:256")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -41,15 +49,21 @@ def add_arguments(p):
     p.add_argument("--out", default="bench/out/goodput")
 
 
-def attained(rows: list[dict], ttft: float, tpot: float) -> float:
-    good = [r for r in rows if not r["error"] and "ttft_ms" in r and r["ttft_ms"] <= ttft and r["tpot_ms"] <= tpot]
+def slo_of(args) -> dict:
+    return {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
+            "itl_p99_ms": getattr(args, "slo_itl_p99_ms", None), "stall_ms": getattr(args, "slo_stall_ms", None)}
+
+
+def attained(rows: list[dict], slo: dict, warmup: int = 0) -> float:
+    rows = [r for r in rows if r.get("index", warmup) >= warmup]
+    good = [r for r in rows if not r["error"] and "ttft_ms" in r and within(r, slo)]
     return len(good) / max(1, len(rows))
 
 
-def _load(args, url: str, rate: float | None, concurrency: int, requests: int, seed: int):
-    ns = argparse.Namespace(url=url, model=None, endpoint="completions", requests=requests, duration=None,
+def _load(args, url: str, rate: float | None, concurrency: int, requests: int, seed: int, duration=None):
+    ns = argparse.Namespace(url=url, model=None, endpoint="completions", requests=requests, duration=duration,
                             concurrency=concurrency, rate=rate, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                            prompts_jsonl=None, temperature=0.0, seed=seed)
+                            prompts_jsonl=None, temperature=0.0, seed=seed, workload=getattr(args, "workload", "uniform"))
     return asyncio.run(run_load(ns))
 
 
@@ -62,14 +76,21 @@ def measure(name: str, up_args: list[str], args) -> dict:
         _load(args, cluster.url, None, 2, 4, args.seed + 99)  # warm-up
         below = 0
         for rate in [float(r) for r in args.rates.split(",")]:
-            rows, wall = _load(args, cluster.url, rate, 100_000, args.requests, args.seed)
-            share = attained(rows, args.slo_ttft_ms, args.slo_tpot_ms)
-            timed = [r for r in rows if "ttft_ms" in r]
+            rows, wall = _load(args, cluster.url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None))
+            warmup = getattr(args, "warmup_requests", 0)
+            share = attained(rows, slo_of(args), warmup)
+            timed = [r for r in rows if "ttft_ms" in r and r.get("index", warmup) >= warmup]
+            where = [r["pdserve"].get("disagg") for r in timed if r["pdserve"].get("disagg")]
             point = {"rate": rate, "attainment": share, "errors": sum(1 for r in rows if r["error"]), "wall_s": wall,
-                     "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed)}
+                     "requests": len(rows), "ttft_ms": summary(r["ttft_ms"] for r in timed),
+                     "tpot_ms": summary(r["tpot_ms"] for r in timed),
+                     "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed),
+                     "stall_ms": summary(r["stall_ms"] for r in timed),
+                     "disagg": {w: where.count(w) for w in sorted(set(where))}}
             result["rates"].append(point)
             print(f"  {name}: {rate:g} req/s -> {share:.0%} within SLO (TTFT p90 "
-                  f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f} ms)",
+                  f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f} ms, "
+                  f"ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms)",
                   flush=True)
             below = below + 1 if share < args.attainment / 2 else 0
             if below >= 2:
@@ -127,9 +148,10 @@ def run(args) -> int:
     base = results[-1]["goodput_rate"]
     for r in results:
         r["vs_last"] = r["goodput_rate"] / base if base else None
-    report = {"command": command_line("goodput"), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
-              "attainment": args.attainment}, "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-              "requests_per_rate": args.requests}, "results": results, "env": environment()}
+    report = {"command": command_line("goodput"), "slo": {**slo_of(args), "attainment": args.attainment},
+              "workload": {"kind": args.workload, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                           "requests_per_rate": args.requests, "duration_s": args.duration,
+                           "warmup_requests": args.warmup_requests}, "results": results, "env": environment()}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

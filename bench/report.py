@@ -80,14 +80,14 @@ def _plot(report: dict, path: str) -> str | None:
 
 def serve_table(s: dict) -> str:
     rows = ["| metric | p50 | p90 | p99 |", "|---|---|---|---|"]
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "itl_p99_ms", "stall_ms", "e2e_ms"):
         q = s.get(name) or {}
         if q:
             rows.append(f"| {name} | {q['median']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} |")
     rows.append("")
     rows.append(f"requests {s['requests']}, errors {s['errors']}, {s['request_per_s']:.2f} req/s, "
                 f"{s['output_tok_per_s']:.1f} output tok/s, goodput {s['goodput_req_per_s']:.2f} req/s "
-                f"({100 * s['goodput_fraction']:.0f}%)")
+                f"({100 * s['goodput_fraction']:.0f}%)" + (f"; prefilled {s['disagg']}" if s.get("disagg") else ""))
     return "\n".join(rows)
 
 

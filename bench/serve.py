@@ -1,10 +1,15 @@
 """``pdserve bench serve``: load against any OpenAI-compatible endpoint.
 
 Requests stream with ``include_usage``; per request it records TTFT (first
-content chunk), inter-token gaps, TPOT, end-to-end latency, output tokens and,
-when the server is pdserve, its per-phase timings. Fixed concurrency (closed
-loop) or Poisson arrivals at ``--rate``; stops after ``--requests`` or
-``--duration``. Goodput counts requests within ``--slo-ttft-ms``/``--slo-tpot-ms``."""
+content chunk), inter-token gaps (their p99 and the longest, the stall),
+TPOT, end-to-end latency, output tokens and, when the server is pdserve, its
+per-phase timings and where the prompt was prefilled. Fixed concurrency
+(closed loop) or Poisson arrivals at ``--rate``; stops after ``--requests``
+or ``--duration``; the first ``--warmup-requests`` run but are left out of
+the summary. ``--workload mixed``: 70% prompts of 128-1,024 tokens, 30% of
+6,000-8,000 (``bench.workload``). Goodput counts requests within every SLO
+given: ``--slo-ttft-ms``, ``--slo-tpot-ms``, ``--slo-itl-p99-ms``,
+``--slo-stall-ms``."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +23,8 @@ import httpx
 
 from .report import command_line
 from .stats import summary
-from .workload import Request, arrivals, build, parse_range, synthetic_prompt
+from .stats import quantile
+from .workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
 
 PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")
@@ -38,6 +44,11 @@ def add_arguments(p):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-itl-p99-ms", type=float, default=None, help="SLO on each request's p99 token gap")
+    p.add_argument("--slo-stall-ms", type=float, default=None, help="SLO on each request's longest token gap")
+    p.add_argument("--workload", choices=WORKLOADS, default="uniform", help="mixed: 70%% 128-1k, 30%% 6-8k "
+                   "prompts, 128-512 out (--prompt-len/--max-tokens ignored)")
+    p.add_argument("--warmup-requests", type=int, default=0, help="the first N requests run, not counted")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=0, help="multi-turn workload: this many conversations, each "
                    "sending its turns one after another (the prompt grows by the reply and the next question)")
@@ -86,6 +97,8 @@ async def one(client, url, model, endpoint, req, temperature, keep_text=False) -
     if stamps:
         row["ttft_ms"] = (stamps[0] - start) * 1e3
         row["itl_ms"] = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        row["itl_p99_ms"] = quantile(row["itl_ms"], 0.99)
+        row["stall_ms"] = max(row["itl_ms"], default=0.0)
         row["tpot_ms"] = (end - stamps[0]) * 1e3 / (out_tokens - 1) if out_tokens > 1 else 0.0
     return row
 
@@ -123,22 +136,25 @@ async def run_load(args) -> tuple[list[dict], float]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
         count = args.requests if not args.duration else 1_000_000
-        requests = build(min(count, 100_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl)
+        requests = build(min(count, 100_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl,
+                         getattr(args, "workload", "uniform"))
         offsets = arrivals(len(requests), args.rate, args.seed)
         gate = asyncio.Semaphore(args.concurrency)
         rows, start = [], time.perf_counter()
         deadline = start + args.duration if args.duration else None
 
-        async def fire(req, offset):
+        async def fire(index, req, offset):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             if deadline and time.perf_counter() > deadline:
                 return
             async with gate:
                 if deadline and time.perf_counter() > deadline:
                     return
-                rows.append(await one(client, args.url, model, args.endpoint, req, args.temperature))
+                row = await one(client, args.url, model, args.endpoint, req, args.temperature)
+                row["index"] = index
+                rows.append(row)
                 _progress(len(rows), None if deadline else len(requests), start)
-        await asyncio.gather(*(fire(r, o) for r, o in zip(requests, offsets)))
+        await asyncio.gather(*(fire(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
         if sys.stderr.isatty():
             print(file=sys.stderr)
         return rows, time.perf_counter() - start
@@ -158,16 +174,29 @@ def _progress(done, total, start):
         print(f"  requests {bar}  {elapsed:6.1f}s", file=sys.stderr, flush=True)
 
 
-def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None) -> dict:
+def within(row: dict, slo: dict) -> bool:
+    """``row`` (timed) meets every SLO in ``slo`` (keys ``ttft_ms``, ``tpot_ms``, ``itl_p99_ms``, ``stall_ms``)."""
+    return all(limit is None or row.get(key, 0.0) <= limit for key, limit in slo.items())
+
+
+def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None, slo_itl_p99=None, slo_stall=None,
+              warmup: int = 0) -> dict:
+    rows = [r for r in rows if r.get("index", warmup) >= warmup]
+    slo = {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot, "itl_p99_ms": slo_itl_p99, "stall_ms": slo_stall}
     ok = [r for r in rows if not r["error"]]
     timed = [r for r in ok if "ttft_ms" in r]
-    good = [r for r in timed if (slo_ttft is None or r["ttft_ms"] <= slo_ttft) and (slo_tpot is None or r["tpot_ms"] <= slo_tpot)]
+    good = [r for r in timed if within(r, slo)]
     out = {"requests": len(rows), "errors": len(rows) - len(ok), "wall_s": wall_s,
            "request_per_s": len(ok) / wall_s if wall_s else 0.0,
            "output_tok_per_s": sum(r["output_tokens"] for r in ok) / wall_s if wall_s else 0.0,
            "goodput_req_per_s": len(good) / wall_s if wall_s else 0.0, "goodput_fraction": len(good) / max(1, len(rows)),
            "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed),
-           "itl_ms": summary(x for r in timed for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok)}
+           "itl_ms": summary(x for r in timed for x in r["itl_ms"]), "e2e_ms": summary(r["e2e_ms"] for r in ok),
+           "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed), "stall_ms": summary(r["stall_ms"] for r in timed),
+           "warmup_requests": warmup}
+    where = [r["pdserve"].get("disagg") for r in ok if r["pdserve"].get("disagg")]
+    if where:
+        out["disagg"] = {w: where.count(w) for w in sorted(set(where))}
     phases = {p: summary(r["pdserve"][p] for r in ok if isinstance(r["pdserve"].get(p), (int, float))) for p in PHASES}
     out["pdserve_ms"] = {p: s for p, s in phases.items() if s}
     if any("turn" in r for r in rows):
@@ -184,7 +213,8 @@ def run(args) -> int:
     from .transfer import environment
 
     report = {"command": command_line("serve"), "url": args.url, "env": environment(),
-              "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms), "samples": rows}
+              "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_itl_p99_ms,
+                                   args.slo_stall_ms, args.warmup_requests), "samples": rows}
     paths = write_serve_reports(report, args.out)
     print(paths.pop("markdown_text"))
     print("wrote " + ", ".join(paths.values()))

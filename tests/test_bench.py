@@ -16,13 +16,16 @@ def test_bench_transfer_tiny(tmp_path):
 
 def test_bench_serve_against_running_cluster(disagg, tmp_path):
     out = tmp_path / "s"
-    assert main(["bench", "serve", "--url", disagg.url, "--requests", "6", "--concurrency", "3", "--prompt-len",
-                 "10:40", "--max-tokens", "4:8", "--slo-ttft-ms", "10000", "--out", str(out)]) == 0
+    assert main(["bench", "serve", "--url", disagg.url, "--requests", "8", "--concurrency", "3", "--prompt-len",
+                 "10:40", "--max-tokens", "4:8", "--slo-ttft-ms", "10000", "--slo-stall-ms", "10000",
+                 "--warmup-requests", "2", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "s.json").read_text())
     s = report["summary"]
-    assert s["requests"] == 6 and s["errors"] == 0 and s["goodput_fraction"] == 1.0
+    assert s["requests"] == 6 and s["errors"] == 0 and s["goodput_fraction"] == 1.0  # 2 of 8 were the warm-up
     assert s["ttft_ms"]["n"] == 6 and "wire" in s["pdserve_ms"] and s["output_tok_per_s"] > 0
-    assert all(4 <= r["output_tokens"] <= 8 for r in report["samples"])
+    assert all(4 <= r["output_tokens"] <= 8 for r in report["samples"]) and len(report["samples"]) == 8
+    assert all(r["stall_ms"] == max(r["itl_ms"]) and r["itl_p99_ms"] <= r["stall_ms"] for r in report["samples"])
+    assert s["stall_ms"]["n"] == 6 and "stall_ms" in (tmp_path / "s.md").read_text()
 
 
 def test_bench_serve_poisson_and_chat(disagg, tmp_path):
@@ -75,12 +78,12 @@ def test_bench_goodput_small(tmp_path):
     out = tmp_path / "g"
     assert main(["bench", "goodput", "--config", "tcp=--transport tcp", "--rates", "4,8,16", "--requests", "4",
                  "--prompt-len", "16:64", "--max-tokens", "4:8", "--slo-ttft-ms", "20000", "--slo-tpot-ms", "0.001",
-                 "--ttft-concurrency", "2", "--out", str(out)]) == 0
+                 "--ttft-concurrency", "2", "--warmup-requests", "1", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "g.json").read_text())
     (result,) = report["results"]
     # nobody meets a 1 us TPOT: goodput 0, and the sweep stops after two rates below half the target
     assert [p["attainment"] for p in result["rates"]] == [0.0, 0.0] and result["goodput_rate"] == 0.0
-    assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 4 for p in result["rates"])
+    assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 3 and p["stall_ms"]["n"] == 3 for p in result["rates"])
     assert result["ttft_under_load"]["2"]["n"] >= 4
     assert "| tcp | 0 |" in (tmp_path / "g.md").read_text()
 

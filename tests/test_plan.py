@@ -106,3 +106,10 @@ def test_bench_engine_measures_a_profile_plan_reads(tmp_path):
     prof = Profile.load(str(tmp_path / "tiny-profile.json"))
     assert [p["tokens"] for p in prof.prefill] == [32, 128] and {d["batch"] for d in prof.decode} == {1, 4}
     assert prof.model == "tiny-llama" and prof.kv_capacity_tokens > 0
+
+
+def test_the_mixed_workload_is_seven_short_prompts_to_three_long():
+    work = lengths(1000, "1", "1", seed=0, workload="mixed")
+    long = [p for p, _ in work if p >= 6000]
+    assert 0.25 < len(long) / len(work) < 0.35 and all(128 <= p <= 1024 for p, _ in work if p < 6000)
+    assert all(128 <= o <= 512 for _, o in work)
