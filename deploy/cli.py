@@ -140,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_worker(d)
     d.add_argument("--kv-port", type=int, default=0, help="KV transport port (0 = pick a free one)")
     d.add_argument("--colocated", action="store_true", help="also run prefill here; no KV transfer (baseline)")
+    d.add_argument("--role", choices=["decode", "mixed"], default="decode", help="mixed: also prefill prompts for "
+                   "other decode workers (list it as both --prefill and --decode of the router)")
     d.add_argument("--kv-budget", type=byte_size, default=0, help="KV pool size, e.g. 4G (default: room for "
                    "--max-num-seqs full-context sequences, at most half the free memory, 2G on the CPU)")
 
@@ -149,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     u.add_argument("--decode", type=int, default=1, help="number of decode workers")
     u.add_argument("--colocated", action="store_true", help="single-machine baseline: workers do prefill+decode")
+    u.add_argument("--mixed", type=int, default=0, help="mixed workers: decode, and prefill for the others (each "
+                   "listed as a prefill and a decode worker)")
     u.add_argument("--policy", default="least_outstanding", help="least_outstanding | round_robin | kv_aware")
     u.add_argument("--kv-weight", type=float, default=0.5, help="kv_aware: weight of load against cached prefix")
     u.add_argument("--ready-timeout", type=float, default=180.0)
@@ -283,6 +287,13 @@ def main(argv=None) -> int:
 
         PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args),
                       max_queue=args.max_queue, drain_s=args.drain_timeout, kv_stream=args.kv_stream).serve_forever()
+        return 0
+    if args.cmd == "decode" and args.role == "mixed":
+        from decode.mixed import MixedWorker
+
+        MixedWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port,
+                    _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
+                    drain_s=args.drain_timeout).serve_forever()
         return 0
     if args.cmd == "decode":
         from decode.worker import DecodeWorker

@@ -125,6 +125,12 @@ def plan(args) -> list[list[str]]:
             cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget
                         + role_engine(args, "decode"))
             roles["decode"].append(f"tcp://{host}:{port}")
+        for _ in range(getattr(args, "mixed", 0)):
+            port, kv = free_port(host), free_port(host)
+            cmds.append(base + ["decode", "--role", "mixed", "--host", host, "--port", str(port), "--kv-port", str(kv)]
+                        + eng + budget + role_engine(args, "decode"))
+            roles["prefill"].append(f"tcp://{host}:{port}")
+            roles["decode"].append(f"tcp://{host}:{port}")
     gpus = getattr(args, "gpus", 0)
     if not gpus and args.transport == "nccl" and not args.colocated and args.device in ("auto", "cuda"):
         gpus = 2  # the nccl transport moves KV between GPUs: prefill on cuda:0, decode on cuda:1 (1P1D)
@@ -208,7 +214,7 @@ def up(args) -> int:
         supervisor = Supervisor(max_restarts=args.max_restarts)
         counts: dict = {}
         for cmd in cmds:
-            role = "colocated" if "--colocated" in cmd else cmd[5]
+            role = "colocated" if "--colocated" in cmd else "mixed" if "mixed" in cmd else cmd[5]
             counts[role] = counts.get(role, 0) + 1
             supervisor.add(Child(f"{role} worker {counts[role] - 1}" if role != "router" else "router", cmd, env,
                                  restartable=role != "router" and not ranked))

@@ -4,7 +4,8 @@ manager and a scheduler, advanced one batched step at a time.
 ``add`` queues a new prompt; ``add_prefilled`` starts a sequence whose
 prompt KV came from elsewhere (a prefill worker) by writing it into fresh
 blocks; ``step`` runs one batch and returns each sequence's new text.
-With ``hold_after_first`` (prefill workers) a sequence leaves the scheduler
+With ``hold_after_first`` (prefill workers; or a sequence's own flag, the
+prompts a mixed worker prefills for others) a sequence leaves the scheduler
 after its first token with its blocks kept, so its KV can be sent, then
 ``free`` returns them."""
 from __future__ import annotations
@@ -314,9 +315,10 @@ class Engine:
         out.tokens.append((seq, delta))
         if held:
             self.register(seq)
-        if seq.finished and not self.hold_after_first:
+        hold = self.hold_after_first or seq.hold_after_first
+        if seq.finished and not hold:
             self.free(seq)
-        elif self.hold_after_first:
+        elif hold:
             self.scheduler.remove(seq)
 
     def follow_step(self, rows: list, copies: list, kv=None) -> None:

@@ -38,6 +38,7 @@ class Sequence:
         self.counted = False
         self.pending = 0  # places held in output_ids for tokens still being chosen on the device
         self.freed = False  # taken out of the engine (finished or aborted)
+        self.hold_after_first = False  # leaves the scheduler after its first token, blocks kept (its KV goes away)
 
     @classmethod
     def create(cls, rid, prompt: str | list[int], params: SamplingParams, tokenizer, max_len: int) -> "Sequence":

@@ -17,7 +17,9 @@ pool can still serve later), ``auto`` decides per request, in this order:
 Local prefill on a decode worker runs in chunks under that worker's
 per-step prompt-token cap (``engine.step_budget``: ``--slo-tpot-ms`` or
 ``--step-prefill-tokens``), so it does not stretch the running sequences'
-time per token past the SLO. The decision and its reason go into the
+time per token past the SLO. A mixed worker (``--role mixed``) is in both groups: it is never its own
+prefill worker (``same_worker`` when it is the only one in the picks). The
+decision and its reason go into the
 response's ``pdserve`` block and ``pdserve_disagg_requests``."""
 from __future__ import annotations
 

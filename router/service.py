@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .admission import estimate_prompt_tokens
-from .disagg import DisaggPolicy
+from .disagg import Decision, DisaggPolicy
 from .errors import ApiError
 from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
@@ -291,7 +291,8 @@ class Service:
         if await self._decide(run, decode, prompt) == "local":
             run.local = True
             return await self._generate_here(run, decode, rid, involved)
-        prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid)
+        twins = {c for c in self.groups["prefill"].clients if c.address == decode.address}
+        prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid | twins)
         problem = pair_mismatch(prefill.info, decode.info)
         if problem:
             raise ApiError(500, f"prefill worker {prefill.address} cannot hand its KV to decode worker "
@@ -318,10 +319,14 @@ class Service:
             uncached = total - cached_blocks(decode, keys) * int(decode.info.get("kv_block_size") or 0)
         else:
             uncached = 0
-        decision = self.disagg.decide(uncached, self.groups["prefill"].healthy(run.avoid)
-                                      if self.groups.get("prefill") else [], decode)
+        healthy = self.groups["prefill"].healthy(run.avoid) if self.groups.get("prefill") else []
+        others = [p for p in healthy if p.address != decode.address]  # a mixed worker is in both groups
+        if healthy and not others:
+            decision = Decision("local", "same_worker")
+        else:
+            decision = self.disagg.decide(uncached, others, decode)
         if decision.where == "local" and decode.info.get("local_prefill") is False:
-            decision = type(decision)("remote", "decode_cannot_prefill")
+            decision = Decision("remote", "decode_cannot_prefill")
         run.timing.update(disagg=decision.where, disagg_reason=decision.reason)
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where

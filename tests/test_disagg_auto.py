@@ -3,6 +3,7 @@ prefill worker, both equal to the colocated reference; and the prompt-token cap 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -153,5 +154,35 @@ def test_never_with_no_prefill_worker_serves_from_the_decode_workers():
         got = complete(cluster.url, "Hello there")
         assert got.choices[0].text and got.model_extra["pdserve"]["disagg"] == "local"
         assert eventually(lambda: decode_info(cluster)["local_prefills"] == 1, 5, 0.1)
+    finally:
+        cluster.stop()
+
+
+def test_mixed_workers_prefill_for_each_other_with_the_colocated_tokens(pair):
+    _, colocated = pair
+    cluster = Cluster("--prefill", "0", "--decode", "0", "--mixed", "2").wait_ready()
+    try:
+        prompts = [f"mixed worker prompt {i} " * (i + 1) for i in range(6)]
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: complete(cluster.url, p, 24), prompts))
+        for prompt, out in zip(prompts, got):
+            assert out.choices[0].text == complete(colocated.url, prompt, 24).choices[0].text
+            assert out.model_extra["pdserve"]["kv_bytes"] > 0  # prefilled on the other worker, KV moved
+        health = httpx.get(cluster.url + "/health").json()["workers"]
+        assert {w["address"] for w in health["prefill"]} == {w["address"] for w in health["decode"]}
+        assert eventually(lambda: all(w["prefilled_for_others"] >= 1 and w["role"] == "mixed"
+                                      for w in httpx.get(cluster.url + "/health").json()["workers"]["decode"]), 5, 0.1)
+    finally:
+        cluster.stop()
+
+
+def test_one_mixed_worker_alone_prefills_its_own_prompts(pair):
+    _, colocated = pair
+    cluster = Cluster("--prefill", "0", "--decode", "0", "--mixed", "1").wait_ready()
+    try:
+        got = complete(cluster.url, "alone")
+        assert got.choices[0].text == complete(colocated.url, "alone").choices[0].text
+        assert (got.model_extra["pdserve"]["disagg"], got.model_extra["pdserve"]["disagg_reason"]) == \
+            ("local", "same_worker")
     finally:
         cluster.stop()
