@@ -135,8 +135,9 @@ async def run_load(args) -> tuple[list[dict], float]:
         return await run_conversations(args)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
-        count = args.requests if not args.duration else 1_000_000
-        requests = build(min(count, 100_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl,
+        count = args.requests if not args.duration else int(args.rate * args.duration * 1.5) + 50 if args.rate \
+            else 1_000_000
+        requests = build(min(count, 20_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl,
                          getattr(args, "workload", "uniform"))
         offsets = arrivals(len(requests), args.rate, args.seed)
         gate = asyncio.Semaphore(args.concurrency)
@@ -144,6 +145,8 @@ async def run_load(args) -> tuple[list[dict], float]:
         deadline = start + args.duration if args.duration else None
 
         async def fire(index, req, offset):
+            if deadline and start + offset > deadline:
+                return  # arrives after the run's end: not sent
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             if deadline and time.perf_counter() > deadline:
                 return

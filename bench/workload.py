@@ -28,9 +28,10 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def synthetic_prompt(rng: random.Random, chars: int) -> str:
     """About ``chars`` characters of text (one token each for the built-in byte tokenizer)."""
-    out = []
-    while sum(len(w) + 1 for w in out) < chars:
+    out, size = [], 0
+    while size < chars:
         out.append(rng.choice(WORDS))
+        size += len(out[-1]) + 1
     return " ".join(out)[:chars]
 
 

@@ -8,11 +8,19 @@ scheduler caps the prompt tokens of such steps at ``tokens()``; steps with
 nothing to decode take the full ``max_batched_tokens``.
 
 The cap is either fixed (``step_prefill_tokens``) or learned from the
-steps themselves to keep them within ``slo_tpot_ms``: step time is modelled
-as ``base + per_token x prompt tokens``, ``base`` the mean of recent steps
-that only decoded and ``per_token`` that of recent mixed steps' extra time
-per prompt token (exponential averages). The cap is then
-``(slo - base) / per_token``, at least one block (prompts always advance).
+steps themselves to keep them within ``slo_tpot_ms``. A step that only
+decodes takes ``base`` (the mean of recent ones); a step that also takes
+``n`` prompt tokens takes ``fixed + per_token x n``, fitted by least squares
+over the recent mixed steps (``fixed`` holds the decode rows and what any
+step with a prompt chunk pays once: on a GPU the eager forward, tens of ms,
+against a few ms for a decode step replayed from a CUDA graph). The cap is
+the larger of ``(slo - fixed) / per_token`` (the chunk that keeps the step
+within the SLO) and ``(fixed - base) / per_token`` (the chunk whose compute
+is at least the fixed cost it pays: smaller chunks would spend most of the
+step on overhead and prompts would fall behind), within one block and
+``max_batched_tokens``. Where the SLO cannot be met by any step with a prompt
+chunk, the second term wins: prompts keep moving at half their speed or
+better, and steps stay as short as that allows.
 
 ``StepLog`` keeps what the recent steps took, for the worker's ``info``
 and tests: decode rows, prompt tokens, milliseconds."""
@@ -21,8 +29,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-ALPHA = 0.2  # weight of the newest step in the averages
-FIRST_CAP = 256  # learned cap before any mixed step was measured
+ALPHA = 0.2  # weight of the newest decode-only step in its average
+FIRST_CAP = 256  # learned cap before mixed steps of two sizes were measured
+WINDOW = 64  # mixed steps the fit looks at
 
 
 @dataclass
@@ -55,7 +64,8 @@ class PrefillBudget:
         self.ceiling, self.floor = ceiling, max(1, min(floor, ceiling))
         self.fixed, self.slo_ms = fixed, slo_tpot_ms
         self.base_ms: float | None = None
-        self.per_token_ms: float | None = None
+        self.mixed: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.fit: tuple[float, float] | None = None  # (fixed ms, ms per prompt token) of mixed steps
 
     @property
     def active(self) -> bool:
@@ -67,24 +77,45 @@ class PrefillBudget:
             return min(self.fixed, self.ceiling)
         if self.slo_ms is None:
             return None
-        if self.base_ms is None or self.per_token_ms is None:
+        if self.fit is None or self.base_ms is None:
             return max(self.floor, min(FIRST_CAP, self.ceiling))
-        room = (self.slo_ms - self.base_ms) / max(self.per_token_ms, 1e-6)
-        return int(max(self.floor, min(self.ceiling, room)))
+        fixed_ms, per_token = self.fit
+        within_slo = (self.slo_ms - fixed_ms) / per_token
+        amortized = (fixed_ms - self.base_ms) / per_token
+        return int(max(self.floor, min(self.ceiling, max(within_slo, amortized))))
 
     def observe(self, record: StepRecord) -> None:
         if not record.decode_rows:
             return
         if not record.prompt_tokens:
             self.base_ms = _average(self.base_ms, record.ms)
-        elif self.base_ms is not None:
-            extra = max(0.0, record.ms - self.base_ms) / record.prompt_tokens
-            self.per_token_ms = _average(self.per_token_ms, extra)
+            return
+        self.mixed.append((record.prompt_tokens, record.ms))
+        self.fit = _line(self.mixed) or self.fit
 
     def info(self) -> dict:
+        fixed_ms, per_token = self.fit or (None, None)
         return {"step_prefill_cap": self.tokens(), "slo_tpot_ms": self.slo_ms,
-                "step_base_ms": round(self.base_ms, 3) if self.base_ms is not None else None,
-                "step_ms_per_prompt_token": round(self.per_token_ms, 5) if self.per_token_ms is not None else None}
+                "step_base_ms": _round(self.base_ms, 3), "mixed_step_fixed_ms": _round(fixed_ms, 3),
+                "step_ms_per_prompt_token": _round(per_token, 5)}
+
+
+def _line(points) -> tuple[float, float] | None:
+    """Least-squares ``ms = fixed + per_token x n`` (None until two sizes were seen); a slope of at least 1 ns a
+    token, an intercept of at least 0."""
+    n = len(points)
+    if n < 2:
+        return None
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    if sxx <= 0:
+        return None
+    slope = max(1e-6, sum((p[0] - mx) * (p[1] - my) for p in points) / sxx)
+    return max(0.0, my - slope * mx), slope
+
+
+def _round(x, digits):
+    return round(x, digits) if x is not None else None
 
 
 def _average(old: float | None, new: float) -> float:

@@ -18,7 +18,7 @@ import sys
 
 from ..workload import WORKLOADS, lengths
 from .profile import Profile
-from .search import SLO, Horizon, candidates, rank
+from .search import SLO, Horizon, candidates, predict_at, rank
 
 
 def add_arguments(p):
@@ -40,6 +40,8 @@ def add_arguments(p):
                    "`pdserve bench transfer` measures it")
     p.add_argument("--local-tokens", type=int, default=512, help="--disagg auto: prompts prefilled on decode")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--at-rate", type=float, default=None, help="also print each candidate's predicted attainment "
+                   "and TTFT/TPOT/stall quantiles at this rate (req/s), to set against a bench serve run")
     p.add_argument("--validate", type=int, default=0, help="measure the best K candidates with bench goodput")
     p.add_argument("--up-args", default="", help="--validate: arguments every pdserve up gets (e.g. --load-format "
                    "dummy --dtype bfloat16)")
@@ -109,6 +111,14 @@ def run(args) -> int:
     md = table(ranked, slo)
     print(md)
     print(f"\nrecommended: {best.name} ({best.goodput:.2f} req/s predicted)\n  {best.up_command(model, slo)}")
+    if args.at_rate:
+        horizon = Horizon(args.duration, args.max_requests)
+        report["at_rate"] = {c.name: predict_at(c, profiles, work, slo, args.link_gb_s, args.local_tokens,
+                                                args.at_rate, args.seed, horizon) for c in ranked}
+        for name, p in report["at_rate"].items():
+            print(f"  at {args.at_rate:g} req/s, {name}: {p['attainment']:.0%} within SLO; TTFT p50/p90 "
+                  f"{p['ttft_ms']['median']:.0f}/{p['ttft_ms']['p90']:.0f} ms, TPOT p50/p90 "
+                  f"{p['tpot_ms']['median']:.1f}/{p['tpot_ms']['p90']:.1f} ms, stall p50 {p['stall_ms']['median']:.0f} ms")
     if args.validate:
         report["validation"] = validate(ranked[:args.validate], args, model, slo)
         top = max(report["validation"], key=lambda v: v["measured"])

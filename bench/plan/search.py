@@ -139,3 +139,16 @@ def rank(cands: list[Candidate], profiles: dict[int, Profile], lengths, slo: SLO
     for c in cands:
         c.goodput = goodput(c, profiles, lengths, slo, link_gb_s, local_tokens, seed, horizon)
     return sorted(cands, key=lambda c: (-round(c.goodput, 6), c.gpus, c.name))
+
+
+def predict_at(candidate: Candidate, profiles: dict[int, Profile], lengths, slo: SLO, link_gb_s: float,
+               local_tokens: int, rate: float, seed: int = 0, horizon: Horizon = Horizon()) -> dict:
+    """What the simulation predicts at one rate: attainment and TTFT/TPOT/stall quantiles (warm-up left out)."""
+    from ..stats import summary
+
+    reqs = simulate(candidate.layout(profiles, link_gb_s, local_tokens),
+                    workload_requests(lengths, rate, seed, horizon))
+    counted = reqs[len(reqs) // 10:]
+    return {"rate": rate, "attainment": attainment(reqs, slo), "requests": len(counted),
+            "ttft_ms": summary(r.ttft_ms for r in counted), "tpot_ms": summary(r.tpot_ms for r in counted),
+            "stall_ms": summary(r.longest_gap for r in counted)}

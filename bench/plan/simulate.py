@@ -5,7 +5,8 @@ Each instance (a worker: one GPU, or ``tp`` of them) runs steps as the
 engine does: every decoding sequence advances one token, and prompt tokens
 are taken first come first served up to ``max_batched_tokens`` (while
 something decodes and ``slo_tpot_ms`` is set, only as many as keep the
-step within it, at least ``CAP_FLOOR``: as ``--slo-tpot-ms`` does). A step lasts ``decode_ms(rows, mean context)`` plus
+step within it, or as many as make the step's prompt compute at least its
+fixed cost, at least ``CAP_FLOOR``: as ``--slo-tpot-ms`` does). A step lasts ``decode_ms(rows, mean context)`` plus
 the prompt tokens' prefill time less the fixed cost a step pays once (the
 prefill curve's intercept: the weights are read once per step). A sequence
 is admitted when its prompt and output fit the KV pool.
@@ -97,8 +98,10 @@ class Instance:
         context = sum(r.prompt + r.tokens for r in rows) / len(rows) if rows else 0
         decode_ms = self.profile.decode_ms(len(rows), context)
         budget = self.profile.max_batched_tokens
-        if rows and self.slo_tpot_ms is not None:
-            room = (self.slo_tpot_ms - decode_ms) / self.profile.prefill_ms_per_token()
+        if rows and self.slo_tpot_ms is not None:  # as engine.step_budget chooses it
+            per_token = self.profile.prefill_ms_per_token()
+            fixed = self._mixed_ms(decode_ms, 1)
+            room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
             budget = int(max(CAP_FLOOR, min(budget, room)))
         chunks = []
         for req in self.queue:
@@ -116,8 +119,10 @@ class Instance:
             return None
         self.step = (rows, chunks)
         prompt_tokens = sum(c for _, c in chunks)
-        extra = self.profile.prefill_ms(prompt_tokens) - (self.fixed_ms() if rows and chunks else 0.0)
-        return decode_ms + max(0.0, extra)
+        return self._mixed_ms(decode_ms, prompt_tokens) if rows else self.profile.prefill_ms(prompt_tokens)
+
+    def _mixed_ms(self, decode_ms: float, prompt_tokens: int) -> float:
+        return decode_ms + max(0.0, self.profile.prefill_ms(prompt_tokens) - self.fixed_ms())
 
     def _fits(self, req: SimRequest) -> bool:
         return self.used + req.prompt + req.output <= self.profile.kv_capacity_tokens or not self.used

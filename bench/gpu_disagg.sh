@@ -1,0 +1,50 @@
+#!/bin/bash
+# Conditional disaggregation and the planner (issue 30), Mistral-7B shape (random bf16 weights made on the GPU).
+#   OUT=bench/out/disagg bash bench/gpu_disagg.sh [steps...]
+# One GPU: profile (bench engine --profile: the planner's input), cap (one colocated worker under the mixed
+#   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls).
+# Two GPUs: goodput (2 colocated replicas vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
+#   TPOT <= 10 ms), plan (pdserve plan --validate 2 from the profile measured here).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/out/disagg}; mkdir -p "$OUT"
+PY=${PY:-python3}
+TAG=${TAG:-h100}
+RATE=${RATE:-2}
+steps=${*:-profile cap}
+model="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216"
+slo="--slo-ttft-ms 2000 --slo-tpot-ms 10"
+for step in $steps; do
+  case $step in
+    profile)
+      timeout 240 $PY -m deploy.cli bench engine $model --batches 1,8,32,64 --decode-steps 32 --requests 8 \
+        --max-num-seqs 64 --kv-budget 40G --profile --profile-prompts 128,512,2048,8192 \
+        --profile-contexts 512,2048,8192 --out "$OUT/engine-mistral7b-$TAG" 2>&1 | grep -v "^decode\|^offline" | tail -20 ;;
+    cap)
+      for variant in plain: capped:--slo-tpot-ms=15; do
+        name=${variant%%:*}; extra=${variant#*:}
+        $PY -m deploy.cli up --colocated $model --max-num-seqs 64 --kv-budget 40G --port 8020 ${extra/=/ } \
+          --ready-timeout 200 > "$OUT/up-$name.log" 2>&1 &
+        up=$!
+        for i in $(seq 200); do curl -sf http://127.0.0.1:8020/health > /dev/null && break; sleep 1; done
+        timeout 120 $PY -m deploy.cli bench serve --url http://127.0.0.1:8020 --workload mixed --rate $RATE \
+          --concurrency 1000 --duration 45 --warmup-requests 5 --slo-ttft-ms 2000 --slo-tpot-ms 15 \
+          --out "$OUT/serve-mixed-r$RATE-$name-$TAG" 2>&1 | grep -A12 "^| metric"
+        kill -INT $up; wait $up
+      done ;;
+    goodput)
+      for work in mid:1000:4000:128:512 long:6000:8000:128:256; do
+        IFS=: read name plo phi olo ohi <<< "$work"
+        timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --rates 1,2,3,4,5,6,8 \
+          --requests 200 --prompt-len $plo:$phi --max-tokens $olo:$ohi --ttft-concurrency "" \
+          --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
+          --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-$name-$TAG"
+      done
+      timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --rates 1,2,3,4,5,6,8 \
+        --requests 200 --workload mixed --ttft-concurrency "" --config "2x-colocated=--colocated --decode 2 --gpus 2" \
+        --config "1p1d=--transport nccl" --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" \
+        --out "$OUT/goodput-mixed-$TAG" ;;
+    plan)
+      $PY -m deploy.cli plan --profile "$OUT/engine-mistral7b-$TAG-profile.json" --gpus 2 --workload mixed $slo \
+        --validate 2 --up-args "$model --max-num-seqs 64" --out "$OUT/plan-mixed-$TAG" ;;
+  esac
+done
