@@ -9,5 +9,7 @@ cache against bf16 in one run: projections, decode tok/s, sequences per KV budge
 agreement with a perturbation control) and ``router`` (tokens/s one router process streams, fed by
 ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
-sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``). ``transfer --against-fp8`` moves the same KV as an
-FP8 cache holds it in the same run."""
+sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
+``gpu_disagg.sh``). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
+``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from;
+``serve`` and ``goodput`` share the workloads of ``bench.workload`` (uniform ranges, ``mixed``, JSONL traces)."""
