@@ -1,0 +1,38 @@
+"""``/v1/models``, ``/health`` (200 when a worker of every role a request needs is in the picks, with what
+each worker last reported) and ``/metrics`` (Prometheus)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .state import RouterState, router_state
+
+routes = APIRouter()
+
+
+@routes.get("/v1/models")
+async def models(st: RouterState = Depends(router_state)):
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdserve"} for m in sorted(st.service.models())]
+    return {"object": "list", "data": data}
+
+
+@routes.get("/health")
+async def health(st: RouterState = Depends(router_state)):
+    workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding, **c.info}
+                      for c in g.clients] for role, g in st.groups.items() if g.clients}
+    st.metrics.observe_workers(st.groups)
+    ok = st.service.ready()
+    problems = st.service.mismatches()
+    return JSONResponse({"status": "ok" if ok else "unavailable", "mode": st.mode, "workers": workers,
+                         **({"problems": problems} if problems else {}),
+                         "admission": {"queued": st.admission.queued, "in_flight": len(st.service.inboxes),
+                                       "reserved": len(st.admission.reserved)}},
+                        status_code=200 if ok else 503)
+
+
+@routes.get("/metrics")
+async def prom(st: RouterState = Depends(router_state)):
+    st.metrics.observe_workers(st.groups)
+    st.metrics.queue.set(st.admission.queued)
+    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
