@@ -24,30 +24,14 @@ from .errors import ApiError
 from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
 from .retry import RequestRun, StreamError, WorkerFailure
-from .workers import SOURCE
+from .inbox import coalesce
+from .workers import SOURCE, pair_mismatch
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
 EXPIRED = "_expired"  # put in an inbox by Service.expire_waits
 KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
-
-
-def coalesce(msg: dict, inbox: asyncio.Queue) -> dict:
-    """``msg`` (``tokens``) joined with the ``tokens`` messages already waiting behind it: a client (or a router)
-    that fell behind gets them as one event. Stops before any other message, which stays first in the inbox."""
-    queued = inbox._queue  # noqa: SLF001 - a peek; asyncio.Queue has no public one
-    if not queued or queued[0].get("op") != "tokens":
-        return msg
-    text, ids, logprobs = [msg["text"]], list(msg["ids"]), msg.get("logprobs")
-    logprobs = list(logprobs) if logprobs is not None else None
-    while queued and queued[0].get("op") == "tokens":
-        more = inbox.get_nowait()
-        text.append(more["text"])
-        ids += more["ids"]
-        if logprobs is not None:
-            logprobs += more.get("logprobs") or []
-    return {**msg, "text": "".join(text), "ids": ids, "logprobs": logprobs}
 
 
 def new_rid() -> str:
@@ -412,15 +396,3 @@ class Service:
                                   if isinstance(r, dict)]
         timing.setdefault("decode", 0.0)
         return timing
-
-
-def pair_mismatch(prefill: dict, decode: dict) -> str | None:
-    """Why a prefill worker's KV cannot go to a decode worker (as the fix to name), or None."""
-    pm, dm = prefill.get("model"), decode.get("model")
-    if pm and dm and pm != dm:
-        return f"they serve different models ({pm!r} and {dm!r}): start both roles with the same --model"
-    pg, dg = prefill.get("kv_geometry"), decode.get("kv_geometry")
-    if pg and dg and list(pg) != list(dg):
-        return (f"their KV shapes differ (layers, KV heads, head size {pg} and {dg}): the same --model on both, "
-                "any --tp and --dtype")
-    return None

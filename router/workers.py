@@ -221,3 +221,15 @@ class WorkerGroup:
     def pick(self, prompt=None, avoid=()) -> WorkerClient | None:
         ready = self.healthy(avoid)
         return self.policy.pick(ready, prompt) if ready else None
+
+
+def pair_mismatch(prefill: dict, decode: dict) -> str | None:
+    """Why a prefill worker's KV cannot go to a decode worker (as the fix to name), or None."""
+    pm, dm = prefill.get("model"), decode.get("model")
+    if pm and dm and pm != dm:
+        return f"they serve different models ({pm!r} and {dm!r}): start both roles with the same --model"
+    pg, dg = prefill.get("kv_geometry"), decode.get("kv_geometry")
+    if pg and dg and list(pg) != list(dg):
+        return (f"their KV shapes differ (layers, KV heads, head size {pg} and {dg}): the same --model on both, "
+                "any --tp and --dtype")
+    return None

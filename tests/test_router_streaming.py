@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from router.service import coalesce
+from router.inbox import coalesce
 
 
 def test_coalesce_joins_waiting_tokens_and_stops_at_anything_else():
