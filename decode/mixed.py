@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine import RequestError
 from engine.requests import first_message, new_sequence
 from kvtransfer import PiecewiseKV, TransferError, TransportConfig, make_sender
-from kvtransfer.convert import layout_for
+from prefill.suffix import kv_suffix
 
 from .worker import DecodeWorker
 
@@ -127,13 +127,7 @@ class MixedWorker(DecodeWorker):
 
     def _push_from(self, seq, dest, skip):
         """Send the prompt's KV (less the blocks the decode worker holds) from the blocks, or a copy of them."""
-        bs, n = self.engine.block_size, len(seq.prompt_ids)
-        own = self.engine.scheduler.keys(seq, n) if skip else []
-        m = 0
-        while m < min(len(skip), len(own), (n - 1) // bs) and skip[m] == own[m]:
-            m += 1
-        layout = layout_for(self.engine.kv_shape, n - m * bs, self.engine.kv_dtype, self.engine.kv_scales)
-        table = seq.block_table[m:]
+        layout, table, _ = kv_suffix(self.engine, seq, skip)
         if self.sender.takes_pieces(self.engine.device):
             kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
             self.sending[seq.rid] = seq

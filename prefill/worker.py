@@ -40,8 +40,8 @@ from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
-from kvtransfer.convert import layout_for
 
+from .suffix import kv_suffix
 from .tp_kv import GroupPushes, cancel_slices, push_group, push_whole
 
 log = logging.getLogger(__name__)
@@ -308,21 +308,9 @@ class PrefillWorker(WorkerLoop):
         self.senders.submit(self._push, rid, dest, layout, kv, time.monotonic(), source, now, meta)
 
     def _suffix(self, seq, skip: list) -> tuple[KVLayout, list[int]]:
-        """The KV to send and its blocks: the prompt after the leading blocks whose keys the decode worker holds
-        (``skip``, from the router: only those equal to this prompt's own keys count; at least one token goes)."""
-        bs, n = self.engine.block_size, len(seq.prompt_ids)
-        m = 0
-        if skip:
-            own = self.engine.scheduler.keys(seq, n)
-            limit = min(len(skip), len(own), (n - 1) // bs)
-            while m < limit and skip[m] == own[m]:
-                m += 1
-        if m:
-            self.kv_skipped_bytes += m * bs * self.engine.kv_bytes_per_token
-        return self._layout(n - m * bs), seq.block_table[m:]
-
-    def _layout(self, tokens: int) -> KVLayout:
-        return layout_for(self.engine.kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
+        layout, table, skipped = kv_suffix(self.engine, seq, skip)
+        self.kv_skipped_bytes += skipped * self.engine.block_size * self.engine.kv_bytes_per_token
+        return layout, table
 
     def _push(self, rid, dest, layout, kv, created, source, computed, meta=None):
         """(Sender thread) ``computed``: when the prompt's compute ended (``perf_counter``), or the step's

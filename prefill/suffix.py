@@ -1,0 +1,20 @@
+"""The part of a prompt's KV a prefill pushes: the prompt after the leading blocks the decode worker holds."""
+from __future__ import annotations
+
+from kvtransfer import KVLayout
+from kvtransfer.convert import layout_for
+
+
+def kv_suffix(engine, seq, skip: list) -> tuple[KVLayout, list[int], int]:
+    """The layout and blocks of the KV to send, and how many leading blocks are not sent: those whose keys the
+    decode worker holds (``skip``, from the router; only those equal to this prompt's own keys count; at least one
+    token goes)."""
+    bs, n = engine.block_size, len(seq.prompt_ids)
+    m = 0
+    if skip:
+        own = engine.scheduler.keys(seq, n)
+        limit = min(len(skip), len(own), (n - 1) // bs)
+        while m < limit and skip[m] == own[m]:
+            m += 1
+    layout = layout_for(engine.kv_shape, n - m * bs, engine.kv_dtype, engine.kv_scales)
+    return layout, seq.block_table[m:], m
