@@ -113,3 +113,21 @@ def test_the_mixed_workload_is_seven_short_prompts_to_three_long():
     long = [p for p, _ in work if p >= 6000]
     assert 0.25 < len(long) / len(work) < 0.35 and all(128 <= p <= 1024 for p, _ in work if p < 6000)
     assert all(128 <= o <= 512 for _, o in work)
+
+
+def test_validate_measures_the_best_candidate_with_pdserve_up_here(tmp_path):
+    path = tmp_path / "cpu.json"
+    prof = profile(0.05, decode_base_ms=20.0)
+    prof.model, prof.device = "tiny-llama", "cpu"
+    prof.save(str(path))
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(path), "--gpus", "1",
+                          "--prompt-len", "16:64", "--max-tokens", "4:8", "--slo-ttft-ms", "5000", "--slo-tpot-ms",
+                          "500", "--duration", "5", "--max-requests", "100", "--validate", "1",
+                          "--validate-requests", "6", "--out", str(tmp_path / "v")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert "--gpus" not in report["candidates"][0]["up"]  # a CPU profile: processes here
+    (checked,) = report["validation"]
+    assert checked["name"] == report["recommended"] and checked["predicted"] > 0 and checked["rates"]
+    assert all(p["errors"] == 0 for p in checked["rates"]) and report["picked_vs_best_measured"] == 1.0

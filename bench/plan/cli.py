@@ -61,14 +61,16 @@ def load_profiles(paths: list[str]) -> dict[int, Profile]:
     return profiles
 
 
-def table(ranked, slo: SLO) -> str:
+def table(ranked, slo: SLO, gpu: bool, top: float) -> str:
+    """``top``: the highest rate simulated (a goodput there is a lower bound)."""
     rows = ["| configuration | GPUs | predicted goodput (req/s) | pdserve up |", "|---|---|---|---|"]
     for c in ranked:
-        rows.append(f"| {c.name} | {c.gpus} | {c.goodput:.2f} | `{c.up_command('MODEL', slo)}` |")
+        rate = f"{c.goodput:.2f}" + (" (or more)" if c.goodput >= top - 1e-9 else "")
+        rows.append(f"| {c.name} | {c.gpus} | {rate} | `{c.up_command('MODEL', slo, gpu)}` |")
     return "\n".join(rows)
 
 
-def validate(best, args, model: str, slo: SLO) -> list[dict]:
+def validate(best, args, model: str, slo: SLO, gpu: bool) -> list[dict]:
     from .. import goodput as gp
 
     out = []
@@ -78,7 +80,7 @@ def validate(best, args, model: str, slo: SLO) -> list[dict]:
                                 max_tokens=args.max_tokens, workload=args.workload, slo_ttft_ms=slo.ttft_ms,
                                 slo_tpot_ms=slo.tpot_ms, slo_stall_ms=slo.stall_ms, attainment=slo.attainment,
                                 ttft_concurrency="", ready_timeout=600.0, seed=args.seed, warmup_requests=4)
-        up = shlex.split(c.up_command(model, slo))[2:] + shlex.split(args.up_args)
+        up = shlex.split(c.up_command(model, slo, gpu))[2:] + shlex.split(args.up_args)
         measured = gp.measure(c.name, up, ns)
         out.append({"name": c.name, "predicted": c.goodput, "measured": measured["goodput_rate"],
                     "rates": measured["rates"]})
@@ -101,16 +103,17 @@ def run(args) -> int:
     ranked = rank(cands, profiles, work, slo, args.link_gb_s, args.local_tokens, args.seed,
                   Horizon(args.duration, args.max_requests))
     model = next(iter(profiles.values())).model
+    gpu = not next(iter(profiles.values())).device.startswith("cpu")
     best = ranked[0]
     report = {"command": " ".join(["pdserve", "plan", *sys.argv[sys.argv.index("plan") + 1:]])
               if "plan" in sys.argv else "pdserve plan", "gpus": args.gpus, "model": model, "slo": vars(slo),
               "workload": {"kind": "trace" if args.trace else args.workload, "prompt_len": args.prompt_len,
                            "max_tokens": args.max_tokens, "requests": args.requests},
-              "candidates": [{"name": c.name, "goodput": c.goodput, "up": c.up_command(model, slo)} for c in ranked],
+              "candidates": [{"name": c.name, "goodput": c.goodput, "up": c.up_command(model, slo, gpu)} for c in ranked],
               "recommended": best.name}
-    md = table(ranked, slo)
+    md = table(ranked, slo, gpu, args.max_requests / args.duration)
     print(md)
-    print(f"\nrecommended: {best.name} ({best.goodput:.2f} req/s predicted)\n  {best.up_command(model, slo)}")
+    print(f"\nrecommended: {best.name} ({best.goodput:.2f} req/s predicted)\n  {best.up_command(model, slo, gpu)}")
     if args.at_rate:
         horizon = Horizon(args.duration, args.max_requests)
         report["at_rate"] = {c.name: predict_at(c, profiles, work, slo, args.link_gb_s, args.local_tokens,
@@ -120,7 +123,7 @@ def run(args) -> int:
                   f"{p['ttft_ms']['median']:.0f}/{p['ttft_ms']['p90']:.0f} ms, TPOT p50/p90 "
                   f"{p['tpot_ms']['median']:.1f}/{p['tpot_ms']['p90']:.1f} ms, stall p50 {p['stall_ms']['median']:.0f} ms")
     if args.validate:
-        report["validation"] = validate(ranked[:args.validate], args, model, slo)
+        report["validation"] = validate(ranked[:args.validate], args, model, slo, gpu)
         top = max(report["validation"], key=lambda v: v["measured"])
         report["picked_vs_best_measured"] = (report["validation"][0]["measured"] / top["measured"]
                                              if top["measured"] else None)
@@ -128,6 +131,6 @@ def run(args) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     with open(args.out + ".md", "w") as f:
-        f.write(f"`{report['command']}`\n\n{md}\n\nRecommended: **{best.name}**: `{best.up_command(model, slo)}`\n")
+        f.write(f"`{report['command']}`\n\n{md}\n\nRecommended: **{best.name}**: `{best.up_command(model, slo, gpu)}`\n")
     print(f"wrote {args.out}.json, .md")
     return 0

@@ -11,7 +11,8 @@ of the requests (the first tenth, the warm-up, not counted; at least
 ``duration_s`` of arrivals, at most ``max_requests``, so that a rate is
 sustained rather than a burst the queues absorb) meet the TTFT
 and TPOT SLOs (and the longest-gap SLO when given): found by doubling, then
-bisection. The workload and its arrivals are seeded, so the ranking is
+bisection, up to ``max_requests / duration_s`` (a goodput equal to it is a
+lower bound). The workload and its arrivals are seeded, so the ranking is
 deterministic: goodput, then fewer GPUs, then name."""
 from __future__ import annotations
 
@@ -55,13 +56,16 @@ class Candidate:
                       decode=[Instance(f"d{i}", "decode", dec, self.slo_tpot_ms) for i in range(self.decode)],
                       local_tokens=local_tokens if self.disagg == "auto" else None, link_gb_s=link_gb_s)
 
-    def up_command(self, model: str, slo: SLO) -> str:
+    def up_command(self, model: str, slo: SLO, gpu: bool = True) -> str:
+        """The ``pdserve up`` of this configuration: over GPUs (``--gpus``, KV over nccl), or (a CPU profile)
+        processes of this machine with the KV over tcp."""
+        place = f" --gpus {self.gpus}" if gpu else ""
         if self.kind == "colocated":
-            cmd = f"pdserve up --model {model} --colocated --decode {self.replicas} --gpus {self.gpus}"
+            cmd = f"pdserve up --model {model} --colocated --decode {self.replicas}{place}"
             cmd += f" --tp {self.decode_tp}" if self.decode_tp > 1 else ""
             return cmd + (f" --slo-tpot-ms {slo.tpot_ms:g}" if self.slo_tpot_ms is not None else "")
-        cmd = (f"pdserve up --model {model} --prefill {self.prefill} --decode {self.decode} --gpus {self.gpus} "
-               f"--transport nccl")
+        cmd = (f"pdserve up --model {model} --prefill {self.prefill} --decode {self.decode}{place} "
+               f"--transport {'nccl' if gpu else 'tcp'}")
         if self.prefill_tp > 1 or self.decode_tp > 1:
             cmd += f" --prefill-tp {self.prefill_tp} --decode-tp {self.decode_tp}"
         return cmd + (f" --disagg auto --slo-tpot-ms {slo.tpot_ms:g}" if self.disagg == "auto" else "")
@@ -123,11 +127,12 @@ def goodput(candidate: Candidate, profiles: dict[int, Profile], lengths: list[tu
                         workload_requests(lengths, rate, seed, horizon))
         return attainment(reqs, slo) >= slo.attainment
 
-    lo, hi = 0.0, 0.25
+    top = horizon.max_requests / horizon.duration_s  # above it a run is shorter than duration_s: a burst
+    lo, hi = 0.0, min(0.25, top)
     while meets(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e5:
-            return lo
+        if hi >= top:
+            return top  # a lower bound: more requests or a shorter duration would test higher rates
+        lo, hi = hi, min(hi * 2, top)
     for _ in range(BISECTIONS):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
