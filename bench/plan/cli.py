@@ -2,6 +2,8 @@
 
     pdserve bench engine --profile ... --out prof-tp1     # on the hardware: writes prof-tp1.json
     pdserve plan --profile prof-tp1.json --gpus 2 --workload mixed --slo-ttft-ms 2000 --slo-tpot-ms 10
+    pdserve plan placement --nodes studio1:128,studio2:128,macbook:36 --model minimax-m2-230b --bits 5 \
+        --max-model-len 200000                            # pipeline stages: ``placement_cli``
 
 Prints every candidate (``search``) with its predicted goodput, the best one
 and its ``pdserve up`` command. ``--validate K`` then starts the best K with
@@ -22,9 +24,9 @@ from .search import SLO, Horizon, candidates, predict_at, rank
 
 
 def add_arguments(p):
-    p.add_argument("--profile", action="append", required=True,
+    p.add_argument("--profile", action="append", default=[],
                    help="a profile JSON from `pdserve bench engine --profile` (repeatable: one per TP degree)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to plan for")
     p.add_argument("--workload", choices=WORKLOADS, default="uniform")
     p.add_argument("--prompt-len", default="1000:4000", help="uniform: prompt tokens LO:HI")
     p.add_argument("--max-tokens", default="128:512", help="uniform: output tokens LO:HI")
@@ -47,6 +49,11 @@ def add_arguments(p):
                    "dummy --dtype bfloat16)")
     p.add_argument("--validate-requests", type=int, default=60)
     p.add_argument("--out", default="bench/out/plan")
+    kinds = p.add_subparsers(dest="plan_kind")
+    from . import placement_cli
+
+    placement_cli.add_arguments(kinds.add_parser("placement", help="layers per node of a pipeline, each fitting "
+                                                 "its weights and the KV of the whole context"))
 
 
 def load_profiles(paths: list[str]) -> dict[int, Profile]:
@@ -89,6 +96,13 @@ def validate(best, args, model: str, slo: SLO, gpu: bool) -> list[dict]:
 
 
 def run(args) -> int:
+    if getattr(args, "plan_kind", None) == "placement":
+        from . import placement_cli
+
+        return placement_cli.run(args)
+    if not args.profile or not args.gpus:
+        print("error: pdserve plan needs --profile and --gpus (or: pdserve plan placement ...)")
+        return 2
     try:
         profiles = load_profiles(args.profile)
         work = lengths(args.requests, args.prompt_len, args.max_tokens, args.seed, args.workload, args.trace)
