@@ -50,7 +50,7 @@ def keeps(engine, rows, sampling) -> bool:
     graphs = engine.runner.graphs
     return (engine.cfg.overlap and graphs is not None and engine.group.size == 1 and not engine.hold_after_first
             and engine.on_schedule is None and len(sampling) == len(rows) and graphs.fits(len(rows))
-            and all(engine.runner.decodes(r) for r in rows) and not any(s.params.penalized for s in sampling))
+            and all(engine.runner.decodes(r) for r in rows) and not any(s.params.host_sampled for s in sampling))
 
 
 def can_follow(engine) -> bool:
@@ -64,7 +64,7 @@ def can_follow(engine) -> bool:
         return False
     grow = 0
     for q in live:
-        if q.num_tokens - q.num_computed != 1 or q.params.penalized or q.params.prompt_logprobs is not None:
+        if q.num_tokens - q.num_computed != 1 or q.params.host_sampled or q.params.prompt_logprobs is not None:
             return False
         grow += blocks.blocks_for(q.num_computed + 1) - len(q.block_table)
     return grow <= blocks.num_free

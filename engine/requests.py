@@ -38,7 +38,7 @@ def new_sequence(engine, rid: str, msg: dict) -> Sequence:
         prompt = msg.get("prompt")
         if not isinstance(prompt, (str, list)):
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
-    return Sequence.create(rid, prompt, params, engine.tokenizer, engine.max_len)
+    return guided(engine, Sequence.create(rid, prompt, params, engine.tokenizer, engine.max_len))
 
 
 def resumed_sequence(engine, rid: str, prompt_ids, first_token, emitted, params) -> Sequence:
@@ -46,9 +46,22 @@ def resumed_sequence(engine, rid: str, prompt_ids, first_token, emitted, params)
     prefill, or a colocated worker taking over a request whose first token its client already has)."""
     try:
         resolved = SamplingParams.from_dict(params, resolved=True)
-        return Sequence.resume(rid, prompt_ids, first_token, emitted, resolved, engine.tokenizer, engine.max_len)
+        seq = Sequence.resume(rid, prompt_ids, first_token, emitted, resolved, engine.tokenizer, engine.max_len)
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"bad continuation of a first token: {e}") from None
+    return guided(engine, seq)
+
+
+def guided(engine, seq: Sequence) -> Sequence:
+    """``seq`` with the matcher of its guide, if it has one, advanced over the tokens it already has."""
+    if seq.params.guide is None:
+        return seq
+    guides = getattr(engine, "guides", None)
+    if guides is None:
+        raise RequestError(f"structured outputs run on the torch engine, not the {getattr(engine, 'kind', '?')} "
+                           "engine", param="response_format")
+    seq.guide = guides.matcher(seq.params.guide, seq.output_ids)
+    return seq
 
 
 def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) -> dict:

@@ -123,6 +123,8 @@ def choose_later(logits: torch.Tensor, seqs, eos_token_id: int | None = None) ->
         p = seq.params
         if p.penalized:
             _penalize(scores, i, p, seq.prompt_ids, seq.output_ids)
+        if getattr(seq, "guide", None) is not None:
+            seq.guide.mask(scores[i])
         if len(seq.output_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
             banned = [t for t in banned if 0 <= t < scores.shape[1]]

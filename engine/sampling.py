@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .errors import RequestError
+from .guided.grammars import check_guide
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
@@ -43,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
+    guide: dict | None = None  # structured output: a grammar the tokens follow (guided.grammars)
 
     def __post_init__(self):
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -70,6 +72,7 @@ class SamplingParams:
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
                    f"{name} must be an integer between 0 and {MAX_LOGPROBS}", name)
+        check_guide(self.guide)
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +81,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def host_sampled(self) -> bool:
+        """Its next token depends on its tokens so far on the host (penalties, a guide): no step ahead."""
+        return self.penalized or self.guide is not None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,6 +38,7 @@ class Sequence:
         self.counted = False
         self.pending = 0  # places held in output_ids for tokens still being chosen on the device
         self.freed = False  # taken out of the engine (finished or aborted)
+        self.guide = None  # guided.grammars.Guide: the grammar its tokens follow
         self.hold_after_first = False  # leaves the scheduler after its first token, blocks kept (its KV goes away)
 
     @classmethod
@@ -84,6 +85,8 @@ class Sequence:
         return (self.prompt_ids[start:end] if start < p else []) + self.output_ids[max(0, start - p):max(0, end - p)]
 
     def _stops_on(self, token: int, count: int) -> bool:
+        if self.guide is not None and self.guide.done:  # the grammar is complete (its stop token taken)
+            return True
         if count <= self.params.min_tokens:
             return False
         if token in self.params.stop_token_ids:
@@ -128,6 +131,8 @@ class Sequence:
         token = choice.token
         if choice.logprob is not None:
             self.pending_logprobs.append((token, choice.logprob, choice.top))
+        if self.guide is not None:
+            self.guide.accept(token)
         if self._stops_on(token, count):
             self.finish_reason = "stop"
             return self.detok.flush()

@@ -1,5 +1,5 @@
-"""Request schemas: the OpenAI fields pdserve honours (others are ignored),
-validated here so a bad request is a 400 naming its ``param``.
+"""Request schemas: the OpenAI fields pdserve honours (others are ignored, except those it cannot honour:
+``router.guides.REFUSED``, a 400), validated here so a bad request is a 400 naming its ``param``.
 
 ``fanout`` turns one request into the sequences it asks for: ``n`` choices
 for each prompt of a batch, each with its own seed (choice 0 keeps the
@@ -12,7 +12,9 @@ import hashlib
 import secrets
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from .guides import guide_of, refused_fields
 
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 16
@@ -37,7 +39,8 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to refuse what cannot be honoured (guides.REFUSED)
+    _guide: Optional[dict] = PrivateAttr(default=None)
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1, le=1 << 20)
@@ -57,6 +60,11 @@ class SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    response_format: Optional[dict] = None
+    guided_json: Optional[Union[dict, str]] = None
+    guided_choice: Optional[list[str]] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -79,6 +87,11 @@ class SamplingFields(BaseModel):
     def _limits(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
+        refused = refused_fields(self.model_extra or {})
+        if refused:
+            raise ValueError("; ".join(f"{field}: {why}" for field, why in refused))
+        self._guide = guide_of(self.response_format, self.guided_json, self.guided_choice, self.guided_regex,
+                               self.guided_grammar)
         return self
 
     def _params(self, max_tokens, logprobs, seed: int) -> dict:
@@ -97,6 +110,7 @@ class SamplingFields(BaseModel):
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "guide": self._guide,
         }
 
     def _seed(self) -> int:

@@ -1,0 +1,127 @@
+"""Grammars a sequence's tokens must follow (``SamplingParams.guide``), with xgrammar.
+
+A guide is ``{"kind": K, "value": V}``: ``json_object`` (any JSON object),
+``json_schema`` (V a JSON schema), ``choice`` (V a list of strings: exactly
+one of them), ``regex`` (V a regular expression) or ``grammar`` (V an EBNF
+grammar with a ``root`` rule). JSON is compact: no whitespace beyond one
+space after ``:`` and ``,``, so a bounded schema ends within a bounded number
+of tokens even on a random model.
+
+``Guides`` (one per engine) holds the tokenizer's vocabulary as xgrammar
+reads it and compiles each guide once (kept, least recently used first, up to
+``CACHE``). Each sequence gets a ``Guide``, a matcher over its compiled
+grammar: before a token is chosen the sampler masks every token the grammar
+does not allow (``mask``), and the chosen token advances it (``accept``).
+It ends the sequence once the grammar is complete (its stop token accepted).
+
+Across the prefill -> decode handoff nothing else moves: the guide travels in
+the sampling parameters, and the decode worker builds a matcher from it and
+advances it over the tokens already chosen (``Guides.matcher(guide, tokens)``).
+A guide that does not compile fails its request (400)."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import torch
+
+from ..errors import RequestError
+
+CACHE = 256
+KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
+
+
+def ebnf_choice(options: list[str]) -> str:
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)
+
+
+class Guide:
+    """One sequence's matcher."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, scores: torch.Tensor) -> None:
+        """Set to -inf, in place, the scores (one row) of every token the grammar does not allow next."""
+        import xgrammar as xgr
+
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        row = scores.view(1, -1)
+        vocab = min(row.shape[1], self.vocab_size)
+        xgr.apply_token_bitmask_inplace(row, self.bitmask.to(row.device), vocab_size=vocab)
+        row[:, vocab:] = float("-inf")  # logits past the vocabulary (padding) are never a grammar's
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class Guides:
+    def __init__(self, tokenizer, vocab_size: int):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        hf = getattr(tokenizer, "tok", None)
+        if hf is not None:
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
+        else:
+            vocab = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+            info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
+                                     stop_token_ids=[tokenizer.eos_token_id])
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiled: OrderedDict[str, object] = OrderedDict()
+
+    def compile(self, guide: dict):
+        key = json.dumps(guide, sort_keys=True)
+        if key in self.compiled:
+            self.compiled.move_to_end(key)
+            return self.compiled[key]
+        kind, value = guide["kind"], guide.get("value")
+        try:
+            if kind == "json_object":
+                grammar = self.compiler.compile_builtin_json_grammar()
+            elif kind == "json_schema":
+                grammar = self.compiler.compile_json_schema(json.dumps(value), any_whitespace=False)
+            elif kind == "choice":
+                grammar = self.compiler.compile_grammar(ebnf_choice(value))
+            elif kind == "regex":
+                grammar = self.compiler.compile_regex(value)
+            else:
+                grammar = self.compiler.compile_grammar(value)
+        except Exception as e:  # xgrammar's own errors: the message says what is wrong with the input
+            raise RequestError(f"the {kind} guide does not compile: {e}", param="response_format") from None
+        self.compiled[key] = grammar
+        while len(self.compiled) > CACHE:
+            self.compiled.popitem(last=False)
+        return grammar
+
+    def matcher(self, guide: dict, tokens=()) -> Guide:
+        """A fresh matcher for ``guide``, advanced over ``tokens`` (those already chosen, e.g. by prefill)."""
+        import xgrammar as xgr
+
+        out = Guide(xgr.GrammarMatcher(self.compile(guide)), self.vocab_size)
+        for t in tokens:
+            if not out.accept(t):
+                raise RequestError(f"token {t} does not follow the request's guide", param="response_format")
+        return out
+
+
+def check_guide(guide) -> None:
+    """Shape checks of a guide (its grammar is checked when it compiles)."""
+    if guide is None:
+        return
+    if not isinstance(guide, dict) or guide.get("kind") not in KINDS:
+        raise RequestError(f"guide must be a map with kind one of {KINDS}", param="response_format")
+    kind, value = guide["kind"], guide.get("value")
+    ok = {"json_object": value is None, "json_schema": isinstance(value, dict),
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value),
+          "regex": isinstance(value, str) and bool(value), "grammar": isinstance(value, str) and bool(value)}[kind]
+    if not ok or len(json.dumps(guide)) > 1 << 16:
+        raise RequestError(f"bad {kind} guide (at most 64 KiB)", param="response_format")

@@ -1,0 +1,121 @@
+"""Structured outputs: JSON schemas, choices and regexes enforced on the tiny random model, the same tokens
+disaggregated and colocated (the guide crosses the prefill -> decode handoff), and what cannot be honoured
+refused with a 400 while the server keeps serving."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from engine import EngineConfig
+from engine.engine import Engine
+from engine.errors import RequestError
+from engine.requests import new_sequence, resumed_sequence
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "size", "flags", "inner"],
+          "properties": {"color": {"enum": ["red", "green", "blue"]},
+                         "size": {"type": "integer", "minimum": -5, "maximum": 500},
+                         "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+                         "inner": {"type": "object", "additionalProperties": False, "required": ["ok"],
+                                   "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}}}}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(device="cpu", dtype="float32", warmup=False))
+
+
+def run(engine, seqs) -> list[str]:
+    for s in seqs:
+        engine.add(s)
+    texts = {s.rid: "" for s in seqs}
+    while engine.has_work:
+        for s, delta in engine.step().tokens:
+            texts[s.rid] += delta
+    return [texts[s.rid] for s in seqs]
+
+
+def test_twenty_seeds_of_a_nested_schema_all_parse_and_validate(engine):
+    params = {"max_tokens": 200, "temperature": 1.0, "guide": {"kind": "json_schema", "value": SCHEMA}}
+    seqs = [new_sequence(engine, f"s{seed}", {"prompt": "JSON please:", "params": {**params, "seed": seed}})
+            for seed in range(20)]
+    outs = run(engine, seqs)
+    for seq, text in zip(seqs, outs):
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert seq.finish_reason == "stop"
+    assert len(set(outs)) > 5  # sampled, not one fixed answer
+
+
+def test_choices_and_regexes_hold_on_the_random_model(engine):
+    choice = {"kind": "choice", "value": ["yes", "no", "maybe later"]}
+    regex = {"kind": "regex", "value": r"[A-Z]{2}-\d{3}"}
+    seqs = [new_sequence(engine, f"c{i}", {"prompt": "Pick:", "params": {"max_tokens": 32, "temperature": 1.0,
+                                                                         "seed": i, "guide": guide}})
+            for i, guide in enumerate([choice] * 6 + [regex] * 6)]
+    outs = run(engine, seqs)
+    assert all(o in choice["value"] for o in outs[:6])
+    assert all(re.fullmatch(regex["value"], o) for o in outs[6:]), outs[6:]
+
+
+def test_a_resumed_sequence_rebuilds_its_matcher_over_the_tokens_it_has(engine):
+    guide = {"kind": "json_schema", "value": SCHEMA}
+    whole = new_sequence(engine, "w", {"prompt": "x", "params": {"max_tokens": 200, "temperature": 0, "guide": guide}})
+    (text,) = run(engine, [whole])
+    resumed = resumed_sequence(engine, "r", whole.prompt_ids, whole.output_ids[0], 0, whole.params.to_dict())
+    assert run(engine, [resumed])[0] == text  # emitted=0: its text from the first token on
+    with pytest.raises(RequestError, match="does not follow"):
+        resumed_sequence(engine, "bad", whole.prompt_ids, engine.tokenizer.encode("}", add_bos=False)[0], 0,
+                         whole.params.to_dict())
+
+
+def test_a_guide_that_does_not_compile_is_a_400(engine):
+    with pytest.raises(RequestError, match="does not compile") as e:
+        new_sequence(engine, "g", {"prompt": "x", "params": {"max_tokens": 4, "guide": {"kind": "regex",
+                                                                                        "value": "(unclosed"}}})
+    assert e.value.status == 400
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+    vaccinated: bool
+
+
+def chat(url, max_tokens: int = 120, **kw):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    return client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "A pet?"}],
+                                          temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_disaggregated_and_colocated_give_the_same_valid_json(disagg, colocated):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    outs = [chat(c.url, response_format=fmt).choices[0].message.content for c in (disagg, colocated)]
+    assert outs[0] == outs[1]
+    jsonschema.validate(json.loads(outs[0]), SCHEMA)
+    client = openai.OpenAI(base_url=disagg.url + "/v1", api_key="none")
+    parsed = client.chat.completions.parse(model="tiny-llama", messages=[{"role": "user", "content": "A pet?"}],
+                                           response_format=Pet, max_tokens=120, seed=3)
+    assert isinstance(parsed.choices[0].message.parsed, Pet)
+    text = httpx.post(disagg.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "Answer:",
+                      "max_tokens": 16, "guided_choice": ["left", "right"], "stream": True}).text
+    pieces = [json.loads(line[6:])["choices"] for line in text.splitlines()
+              if line.startswith("data: {") and '"choices"' in line]
+    assert "".join(c[0].get("text") or "" for c in pieces if c) in ("left", "right")
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("logit_bias", {"5": 10}),
+                                         ("response_format", {"type": "xml"}),
+                                         ("guided_regex", "(unclosed")])
+def test_what_cannot_be_honoured_is_a_400_and_the_server_keeps_serving(disagg, field, value):
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
+    r = httpx.post(disagg.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field.split("_")[0] in r.json()["error"]["message"] or "compile" in r.json()["error"]["message"]
+    assert chat(disagg.url, max_tokens=4).choices[0].message.content is not None
