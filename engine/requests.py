@@ -23,6 +23,11 @@ def chat_prompt(tokenizer, messages, options: dict | None) -> list[int]:
     if continue_final and messages[-1].get("role") != "assistant":
         raise RequestError("continue_final_message needs an assistant message last", param="continue_final_message")
     try:
+        tools = options.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError("tools must be a list", param="tools")
+        if tools:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final, tools=tools)
         return tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final)
     except RequestError:
         raise

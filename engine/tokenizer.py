@@ -2,6 +2,8 @@
 download, identical everywhere) and an adapter over Hugging Face tokenizers."""
 from __future__ import annotations
 
+import json
+
 PAD, BOS, EOS = 0, 1, 2
 BYTE_OFFSET = 3
 
@@ -27,8 +29,8 @@ class ByteTokenizer:
         return b""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
-        return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message))
+                            continue_final_message: bool = False, tools: list | None = None) -> list[int]:
+        return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message, tools))
 
 
 class HFTokenizer:
@@ -55,24 +57,32 @@ class HFTokenizer:
         return self.tok.decode([token], skip_special_tokens=True).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, tools: list | None = None) -> list[int]:
         """Rendered and tokenized in one step: whatever special tokens the template writes are not added again."""
         if not getattr(self.tok, "chat_template", None):
-            return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message))
+            return self.encode(render_plain_chat(messages, add_generation_prompt, continue_final_message, tools))
         out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, return_dict=False)
+                                           continue_final_message=continue_final_message, return_dict=False,
+                                           **({"tools": tools} if tools else {}))
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 def render_plain_chat(messages: list[dict], add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> str:
-    """The template of models that have none: ``<|role|>`` headers, one turn per line."""
-    turns = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+                      continue_final_message: bool = False, tools: list | None = None) -> str:
+    """The template of models that have none: ``<|role|>`` headers, one turn per line; tools (JSON) in a
+    ``<|tools|>`` turn first, an assistant's tool calls as its content."""
+    turns = [f"<|tools|>\n{json.dumps(tools, separators=(',', ':'))}\n"] if tools else []
+    turns += [f"<|{m['role']}|>\n{m['content'] or _calls_text(m)}\n" for m in messages]
     if continue_final_message:
         turns[-1] = turns[-1][:-1]
     elif add_generation_prompt:
         turns.append("<|assistant|>\n")
     return "".join(turns)
+
+
+def _calls_text(message: dict) -> str:
+    calls = message.get("tool_calls") or []
+    return json.dumps([c.get("function", c) for c in calls], separators=(",", ":")) if calls else ""
 
 
 def save_byte_tokenizer(path, vocab_size: int | None = None) -> str:

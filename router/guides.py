@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 
 REFUSED = {  # field -> why (a request that sets one gets a 400)
-    "tools": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
+    "tools": "tools are for /v1/chat/completions",
+    "functions": "functions (deprecated) are not supported: give tools",
     "logit_bias": "logit_bias is not supported",
     "prediction": "predicted outputs are not supported",
 }
 NEUTRAL = {"tool_choice": ("none", None), "function_call": ("none", None), "parallel_tool_calls": (None, True, False)}
+# (on chat completions tools, tool_choice and parallel_tool_calls are fields of their own: router.tools)
 
 
 def refused_fields(extra: dict) -> list[tuple[str, str]]:
     """Fields of the request that it sets and pdserve cannot honour, each with why."""
     out = [(k, why) for k, why in REFUSED.items() if extra.get(k) not in (None, [], {})]
-    out += [(k, f"{k}={extra[k]!r} needs tool calling, which is not supported yet") for k, ok in NEUTRAL.items()
+    out += [(k, f"{k}={extra[k]!r} needs tools, on /v1/chat/completions") for k, ok in NEUTRAL.items()
             if k in extra and extra[k] not in ok]
     return out
 

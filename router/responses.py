@@ -30,6 +30,8 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: dict = field(default_factory=dict)
+    tool_calls: list | None = None  # parsed from the text (router.tools.parse); the text left is ``content``
+    content: str | None = None
 
 
 class Shaper:
@@ -78,6 +80,25 @@ class Shaper:
             body["token_ids"] = ids
         return {**self._base(obj), "choices": [body]}
 
+    def tool_call_chunks(self, choice: Choice, pieces: int = 2) -> list[dict]:
+        """The tool calls of ``choice`` as OpenAI streams them: per call a delta with its index, id, type and name,
+        then its arguments in ``pieces`` deltas."""
+        out = []
+        for i, call in enumerate(choice.tool_calls or []):
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            out.append(self._tool_delta(choice, head))
+            args = call["function"]["arguments"]
+            step = max(1, -(-len(args) // pieces))
+            for at in range(0, len(args), step):
+                out.append(self._tool_delta(choice, {"index": i, "function": {"arguments": args[at:at + step]}}))
+        return out
+
+    def _tool_delta(self, choice: Choice, call: dict) -> dict:
+        return {**self._base("chat.completion.chunk"),
+                "choices": [{"index": choice.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                             "finish_reason": None}]}
+
     def text_event(self, choice: Choice, text: str) -> bytes:
         """``sse(self.chunk(choice, text))`` for a chunk of text alone (the usual token), from a prepared frame."""
         frame = self._frames.get(choice.index)
@@ -97,8 +118,10 @@ class Shaper:
         for c in choices:
             lp = self.logprobs(c.logprobs, c)
             if self.chat:
-                body = {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
-                        "finish_reason": c.finish_reason}
+                message = {"role": "assistant", "content": "".join(c.text)}
+                if c.tool_calls:
+                    message = {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
+                body = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
             else:
                 body = {"index": c.index, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
             if with_ids:

@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from .guides import guide_of, refused_fields
+from .tools.spec import check_tools, choice_mode, forced_guide
 
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 16
@@ -211,6 +212,30 @@ class ChatRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: bool = True
+    _functions: Optional[list] = PrivateAttr(default=None)
+    _tool_mode: str = PrivateAttr(default="none")
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto`` or ``forced`` (``router.tools.spec``)."""
+        return self._tool_mode
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {f["name"] for f in self._functions or []}
+
+    @model_validator(mode="after")
+    def _tool_options(self):
+        self._functions = check_tools(self.tools) if self.tools is not None else None
+        self._tool_mode, name = choice_mode(self.tool_choice, self._functions)
+        if self._tool_mode == "forced":
+            if self._guide is not None:
+                raise ValueError("give response_format (or a guided_ field) or a forced tool_choice, not both")
+            self._guide = forced_guide(self._functions, name, self.parallel_tool_calls)
+        return self
 
     @model_validator(mode="after")
     def _chat_options(self):
@@ -232,8 +257,9 @@ class ChatRequest(SamplingFields):
         out = []
         for m in self.messages:
             msg = {"role": m.role, "content": m.text()}
-            if m.name:
-                msg["name"] = m.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key):
+                    msg[key] = getattr(m, key)
             out.append(msg)
         return out
 
@@ -242,5 +268,7 @@ class ChatRequest(SamplingFields):
         limit = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         chat = {"add_generation_prompt": self.add_generation_prompt, "continue_final_message": self.continue_final_message}
+        if self._tool_mode != "none":
+            chat["tools"] = self.tools
         return [{"messages": messages, "chat": chat, "params": self._params(limit, logprobs, choice_seed(seed, i))}
                 for i in range(self.choices_per_prompt)]

@@ -109,13 +109,16 @@ def test_disaggregated_and_colocated_give_the_same_valid_json(disagg, colocated)
     assert "".join(c[0].get("text") or "" for c in pieces if c) in ("left", "right")
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("tool_choice", "required"), ("logit_bias", {"5": 10}),
-                                         ("response_format", {"type": "xml"}),
-                                         ("guided_regex", "(unclosed")])
-def test_what_cannot_be_honoured_is_a_400_and_the_server_keeps_serving(disagg, field, value):
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
-    r = httpx.post(disagg.url + "/v1/chat/completions", json=body, timeout=60)
+@pytest.mark.parametrize("endpoint,field,value", [
+    ("completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat/completions", "tool_choice", "required"), ("chat/completions", "logit_bias", {"5": 10}),
+    ("chat/completions", "functions", [{"name": "f"}]), ("chat/completions", "response_format", {"type": "xml"}),
+    ("chat/completions", "guided_regex", "(unclosed")])
+def test_what_cannot_be_honoured_is_a_400_and_the_server_keeps_serving(disagg, endpoint, field, value):
+    body = {"model": "tiny-llama", "max_tokens": 4, field: value,
+            **({"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+    r = httpx.post(f"{disagg.url}/v1/{endpoint}", json=body, timeout=60)
     assert r.status_code == 400, r.text
-    assert field.split("_")[0] in r.json()["error"]["message"] or "compile" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert field.split("_")[0] in message or "compile" in message, message
     assert chat(disagg.url, max_tokens=4).choices[0].message.content is not None

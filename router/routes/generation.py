@@ -20,6 +20,7 @@ from ..responses import SSE_DONE, Choice, Shaper, sse, usage_of
 from ..schemas import ChatRequest, CompletionRequest
 from ..service import Delta, Finished, StreamError, new_rid
 from ..streams import merged
+from ..tools.parse import parse_auto, parse_forced
 from .state import RouterState, router_state
 
 routes = APIRouter()
@@ -80,6 +81,7 @@ class Reply:
         self.rid = new_rid()
         self.shaper = Shaper(kind, self.rid, req.model, logprobs)
         self.with_ids = req.return_token_ids
+        self.tools = getattr(req, "tool_mode", "none")  # with tools the text is read for calls before it goes out
         self.choices, self.streams, self.firsts, self.t0 = [], [], [], 0.0
 
     async def serve(self, payloads: list[dict]):
@@ -133,15 +135,28 @@ class Reply:
             self.metrics.in_flight.dec()
             await self._close()
         for c in self.choices:
+            self._calls(c)
             self._finished(c)
         return JSONResponse(self.shaper.full(self.choices, usage_of(self.choices), self.with_ids))
+
+    def _calls(self, choice: Choice) -> None:
+        """Read the choice's text for tool calls (a request with tools)."""
+        if self.tools == "none":
+            return
+        text, names = "".join(choice.text), self.req.tool_names
+        if self.tools == "forced":
+            choice.tool_calls, choice.content = parse_forced(text, names), None
+        else:
+            choice.content, choice.tool_calls = parse_auto(text, names)
+        if choice.tool_calls:
+            choice.finish_reason = "tool_calls"
 
     def _piece(self, choice, ev) -> str | None:
         """The SSE event for ``ev`` (None when it adds nothing the client asked for)."""
         shaper = self.shaper
         text, entries = absorb(choice, ev)
-        if not (text or self.with_ids or (shaper.with_logprobs and entries)):
-            return None
+        if self.tools != "none" or not (text or self.with_ids or (shaper.with_logprobs and entries)):
+            return None  # with tools: held until the text is read for calls
         if not (self.with_ids or shaper.with_logprobs or shaper.running_usage):
             return shaper.text_event(choice, text)
         out = shaper.chunk(choice, text, ids=ev.ids if self.with_ids else None,
@@ -185,10 +200,22 @@ class Reply:
                     yield out
             else:
                 absorb(choice, ev)
+                for out in self._held(choice):
+                    yield out
                 self._finished(choice)
                 final = self.shaper.chunk(choice, None, finish_reason=choice.finish_reason)
                 final["pdserve"] = choice.timing
                 yield sse(final)
+
+    def _held(self, choice: Choice) -> list[bytes]:
+        """A request with tools: its calls as tool-call deltas, or its text in one delta."""
+        if self.tools == "none":
+            return []
+        self._calls(choice)
+        if choice.tool_calls:
+            return [sse(c) for c in self.shaper.tool_call_chunks(choice)]
+        text = choice.content if choice.content is not None else "".join(choice.text)
+        return [sse(self.shaper.chunk(choice, text))] if text else []
 
     def _finished(self, choice: Choice) -> None:
         self.metrics.e2e.labels(self.st.mode).observe(time.perf_counter() - self.t0)
