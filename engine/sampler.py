@@ -123,13 +123,16 @@ def choose_later(logits: torch.Tensor, seqs, eos_token_id: int | None = None) ->
         p = seq.params
         if p.penalized:
             _penalize(scores, i, p, seq.prompt_ids, seq.output_ids)
-        if getattr(seq, "guide", None) is not None:
-            seq.guide.mask(scores[i])
         if len(seq.output_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
             banned = [t for t in banned if 0 <= t < scores.shape[1]]
             if banned:
                 scores[i, banned] = float("-inf")
+    guided = [(i, seq.guide) for i, seq in enumerate(seqs) if getattr(seq, "guide", None) is not None]
+    if guided:
+        from .guided.grammars import mask_rows
+
+        mask_rows(scores, guided)
     tokens = scores.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:

@@ -74,6 +74,32 @@ def test_a_resumed_sequence_rebuilds_its_matcher_over_the_tokens_it_has(engine):
                          whole.params.to_dict())
 
 
+def test_guides_hold_in_a_tensor_parallel_group_and_batched_with_free_rows():
+    from engine.factory import make_engine
+
+    tp = make_engine(EngineConfig(device="cpu", dtype="float32", warmup=False, tp=2))
+    try:
+        guide = {"kind": "json_schema", "value": SCHEMA}
+        seqs = [new_sequence(tp, f"t{i}", {"prompt": "JSON:", "params": {
+            "max_tokens": 200, "temperature": 1.0, "seed": i, **({"guide": guide} if i % 2 else {})}})
+            for i in range(6)]
+        outs = run(tp, seqs)
+        for i, text in enumerate(outs):
+            if i % 2:
+                jsonschema.validate(json.loads(text), SCHEMA)
+        assert not any(is_json(t) for t in outs[::2])  # the rows without a guide stay free text
+    finally:
+        tp.close()
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def test_a_guide_that_does_not_compile_is_a_400(engine):
     with pytest.raises(RequestError, match="does not compile") as e:
         new_sequence(engine, "g", {"prompt": "x", "params": {"max_tokens": 4, "guide": {"kind": "regex",

@@ -11,7 +11,8 @@ of tokens even on a random model.
 reads it and compiles each guide once (kept, least recently used first, up to
 ``CACHE``). Each sequence gets a ``Guide``, a matcher over its compiled
 grammar: before a token is chosen the sampler masks every token the grammar
-does not allow (``mask``), and the chosen token advances it (``accept``).
+does not allow (``mask_rows``: one bitmask for the batch's guided rows), and
+the chosen token advances it (``accept``).
 It ends the sequence once the grammar is complete (its stop token accepted).
 
 Across the prefill -> decode handoff nothing else moves: the guide travels in
@@ -39,21 +40,8 @@ class Guide:
     """One sequence's matcher."""
 
     def __init__(self, matcher, vocab_size: int):
-        import xgrammar as xgr
-
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-
-    def mask(self, scores: torch.Tensor) -> None:
-        """Set to -inf, in place, the scores (one row) of every token the grammar does not allow next."""
-        import xgrammar as xgr
-
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        row = scores.view(1, -1)
-        vocab = min(row.shape[1], self.vocab_size)
-        xgr.apply_token_bitmask_inplace(row, self.bitmask.to(row.device), vocab_size=vocab)
-        row[:, vocab:] = float("-inf")  # logits past the vocabulary (padding) are never a grammar's
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(int(token))
@@ -61,6 +49,22 @@ class Guide:
     @property
     def done(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def mask_rows(scores: torch.Tensor, guided: list[tuple[int, "Guide"]]) -> None:
+    """``Guide.mask`` for many rows of a batch at once: one bitmask filled on the host, one copy to the device,
+    one masking call."""
+    import xgrammar as xgr
+
+    vocab = min(scores.shape[1], guided[0][1].vocab_size)
+    bitmask = xgr.allocate_token_bitmask(scores.shape[0], guided[0][1].vocab_size)
+    for row, guide in guided:
+        guide.matcher.fill_next_token_bitmask(bitmask, row)
+    rows = [row for row, _ in guided]
+    xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True), vocab_size=vocab,
+                                    indices=rows)
+    if scores.shape[1] > vocab:
+        scores[rows, vocab:] = float("-inf")
 
 
 class Guides:
