@@ -52,8 +52,8 @@ class Guide:
 
 
 def mask_rows(scores: torch.Tensor, guided: list[tuple[int, "Guide"]]) -> None:
-    """``Guide.mask`` for many rows of a batch at once: one bitmask filled on the host, one copy to the device,
-    one masking call."""
+    """Set to -inf, in place, the score of every token the grammar of each guided row does not allow next: one
+    bitmask filled on the host, one copy to the device, one masking call."""
     import xgrammar as xgr
 
     vocab = min(scores.shape[1], guided[0][1].vocab_size)
