@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine import RequestError
 from engine.requests import first_message, new_sequence
 from kvtransfer import PiecewiseKV, TransferError, TransportConfig, make_sender
-from prefill.suffix import kv_suffix
+from prefill.pushes import kv_suffix, push_ended
 
 from .worker import DecodeWorker
 
@@ -68,12 +68,7 @@ class MixedWorker(DecodeWorker):
         if op == "prefill":
             return self._prefill(msg)
         if op == "_sent":
-            seq = self.sending.pop(rid, None)
-            if seq is not None:
-                self.engine.free(seq)
-            if msg.get("ok"):
-                self.reply_to.pop(rid, None)
-            return
+            return push_ended(self, msg)
         if op == "abort" and rid in self.for_others:
             self.engine.free(self.for_others.pop(rid)[0])
             self.reply_to.pop(rid, None)

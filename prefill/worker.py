@@ -41,7 +41,7 @@ from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
 
-from .suffix import kv_suffix
+from .pushes import kv_suffix, push_ended
 from .tp_kv import GroupPushes, cancel_slices, push_group, push_whole
 
 log = logging.getLogger(__name__)
@@ -144,12 +144,7 @@ class PrefillWorker(WorkerLoop):
     def handle(self, msg):
         rid = msg["rid"]
         if msg["op"] == "_sent":
-            seq = self.sending.pop(rid, None)
-            if seq is not None:
-                self.engine.free(seq)
-            if msg.get("ok"):
-                self.reply_to.pop(rid, None)
-            return
+            return push_ended(self, msg)
         if msg["op"] == "abort":
             live = self.live.pop(rid, None)
             if live is not None:

@@ -1,4 +1,5 @@
-"""The part of a prompt's KV a prefill pushes: the prompt after the leading blocks the decode worker holds."""
+"""What prefill and mixed workers share about a KV push: the part of a prompt's KV it sends (``kv_suffix``) and
+what the worker does when it ends (``push_ended``)."""
 from __future__ import annotations
 
 from kvtransfer import KVLayout
@@ -18,3 +19,13 @@ def kv_suffix(engine, seq, skip: list) -> tuple[KVLayout, list[int], int]:
             m += 1
     layout = layout_for(engine.kv_shape, n - m * bs, engine.kv_dtype, engine.kv_scales)
     return layout, seq.block_table[m:], m
+
+
+def push_ended(worker, msg: dict) -> None:
+    """(Engine thread) A push ended (``_sent``): the blocks it read from come back; after a success the request is
+    done on this worker (after a failure the error already went out)."""
+    seq = worker.sending.pop(msg["rid"], None)
+    if seq is not None:
+        worker.engine.free(seq)
+    if msg.get("ok"):
+        worker.reply_to.pop(msg["rid"], None)
