@@ -153,3 +153,11 @@ def test_bench_transfer_against_fp8(tmp_path):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["fp8"]["bytes"] * 2 == report["bytes"] and report["fp8"]["layout"]["dtype"] == "float8_e4m3fn"
     assert report["fp8_speedup"]["tcp"]["wire"] > 0 and "FP8" in out.with_suffix(".md").read_text()
+
+
+def test_bench_guided_small(tmp_path):
+    out = tmp_path / "gd"
+    assert main(["bench", "guided", "--vocab", "600", "--steps", "20", "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "gd.json").read_text())["rows"]
+    assert {(r["engine"], r["grammar"]) for r in rows} >= {("xgrammar", "json_schema"), ("llguidance", "regex")}
+    assert all(r["compile_ms"] > 0 and r["fill_accept_us"] > 0 for r in rows) and {r["vocab"] for r in rows} == {259, 600}

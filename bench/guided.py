@@ -1,0 +1,150 @@
+"""``pdserve bench guided``: xgrammar against llguidance for the structured outputs pdserve enforces.
+
+For each vocabulary (the byte tokenizer, 259 tokens; a Hugging Face tokenizer of ``--vocab`` tokens built from
+the byte tokenizer plus ``[i]`` tokens, no download) and each grammar (a nested JSON schema, a regex, a choice):
+compile time (first, uncached), and the time to fill one row's token bitmask and accept a token, averaged over
+``--steps`` steps of a random walk the grammar allows (the same seed for both). Writes JSON and Markdown."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+from .report import command_line
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "inner"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "tags": {"type": "array", "maxItems": 4,
+                                                                               "items": {"enum": ["a", "b", "c"]}},
+                         "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 999}},
+                                   "required": ["n"], "additionalProperties": False}}}
+GRAMMARS = {"json_schema": SCHEMA, "regex": r"[A-Z]{2}-\d{3}(-[a-z]{1,8})?", "choice": ["alpha", "beta", "gamma"]}
+
+
+def add_arguments(p):
+    p.add_argument("--vocab", type=int, default=32000, help="size of the large (Hugging Face) vocabulary")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out", default="bench/out/guided")
+
+
+def hf_tokenizer(vocab: int):
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import save_byte_tokenizer
+
+    path = tempfile.mkdtemp(prefix="pdserve-vocab-")
+    save_byte_tokenizer(path, vocab)
+    return AutoTokenizer.from_pretrained(path)
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf):
+        import xgrammar as xgr
+
+        self.xgr, self.vocab = xgr, len(hf)
+        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=len(hf)), max_threads=1)
+
+    def matcher(self, kind, value):
+        c = self.compiler
+        grammar = {"json_schema": lambda: c.compile_json_schema(json.dumps(value), any_whitespace=False),
+                   "regex": lambda: c.compile_regex(value),
+                   "choice": lambda: c.compile_grammar("root ::= " + " | ".join(json.dumps(v) for v in value))}[kind]()
+        return self.xgr.GrammarMatcher(grammar), self.xgr.allocate_token_bitmask(1, self.vocab)
+
+    def fill(self, state):
+        matcher, bitmask = state
+        matcher.fill_next_token_bitmask(bitmask)
+        return bitmask
+
+    def accept(self, state, token):
+        return state[0].accept_token(token)
+
+    def done(self, state):
+        return state[0].is_terminated()
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.ll, self.llt, self.vocab = llguidance, llguidance.torch, len(hf)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
+
+    def matcher(self, kind, value):
+        ll = self.ll
+        grammar = {"json_schema": lambda: ll.grammar_from("json_schema", json.dumps(value)),
+                   "regex": lambda: ll.grammar_from("regex", value),
+                   "choice": lambda: ll.grammar_from("lark", "start: " + " | ".join(json.dumps(v) for v in value))
+                   }[kind]()
+        return ll.LLMatcher(self.tokenizer, grammar), self.llt.allocate_token_bitmask(1, self.vocab)
+
+    def fill(self, state):
+        matcher, bitmask = state
+        self.llt.fill_next_token_bitmask(matcher, bitmask, 0)
+        return bitmask
+
+    def accept(self, state, token):
+        return state[0].consume_token(token)
+
+    def done(self, state):
+        return state[0].is_stopped()
+
+
+def allowed(bitmask, vocab: int) -> list[int]:
+    words = bitmask[0].tolist()
+    return [t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1]
+
+
+def measure(engine, kind, value, steps: int, seed: int) -> dict:
+    start = time.perf_counter()
+    state = engine.matcher(kind, value)
+    compile_ms = (time.perf_counter() - start) * 1e3
+    rng, fill_s, tokens = random.Random(seed), 0.0, 0
+    while tokens < steps:
+        if engine.done(state):
+            state = engine.matcher(kind, value)  # a fresh walk
+        t0 = time.perf_counter()
+        bitmask = engine.fill(state)
+        fill_s += time.perf_counter() - t0
+        choices = allowed(bitmask, engine.vocab)
+        engine.accept(state, rng.choice(choices))
+        tokens += 1
+    return {"compile_ms": compile_ms, "fill_accept_us": fill_s / steps * 1e6}
+
+
+def run(args) -> int:
+    from engine.tokenizer import ByteTokenizer  # noqa: F401 (the byte vocabulary is the small case)
+
+    rows = []
+    for vocab in (None, args.vocab):
+        hf = hf_tokenizer(vocab or 0)
+        for cls in (XGrammar, LLGuidance):
+            try:
+                engine = cls(hf)
+            except ImportError as e:
+                print(f"{cls.name}: not installed ({e})", file=sys.stderr)
+                continue
+            for kind, value in GRAMMARS.items():
+                r = measure(engine, kind, value, args.steps, 0)
+                rows.append({"engine": cls.name, "vocab": len(hf), "grammar": kind, **r})
+                print(f"{cls.name:10} vocab {len(hf):>6} {kind:11}: compile {r['compile_ms']:8.2f} ms, mask+accept "
+                      f"{r['fill_accept_us']:8.1f} us/token", file=sys.stderr)
+    md = ["| engine | vocab | grammar | compile ms | mask + accept us/token |", "|---|---|---|---|---|"]
+    md += [f"| {r['engine']} | {r['vocab']} | {r['grammar']} | {r['compile_ms']:.2f} | {r['fill_accept_us']:.1f} |"
+           for r in rows]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"command": command_line("guided"), "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"`{command_line('guided')}`\n\n" + "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
