@@ -32,6 +32,7 @@ from .parallel.group import SINGLE, TPGroup
 from . import overlap
 from .sampler import choose_later
 from .scheduler import Scheduler
+from .guided.grammars import engine_guides
 from .step_budget import PrefillBudget, StepLog, StepRecord
 from .sequence import Sequence
 
@@ -95,7 +96,6 @@ class Engine:
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
-        self._guides = None
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
         self.suppress = self.runner.suppress
@@ -141,14 +141,7 @@ class Engine:
         max_blocks = -(-self.max_len // self.block_size) + 1
         return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
-    @property
-    def guides(self):
-        """Grammars of structured outputs over this engine's vocabulary (built on first use)."""
-        if self._guides is None:
-            from .guided.grammars import Guides
-
-            self._guides = Guides(self.tokenizer, self.model.spec.vocab_size)
-        return self._guides
+    guides = property(engine_guides)  # grammars of structured outputs over this engine's vocabulary
 
     def step_info(self) -> dict:
         """The prompt-token cap of steps that decode, and the most prompt tokens such a step took."""

@@ -61,11 +61,7 @@ def guided(engine, seq: Sequence) -> Sequence:
     """``seq`` with the matcher of its guide, if it has one, advanced over the tokens it already has."""
     if seq.params.guide is None:
         return seq
-    guides = getattr(engine, "guides", None)
-    if guides is None:
-        raise RequestError(f"structured outputs run on the torch engine, not the {getattr(engine, 'kind', '?')} "
-                           "engine", param="response_format")
-    seq.guide = guides.matcher(seq.params.guide, seq.output_ids)
+    seq.guide = engine.guides.matcher(seq.params.guide, seq.output_ids)
     return seq
 
 

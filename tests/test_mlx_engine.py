@@ -104,3 +104,23 @@ def test_a_4bit_mlx_checkpoint_loads_and_decodes_batched_as_alone(tmp_path):
     ps = prompts(4, seed=9)
     alone = [outputs(engine, [p])[0] for p in ps]
     assert outputs(engine, ps) == alone and all(len(o) == 10 for o in alone)
+
+
+def test_a_json_schema_holds_on_the_mlx_engine_as_on_the_torch_engine(model):
+    import json
+
+    from engine.requests import new_sequence
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "integer", "minimum": 0, "maximum": 50}}}
+    texts = []
+    for engine in (mlx_engine(model), Engine(EngineConfig(model=model, threads=1, warmup=False))):
+        seq = new_sequence(engine, "g", {"prompt": "JSON:", "params": {"max_tokens": 40, "temperature": 0,
+                                                                          "guide": {"kind": "json_schema",
+                                                                                    "value": schema}}})
+        engine.add(seq)
+        while engine.has_work:
+            engine.step()
+        texts.append(engine.tokenizer.decode(seq.output_ids))
+        assert set(json.loads(texts[-1])) == {"a", "b"}
+    assert texts[0] == texts[1]

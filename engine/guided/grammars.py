@@ -117,6 +117,16 @@ class Guides:
         return out
 
 
+def engine_guides(engine) -> Guides:
+    """The engine's ``Guides`` (built on first use, over the width of its logits: the model's vocabulary)."""
+    if getattr(engine, "_guides", None) is None:
+        model = getattr(engine, "model", None)
+        vocab = getattr(getattr(model, "spec", None), "vocab_size", None) \
+            or getattr(getattr(model, "args", None), "vocab_size", None) or engine.tokenizer.vocab_size
+        engine._guides = Guides(engine.tokenizer, vocab)
+    return engine._guides
+
+
 def check_guide(guide) -> None:
     """Shape checks of a guide (its grammar is checked when it compiles)."""
     if guide is None:
