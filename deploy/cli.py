@@ -198,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--host", default=None, help="router bind address (default: its node's address)")
     dr.add_argument("--port", type=int, default=8000)
     dr.add_argument("--policy", default="least_outstanding")
+    _add_disagg(dr, "always")
     dr.add_argument("--max-restarts", type=int, default=10)
     dr.add_argument("--kv-budget", type=byte_size, default=0)
     dr.add_argument("--cluster-token-file", default=None)
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
             from .up import engine_args
 
             args.worker_args = engine_args(args) + (["--kv-budget", str(args.kv_budget)] if args.kv_budget else [])
-            args.router_args = ["--policy", args.policy]
+            args.router_args = ["--policy", args.policy, "--disagg", args.disagg,
+                                "--disagg-local-tokens", str(args.disagg_local_tokens)]
         return getattr(ray_deploy, {"ray": "deploy_ray"}.get(args.deploy, args.deploy))(args)
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker

@@ -63,6 +63,17 @@ def test_choices_and_regexes_hold_on_the_random_model(engine):
     assert all(re.fullmatch(regex["value"], o) for o in outs[6:]), outs[6:]
 
 
+def test_an_ebnf_grammar_holds(engine):
+    grammar = {"kind": "grammar", "value": 'root ::= "(" item (", " item)* ")"\nitem ::= [a-c] [0-9]'}
+    seqs = [new_sequence(engine, f"e{i}", {"prompt": "List:", "params": {"max_tokens": 40, "temperature": 1.0,
+                                                                         "seed": i, "guide": grammar}})
+            for i in range(6)]
+    outs = run(engine, seqs)
+    for seq, text in zip(seqs, outs):
+        assert seq.finish_reason == "length" or re.fullmatch(r"\([a-c][0-9](, [a-c][0-9])*\)", text), text
+    assert sum(seq.finish_reason == "stop" for seq in seqs) >= 3  # most lists close within 40 tokens
+
+
 def test_a_resumed_sequence_rebuilds_its_matcher_over_the_tokens_it_has(engine):
     guide = {"kind": "json_schema", "value": SCHEMA}
     whole = new_sequence(engine, "w", {"prompt": "x", "params": {"max_tokens": 200, "temperature": 0, "guide": guide}})
