@@ -298,16 +298,20 @@ class Engine:
             seq.num_computed += chunk
             if not seq.pending:  # a held input token: registered once it is read
                 self.register(seq)
+        if self.inflight is not None and any(seq.guide is not None for seq in sampling):
+            self._read_inflight(out)  # the masks need its tokens; the device runs this step's forward meanwhile
         choices = choose_later(scores, sampling, self.tokenizer.eos_token_id) if sampling else None
         previous, self.inflight = self.inflight, None
         if choices is not None and overlap.keeps(self, rows, sampling):
-            self.inflight = overlap.InFlight(sampling, [seq.reserve() for seq in sampling], choices)
+            places = [None if seq.finished else seq.reserve() for seq in sampling]
+            self.inflight = overlap.InFlight(sampling, places, choices)
             self.overlapped += 1
         if previous is not None:
             previous.finish(lambda seq, delta: self._took(seq, delta, out, True))
         if choices is not None and self.inflight is None:
             for seq, choice in zip(sampling, choices.read()):
-                self._took(seq, seq.append(choice), out)
+                if not seq.finished:  # (a guided read of the step before can have ended it)
+                    self._took(seq, seq.append(choice), out)
         return out
 
     def _read_inflight(self, out: StepOutput) -> None:

@@ -21,7 +21,13 @@ later step reusing them writes after it). A sequence that has reached its
 length with a held place is not scheduled again (``Sequence.capped``). When
 the next step cannot follow (a new request waits, a prompt chunk, a
 penalty), the step in flight is read first and the engine steps as
-before."""
+before.
+
+Guided sequences (structured outputs) step ahead too: their grammar masks
+the next step's scores, so the step in flight is read right after the next
+one is launched and before it is sampled: the host reads the token, advances
+the matcher and fills the mask while the device runs the forward. A
+sequence that the read finished holds no place in the new step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +47,7 @@ class InFlight:
     def finish(self, accept) -> None:
         """Fill every held place with its token (``accept(seq, delta)`` for each live sequence)."""
         for seq, place, choice in zip(self.seqs, self.places, self.choices.read()):
-            if not seq.freed:
+            if not seq.freed and place is not None:
                 accept(seq, seq.fill(place, choice))
 
 
@@ -50,7 +56,7 @@ def keeps(engine, rows, sampling) -> bool:
     graphs = engine.runner.graphs
     return (engine.cfg.overlap and graphs is not None and engine.group.size == 1 and not engine.hold_after_first
             and engine.on_schedule is None and len(sampling) == len(rows) and graphs.fits(len(rows))
-            and all(engine.runner.decodes(r) for r in rows) and not any(s.params.host_sampled for s in sampling))
+            and all(engine.runner.decodes(r) for r in rows) and not any(s.params.penalized for s in sampling))
 
 
 def can_follow(engine) -> bool:
@@ -64,7 +70,7 @@ def can_follow(engine) -> bool:
         return False
     grow = 0
     for q in live:
-        if q.num_tokens - q.num_computed != 1 or q.params.host_sampled or q.params.prompt_logprobs is not None:
+        if q.num_tokens - q.num_computed != 1 or q.params.penalized or q.params.prompt_logprobs is not None:
             return False
         grow += blocks.blocks_for(q.num_computed + 1) - len(q.block_table)
     return grow <= blocks.num_free

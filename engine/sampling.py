@@ -82,11 +82,6 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
-    def host_sampled(self) -> bool:
-        """Its next token depends on its tokens so far on the host (penalties, a guide): no step ahead."""
-        return self.penalized or self.guide is not None
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -111,6 +111,24 @@ def is_json(text: str) -> bool:
         return False
 
 
+def test_guided_rows_step_ahead_with_the_same_tokens():
+    """One step ahead (decode graphs run eagerly on the CPU): the step in flight is read before the next is
+    sampled; the tokens equal reading every step at once."""
+    guide = {"kind": "json_schema", "value": SCHEMA}
+    outs = []
+    for ahead in (True, False):
+        eng = Engine(EngineConfig(device="cpu", dtype="float32", warmup=False, decode_graphs="eager", overlap=ahead))
+        seqs = [new_sequence(eng, f"o{i}", {"prompt": f"JSON {i}:", "params": {
+            "max_tokens": 120, "temperature": 1.0, "seed": i, **({"guide": guide} if i % 3 else {})}})
+            for i in range(9)]
+        outs.append(run(eng, seqs))
+        assert (eng.overlapped > 0) == ahead
+    assert outs[0] == outs[1]
+    for i, text in enumerate(outs[0]):
+        if i % 3:
+            jsonschema.validate(json.loads(text), SCHEMA)
+
+
 def test_a_guide_that_does_not_compile_is_a_400(engine):
     with pytest.raises(RequestError, match="does not compile") as e:
         new_sequence(engine, "g", {"prompt": "x", "params": {"max_tokens": 4, "guide": {"kind": "regex",

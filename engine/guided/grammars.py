@@ -56,6 +56,9 @@ def mask_rows(scores: torch.Tensor, guided: list[tuple[int, "Guide"]]) -> None:
     bitmask filled on the host, one copy to the device, one masking call."""
     import xgrammar as xgr
 
+    guided = [(row, guide) for row, guide in guided if not guide.done]  # ended: its token is dropped
+    if not guided:
+        return
     vocab = min(scores.shape[1], guided[0][1].vocab_size)
     bitmask = xgr.allocate_token_bitmask(scores.shape[0], guided[0][1].vocab_size)
     for row, guide in guided:
