@@ -124,3 +124,25 @@ def test_langchain_structured_output_and_bound_tools(disagg):
     message = llm.bind_tools([get_time], tool_choice="required", parallel_tool_calls=False).invoke("What time is it?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_time"
     assert message.tool_calls[0]["args"]["zone"] in ("UTC", "CET")
+
+
+def test_auto_streams_text_at_once_and_holds_what_may_be_a_call():
+    from router.tools.parse import Release
+
+    r = Release()
+    assert [r.add(x) for x in ["Hel", "lo <to", 'ol_call>{"a"', "}</tool_call>"]] == ["Hel", "lo ", "", ""]
+    assert r.holding and r.held == '<tool_call>{"a"}</tool_call>'
+    r = Release()
+    assert [r.add(x) for x in [" ", '{"na', 'me"}']] == ["", "", ""] and r.holding
+    r = Release()
+    assert [r.add(x) for x in ["ab<", "c"]] == ["ab", "<c"] and not r.holding
+
+
+def test_auto_with_tools_streams_content_as_it_comes(disagg):
+    stream = client(disagg.url).chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=40,
+        temperature=0, stream=True)
+    deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    text = "".join(deltas)
+    assert not text.lstrip().startswith(("{", "[", "<"))  # (greedy on the tiny model: no call, plain text)
+    assert len(deltas) > 5, deltas  # ...which streamed as it came, not held to the end

@@ -20,7 +20,7 @@ from ..responses import SSE_DONE, Choice, Shaper, sse, usage_of
 from ..schemas import ChatRequest, CompletionRequest
 from ..service import Delta, Finished, StreamError, new_rid
 from ..streams import merged
-from ..tools.parse import parse_auto, parse_forced
+from ..tools.parse import Release, parse_auto, parse_forced
 from .state import RouterState, router_state
 
 routes = APIRouter()
@@ -82,6 +82,7 @@ class Reply:
         self.shaper = Shaper(kind, self.rid, req.model, logprobs)
         self.with_ids = req.return_token_ids
         self.tools = getattr(req, "tool_mode", "none")  # with tools the text is read for calls before it goes out
+        self.releases: dict[int, Release] = {}  # auto, streamed: text goes out unless it may be a call
         self.choices, self.streams, self.firsts, self.t0 = [], [], [], 0.0
 
     async def serve(self, payloads: list[dict]):
@@ -155,8 +156,13 @@ class Reply:
         """The SSE event for ``ev`` (None when it adds nothing the client asked for)."""
         shaper = self.shaper
         text, entries = absorb(choice, ev)
-        if self.tools != "none" or not (text or self.with_ids or (shaper.with_logprobs and entries)):
-            return None  # with tools: held until the text is read for calls
+        if self.tools != "none":  # held while it may be a call (all of it when forced, or with ids or logprobs)
+            if self.tools != "auto" or self.with_ids or shaper.with_logprobs:
+                return None
+            text = self.releases.setdefault(choice.index, Release()).add(text)
+            return shaper.text_event(choice, text) if text else None
+        if not (text or self.with_ids or (shaper.with_logprobs and entries)):
+            return None
         if not (self.with_ids or shaper.with_logprobs or shaper.running_usage):
             return shaper.text_event(choice, text)
         out = shaper.chunk(choice, text, ids=ev.ids if self.with_ids else None,
@@ -211,11 +217,18 @@ class Reply:
         """A request with tools: its calls as tool-call deltas, or its text in one delta."""
         if self.tools == "none":
             return []
-        self._calls(choice)
+        release = self.releases.get(choice.index)
+        if release is None:
+            self._calls(choice)
+            text = choice.content if choice.content is not None else "".join(choice.text)
+        else:  # what went out already is content; the rest is read for calls
+            text, choice.tool_calls = parse_auto(release.held, self.req.tool_names)
+            if choice.tool_calls:
+                choice.finish_reason = "tool_calls"
+        out = [sse(self.shaper.chunk(choice, text))] if text else []
         if choice.tool_calls:
-            return [sse(c) for c in self.shaper.tool_call_chunks(choice)]
-        text = choice.content if choice.content is not None else "".join(choice.text)
-        return [sse(self.shaper.chunk(choice, text))] if text else []
+            out += [sse(c) for c in self.shaper.tool_call_chunks(choice)]
+        return out
 
     def _finished(self, choice: Choice) -> None:
         self.metrics.e2e.labels(self.st.mode).observe(time.perf_counter() - self.t0)

@@ -14,6 +14,36 @@ import os
 import re
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPENERS = ("[TOOL_CALLS]", "<|python_tag|>", "{")  # calls that must start the answer
+INLINE = "<tool_call>"  # calls that may follow some text
+
+
+class Release:
+    """Streaming with ``auto``: the text that can go out now, and what is held because it may be a call."""
+
+    def __init__(self):
+        self.sent = ""
+        self.held = ""
+        self.holding = False
+
+    def add(self, text: str) -> str:
+        self.held += text
+        if self.holding:
+            return ""
+        if not self.sent:
+            start = self.held.lstrip()
+            if any(start.startswith(o) or o.startswith(start) for o in OPENERS):
+                self.holding = bool(start) and any(start.startswith(o) for o in OPENERS)
+                return ""
+        at = self.held.find(INLINE)
+        if at >= 0:
+            self.holding = True
+        else:  # keep a tail that may be the start of the marker
+            at = next((i for i in range(max(0, len(self.held) - len(INLINE) + 1), len(self.held))
+                       if INLINE.startswith(self.held[i:])), len(self.held))
+        out, self.held = self.held[:at], self.held[at:]
+        self.sent += out
+        return out
 
 
 def call_id() -> str:
