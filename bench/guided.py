@@ -3,7 +3,11 @@
 For each vocabulary (the byte tokenizer, 259 tokens; a Hugging Face tokenizer of ``--vocab`` tokens built from
 the byte tokenizer plus ``[i]`` tokens, no download) and each grammar (a nested JSON schema, a regex, a choice):
 compile time (first, uncached), and the time to fill one row's token bitmask and accept a token, averaged over
-``--steps`` steps of a random walk the grammar allows (the same seed for both). Writes JSON and Markdown."""
+``--steps`` steps of a random walk the grammar allows (the same seed for both). With ``--model`` also engine
+decode at ``--batch`` sequences of ``--prompt-len`` tokens, every one guided by a JSON schema (an array of at
+least 4,096 small integers: none ends while timed) against none, in the same run, alternating, the better of two runs each: tok/s and the slowdown (the issue's bar:
+5%).
+Writes JSON and Markdown."""
 from __future__ import annotations
 
 import json
@@ -27,6 +31,14 @@ GRAMMARS = {"json_schema": SCHEMA, "regex": r"[A-Z]{2}-\d{3}(-[a-z]{1,8})?", "ch
 def add_arguments(p):
     p.add_argument("--vocab", type=int, default=32000, help="size of the large (Hugging Face) vocabulary")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--model", default=None, help="also time engine decode guided vs not (e.g. mistral-7b with "
+                   "--load-format dummy)")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--out", default="bench/out/guided")
 
 
@@ -121,6 +133,54 @@ def measure(engine, kind, value, steps: int, seed: int) -> dict:
     return {"compile_ms": compile_ms, "fill_accept_us": fill_s / steps * 1e6}
 
 
+ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 4096}  # never ends
+
+
+def decode_ab(args) -> dict:
+    """Decode tok/s of ``batch`` sequences unguided, then guided (same engine, same prompts)."""
+    from engine import EngineConfig, SamplingParams
+    from engine.factory import make_engine
+    from engine.requests import guided
+
+    from .engine import _seqs, _sync, _vocab
+
+    engine = make_engine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                                      device=args.device, max_num_seqs=max(args.batch, 8)))
+    getattr(engine, "warm_up", lambda: None)()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, _vocab(engine)) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    out = {}
+    cases = [("free", None), ("json_schema", {"kind": "json_schema", "value": ARRAY})] * 2  # each twice, the best
+    for name, guide in cases:
+        seqs = _seqs(engine, prompts, [args.decode_steps + 32] * args.batch)
+        for s in seqs:
+            s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
+            guided(engine, s)
+            engine.add(s)
+        while any(len(s.output_ids) < 2 for s in seqs):
+            engine.step()
+        for _ in range(8):
+            engine.step()
+        _sync(engine.device)
+        start, made = time.perf_counter(), 0
+        for _ in range(args.decode_steps):
+            made += len(engine.step().tokens)
+        _sync(engine.device)
+        elapsed = time.perf_counter() - start
+        for s in seqs:
+            engine.free(s)
+        while engine.has_work:
+            engine.step()
+        if name not in out or made / elapsed > out[name]["tok_per_s"]:
+            out[name] = {"tok_per_s": made / elapsed, "step_ms": elapsed / args.decode_steps * 1e3}
+        print(f"decode batch {args.batch} {name:11}: {made / elapsed:9.1f} tok/s "
+              f"({elapsed / args.decode_steps * 1e3:.2f} ms/step)", file=sys.stderr)
+    out["slowdown"] = out["free"]["tok_per_s"] / out["json_schema"]["tok_per_s"] - 1
+    if hasattr(engine, "close"):
+        engine.close()
+    return out
+
+
 def run(args) -> int:
     from engine.tokenizer import ByteTokenizer  # noqa: F401 (the byte vocabulary is the small case)
 
@@ -138,12 +198,17 @@ def run(args) -> int:
                 rows.append({"engine": cls.name, "vocab": len(hf), "grammar": kind, **r})
                 print(f"{cls.name:10} vocab {len(hf):>6} {kind:11}: compile {r['compile_ms']:8.2f} ms, mask+accept "
                       f"{r['fill_accept_us']:8.1f} us/token", file=sys.stderr)
+    decode = decode_ab(args) if args.model else None
     md = ["| engine | vocab | grammar | compile ms | mask + accept us/token |", "|---|---|---|---|---|"]
     md += [f"| {r['engine']} | {r['vocab']} | {r['grammar']} | {r['compile_ms']:.2f} | {r['fill_accept_us']:.1f} |"
            for r in rows]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": command_line("guided"), "rows": rows}, f, indent=1)
+        json.dump({"command": command_line("guided"), "rows": rows, "decode": decode}, f, indent=1)
+    if decode:
+        md += ["", f"Engine decode, {args.model}, batch {args.batch} x {args.prompt_len}: "
+               f"{decode['free']['tok_per_s']:.1f} tok/s free, {decode['json_schema']['tok_per_s']:.1f} with a JSON "
+               f"schema on every sequence: {100 * decode['slowdown']:.1f}% slower per token."]
     with open(args.out + ".md", "w") as f:
         f.write(f"`{command_line('guided')}`\n\n" + "\n".join(md) + "\n")
     print("\n".join(md))

@@ -157,7 +157,10 @@ def test_bench_transfer_against_fp8(tmp_path):
 
 def test_bench_guided_small(tmp_path):
     out = tmp_path / "gd"
-    assert main(["bench", "guided", "--vocab", "600", "--steps", "20", "--out", str(out)]) == 0
+    assert main(["bench", "guided", "--vocab", "600", "--steps", "20", "--model", "tiny-llama", "--batch", "4",
+                 "--prompt-len", "16", "--decode-steps", "8", "--out", str(out)]) == 0
+    decode = json.loads((tmp_path / "gd.json").read_text())["decode"]
+    assert decode["free"]["tok_per_s"] > 0 and decode["json_schema"]["tok_per_s"] > 0 and "slowdown" in decode
     rows = json.loads((tmp_path / "gd.json").read_text())["rows"]
     assert {(r["engine"], r["grammar"]) for r in rows} >= {("xgrammar", "json_schema"), ("llguidance", "regex")}
     assert all(r["compile_ms"] > 0 and r["fill_accept_us"] > 0 for r in rows) and {r["vocab"] for r in rows} == {259, 600}
