@@ -75,12 +75,19 @@ def _vocab(engine) -> int:
     return min(spec.vocab_size, engine.tokenizer.vocab_size) if spec else engine.tokenizer.vocab_size
 
 
-def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: int = 8) -> dict:
-    """Output tok/s of ``steps`` batched decode steps, timed after ``warmup`` untimed ones at the same size."""
+def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: int = 8, guide=None) -> dict:
+    """Output tok/s of ``steps`` batched decode steps, timed after ``warmup`` untimed ones at the same size (every
+    sequence under ``guide``, a structured-output grammar, when given)."""
+    from engine import SamplingParams
+    from engine.requests import guided
+
     vocab = _vocab(engine)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
     seqs = _seqs(engine, prompts, [steps + warmup + 4] * batch)
     for s in seqs:
+        if guide is not None:
+            s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
+            guided(engine, s)
         engine.add(s)
     while any(len(s.output_ids) < 2 for s in seqs):
         engine.step()

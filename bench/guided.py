@@ -138,43 +138,22 @@ ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 
 
 def decode_ab(args) -> dict:
     """Decode tok/s of ``batch`` sequences unguided, then guided (same engine, same prompts)."""
-    from engine import EngineConfig, SamplingParams
+    from engine import EngineConfig
     from engine.factory import make_engine
-    from engine.requests import guided
 
-    from .engine import _seqs, _sync, _vocab
+    from .engine import decode_rate
 
     engine = make_engine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                                       device=args.device, max_num_seqs=max(args.batch, 8)))
     getattr(engine, "warm_up", lambda: None)()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, _vocab(engine)) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     out = {}
     cases = [("free", None), ("json_schema", {"kind": "json_schema", "value": ARRAY})] * 2  # each twice, the best
     for name, guide in cases:
-        seqs = _seqs(engine, prompts, [args.decode_steps + 32] * args.batch)
-        for s in seqs:
-            s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
-            guided(engine, s)
-            engine.add(s)
-        while any(len(s.output_ids) < 2 for s in seqs):
-            engine.step()
-        for _ in range(8):
-            engine.step()
-        _sync(engine.device)
-        start, made = time.perf_counter(), 0
-        for _ in range(args.decode_steps):
-            made += len(engine.step().tokens)
-        _sync(engine.device)
-        elapsed = time.perf_counter() - start
-        for s in seqs:
-            engine.free(s)
-        while engine.has_work:
-            engine.step()
-        if name not in out or made / elapsed > out[name]["tok_per_s"]:
-            out[name] = {"tok_per_s": made / elapsed, "step_ms": elapsed / args.decode_steps * 1e3}
-        print(f"decode batch {args.batch} {name:11}: {made / elapsed:9.1f} tok/s "
-              f"({elapsed / args.decode_steps * 1e3:.2f} ms/step)", file=sys.stderr)
+        d = decode_rate(engine, args.batch, args.prompt_len, args.decode_steps, random.Random(0), guide=guide)
+        if name not in out or d["tok_per_s"] > out[name]["tok_per_s"]:
+            out[name] = {"tok_per_s": d["tok_per_s"], "step_ms": d["step_ms"]}
+        print(f"decode batch {args.batch} {name:11}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)",
+              file=sys.stderr)
     out["slowdown"] = out["free"]["tok_per_s"] / out["json_schema"]["tok_per_s"] - 1
     if hasattr(engine, "close"):
         engine.close()
