@@ -163,7 +163,8 @@ class WorkerClient:
             if not self.authed:
                 continue
             if op == "pong":
-                self._on_pong(msg)
+                self.last_pong = time.monotonic()
+                self.info = msg.get("info") or {}
                 continue
             if op == "kv_events":
                 self._on_kv_events(msg)
@@ -178,18 +179,6 @@ class WorkerClient:
                 if inbox is not None:
                     item[SOURCE] = self
                     inbox.put_nowait(item)
-
-    def _on_pong(self, msg: dict) -> None:
-        """A pong: in the picks again, with what the worker reports. A new process at the same address (a restart
-        faster than the disconnect was seen) cannot finish what the old one owned: that fails now, not at the
-        token timeout."""
-        info = msg.get("info") or {}
-        before, now = self.info.get("pid"), info.get("pid")
-        if self.owned and before and now and before != now:
-            log.warning("%s worker %s restarted (pid %s -> %s)", self.role, self.address, before, now)
-            self.fail_owned(f"{self.role} worker {self.address} restarted")
-        self.last_pong = time.monotonic()
-        self.info = info
 
     def _on_kv_events(self, msg: dict) -> None:
         """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored and
