@@ -46,7 +46,6 @@ class MixedWorker(DecodeWorker):
         super().__init__(engine, transport, host, port, kv_port, False, transport_cfg, kv_budget_bytes, drain_s)
         self.role = "mixed"
         cfg = transport_cfg or TransportConfig(host=host)
-        self.push_timeout_s = cfg.timeout_s
         self.sender = make_sender(transport, TransportConfig(host=host, timeout_s=cfg.timeout_s, token=cfg.token,
                                                              options=dict(cfg.options)))
         if self.pool_memory is not None:
