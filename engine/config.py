@@ -30,6 +30,9 @@ class EngineConfig:
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
     decode_graphs: str = "auto"  # auto: CUDA graphs + Triton kernels on CUDA, off elsewhere; off; eager (tests)
     tp: int = 1  # tensor-parallel ranks (processes, one device each); see engine.parallel
+    pp: int = 1  # pipeline stages (processes, each with a contiguous range of layers); see engine.pipeline
+    pp_layers: str | None = None  # layers per stage, e.g. "10,22" (default: as even as can be)
+    pp_transport: str = "tcp"  # the kvtransfer transport that carries hidden states between stages
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
     overlap: bool = True  # launch the next decode step before reading this one's tokens (engine.overlap)
     warmup: bool = True  # workers run engine.warmup before they serve
@@ -65,6 +68,12 @@ class EngineConfig:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
         if type(self.tp) is not int or self.tp < 1:
             raise ValueError("tp must be a positive integer")
+        if type(self.pp) is not int or self.pp < 1:
+            raise ValueError("pp must be a positive integer")
+        if self.pp > 1 and self.tp > 1:
+            raise ValueError("--pp and --tp together are not supported yet: give one of them")
+        if self.pp > 1 and self.engine == "mlx":
+            raise ValueError("--pp runs on the torch engine (the mlx engine has no pipeline stages yet)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} not in {LOAD_FORMATS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

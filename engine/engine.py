@@ -20,14 +20,11 @@ import torch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool
-from .kernels import paged
-from .graphs import DecodeGraphs
+from .decode_path import engine_graphs
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
-from .models.llama import use_fp8_kv, use_kernels
-from .models.moe import SparseMoE
+from .models.llama import use_fp8_kv
 from .quant import kv_fp8
-from .quant.fp8_linear import Fp8Linear
 from .parallel.group import SINGLE, TPGroup
 from . import overlap
 from .sampler import choose_later
@@ -52,19 +49,24 @@ class StepOutput:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, hold_after_first: bool = False, pool_memory=None,
-                 group: TPGroup | None = None, device=None, tp_kv: str | None = None):
+                 group: TPGroup | None = None, device=None, tp_kv: str | None = None, stage=None):
         """``pool_memory(nbytes, device)``: where the KV pool lives (a zeroed uint8 tensor on ``device``, or None
         for memory of its own). With ``cfg.tp > 1`` and no ``group`` this is rank 0: it starts the other ranks
         (``parallel.launch``; ``tp_kv``: their KV work) and sends them every step; a follower passes its
-        ``group`` and ``device``."""
+        ``group`` and ``device``. With ``cfg.pp > 1`` and no ``stage`` this is stage 0 of a pipeline
+        (``engine.pipeline``): it starts the other stages and drives them; a later stage passes its ``stage``."""
         self.cfg = cfg
         if group is None and cfg.tp > 1:
             from .parallel.launch import start_group
 
             device = rank_device(cfg.device, 0, cfg.tp)
             group = start_group(cfg, device, tp_kv)
-        self.group = group or SINGLE
-        loaded = load(cfg, self.group, device)
+        if stage is None and cfg.pp > 1:
+            from .pipeline.driver import Pipeline
+
+            device, stage = rank_device(cfg.device, 0, cfg.pp), Pipeline(cfg)
+        self.group, self.stage = group or SINGLE, stage
+        loaded = load(cfg, self.group, device, stage.span if stage is not None else None)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
         self.max_len, self.device, self.dtype = loaded.max_len, loaded.device, loaded.dtype
         self.quantization = loaded.quantization
@@ -77,17 +79,21 @@ class Engine:
                 self.group.one_shot = one_shot(self.group.group, self.dtype, self.device)
         spec = self.model.spec
         self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
-        self.kv_shape = (spec.num_layers, self.heads.kv_heads, spec.head_dim)  # this rank's
+        layers = self.model.span[1] - self.model.span[0]  # this stage's (all of them without a pipeline)
+        self.kv_shape = (layers, self.heads.kv_heads, spec.head_dim)  # this rank's
         self.model_kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)  # the model's, all ranks together
         self.kv_dtype = kv_fp8.kv_dtype(cfg.kv_cache_dtype, self.dtype)  # what the pool stores
         kv_scales = use_fp8_kv(self.model, self.kv_dtype == kv_fp8.FP8)
-        self.kv_bytes_per_token = 2 * spec.num_layers * self.heads.kv_heads * spec.head_dim * self.kv_dtype.itemsize
+        self.kv_bytes_per_token = 2 * layers * self.heads.kv_heads * spec.head_dim * self.kv_dtype.itemsize
         self.block_size = cfg.block_size
-        self.num_blocks = self.group.min_int(cfg.num_blocks or self._default_blocks(cfg), self.device)
+        blocks = cfg.num_blocks or self._default_blocks(cfg)
+        if stage is not None:  # every stage of a pipeline holds the same blocks
+            blocks = stage.agree_blocks(self, blocks)
+        self.num_blocks = self.group.min_int(blocks, self.device)
         if not cfg.num_blocks:
             self._fit_context()
         memory = pool_memory(self.num_blocks * self.block_bytes, self.device) if pool_memory else None
-        self.pool = KVPool(spec.num_layers, self.num_blocks, self.block_size, self.heads.kv_heads, spec.head_dim,
+        self.pool = KVPool(layers, self.num_blocks, self.block_size, self.heads.kv_heads, spec.head_dim,
                            self.kv_dtype, self.device, memory, kv_scales)
         self.kv_scales = self.pool.scales  # FP8: (k_scale, v_scale) per layer; None otherwise
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
@@ -97,7 +103,7 @@ class Engine:
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
-        self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, self._graphs(cfg))
+        self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
         self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
@@ -106,40 +112,6 @@ class Engine:
         log.info("KV pool: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * self.block_bytes / 2**20)
-
-    def _graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
-        """Fixed-shape decode steps: CUDA graphs over the Triton kernels on CUDA (``auto``/``cuda``; the norms,
-        rotary and MLP activation of prefill use the Triton kernels then too), the same
-        padded forward run eagerly with the torch operations (``eager``), or none (``off``; ``auto`` off CUDA)."""
-        mode = cfg.decode_graphs
-        if mode == "cuda" and self.device.type != "cuda":
-            raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
-        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
-            return None
-        if self.model.spec.moe is not None and os.environ.get("PDSERVE_MOE_KERNEL") == "0" and mode != "eager":
-            log.warning("PDSERVE_MOE_KERNEL=0: the reference expert loop (host synchronizing), no decode graphs")
-            return None  # for the A/B of ``bench/gpu_moe.sh loop``
-        ops, capture, layers = paged, False, None
-        if mode in ("auto", "cuda") and self.device.type == "cuda":
-            try:
-                from .kernels import triton_layers as layers
-                from .kernels import triton_attention as ops
-                capture = True
-            except ImportError as e:
-                if mode == "cuda":
-                    raise RuntimeError(f"decode_graphs=cuda needs triton (pip install 'pdserve[cuda]'): {e}") from e
-                log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
-                return None
-        if layers is not None:
-            use_kernels(self.model, layers)
-            fp8_kernels(self.model)
-            from .kernels import triton_moe
-
-            for module in self.model.modules():
-                if isinstance(module, SparseMoE):
-                    module.kernels = triton_moe
-        max_blocks = -(-self.max_len // self.block_size) + 1
-        return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
 
     guides = property(engine_guides)  # grammars of structured outputs over this engine's vocabulary
 
@@ -254,7 +226,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.inflight is not None
+        return self.scheduler.has_work or self.inflight is not None or (self.stage is not None and self.stage.in_flight)
 
     def step(self) -> StepOutput:
         """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on; logged
@@ -271,6 +243,8 @@ class Engine:
         return out
 
     def _step(self) -> StepOutput:
+        if self.stage is not None:  # stage 0 of a pipeline: micro-batches in flight
+            return self.stage.step(self)
         out = StepOutput()
         if self.inflight is not None and not overlap.can_follow(self):
             self._read_inflight(out)
@@ -351,7 +325,9 @@ class Engine:
             warm_up(self)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (nothing otherwise)."""
+        """Stop the other ranks of a tensor-parallel group or the other stages of a pipeline (nothing otherwise)."""
+        if self.stage is not None:
+            self.stage.close()
         if self.group.plan is not None:
             from .parallel.launch import stop_group
 
@@ -379,17 +355,3 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def fp8_kernels(model) -> None:
-    """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches on
-    ``triton_fp8``, and the norms before q/k/v and gate/up writing e4m3 themselves."""
-    from .kernels import triton_fp8, triton_quant
-
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.quantize_activations = triton_quant.quantize_rows
-            module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
-    for layer in model.model.layers:
-        layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
-        layer.post_attention_layernorm.quantized = isinstance(getattr(layer.ffn, "gate_up_proj", None), Fp8Linear)

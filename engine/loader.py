@@ -77,7 +77,9 @@ class Loaded:
     quantization: str | None = None  # "fp8": the projections are ``fp8_linear.Fp8Linear``
 
 
-def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None = None) -> Loaded:
+def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None = None,
+         span: tuple[int, int] | None = None) -> Loaded:
+    """``span``: only the layers ``[first, end)`` (a pipeline stage; ``engine.pipeline``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = device or pick_device(cfg.device)
@@ -85,7 +87,7 @@ def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None
     if cfg.model == TINY_NAME and cfg.load_format != "dummy":
         hf = build_tiny_model()
         dtype = pick_dtype(cfg.dtype, device)
-        model = build(hf.config, group)
+        model = build(hf.config, group, span)
         load_state(model, hf.state_dict())
         model = model.to(device=device, dtype=dtype)
         tokenizer, name, suppress = ByteTokenizer(), TINY_NAME, list(hf.generation_config.suppress_tokens or []) or None
@@ -93,7 +95,7 @@ def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None
     elif os.path.isdir(cfg.model) or cfg.load_format == "dummy":
         config = _config(cfg)
         dtype = pick_dtype(cfg.dtype, device, config)
-        model = _empty(config, group, dtype, device)
+        model = _empty(config, group, dtype, device, span)
         if cfg.load_format == "dummy":
             load_dummy(model)
         else:
@@ -104,7 +106,7 @@ def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None
                          f"(with --load-format dummy also a shape: {', '.join(sorted(SHAPES))})")
     model.fuse()
     model.eval()
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.owned_layers, model.span[0]):
         layer.self_attn.k_scale, layer.self_attn.v_scale = kv_scales.get(i, (1.0, 1.0))
     quantization = cfg.quantization or ("fp8" if fp8_checkpoint.is_fp8_checkpoint(config) else None)
     if quantization == "fp8":
@@ -130,13 +132,13 @@ def _config(cfg: EngineConfig):
     return AutoConfig.from_pretrained(cfg.model)
 
 
-def _empty(config, group: TPGroup, dtype: torch.dtype, device: torch.device):
+def _empty(config, group: TPGroup, dtype: torch.dtype, device: torch.device, span=None):
     """The model's (shard's) parameters allocated on ``device``, uninitialised, rotary tables computed."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = build(config, group)
+            model = build(config, group, span)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)

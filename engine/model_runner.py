@@ -129,6 +129,18 @@ class ModelRunner:
         ids, positions, meta = self._meta(rows, decode_rows)
         meta.on_layer = on_layer
         hidden = self.model(ids, positions, meta, self.pool.layers)
+        return self.pick_scores(hidden, rows, meta)
+
+    @torch.inference_mode()
+    def stage_forward(self, rows: list[StepRow], x: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """A pipeline stage's part of the forward of ``rows``: from their token ids (``x`` None: stage 0) or the
+        residual stream ``x`` of the stage before; ``(the stream after this stage's layers, the step's meta)``."""
+        ids, positions, meta = self._meta(rows)
+        return self.model.stage_forward(ids if x is None else x, positions, meta, self.pool.layers), meta
+
+    @torch.inference_mode()
+    def pick_scores(self, hidden: torch.Tensor, rows: list[StepRow], meta) -> tuple[torch.Tensor, dict]:
+        """``(scores of the sampling rows, {row index: prompt-position scores})`` from the step's final hidden."""
         picked, prompt_scores = [], {}
         for i, row in enumerate(rows):
             start, end = meta.query_starts[i], meta.query_starts[i + 1]

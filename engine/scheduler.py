@@ -57,6 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.prefill_cap: int | None = None  # prompt tokens of a step that also decodes (None: budget only)
+        self.busy: set | None = None  # id() of sequences in a pipeline's flight: not scheduled, not preempted
+        self.row_cap: int | None = None  # sequences a step takes at most (a pipeline's micro-batch share)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,10 +93,13 @@ class Scheduler:
     def _schedule(self) -> Batch:
         batch, budget = Batch(), self.max_batched_tokens
         prompt_left = self._prompt_tokens_left()
+        rows_left = self.row_cap or self.max_num_seqs
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(batch.seqs) >= rows_left:
                 break
             if seq not in self.running or (seq.pending and seq.capped):  # capped: ends when its held token is read
+                continue
+            if self.busy and id(seq) in self.busy:
                 continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             decodes = chunk == 1 and seq.num_output > 0
@@ -109,7 +114,8 @@ class Scheduler:
             batch.add(seq, chunk)
             batch.decode_rows += decodes
             budget -= chunk
-        while self.waiting and budget and prompt_left and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget and prompt_left and len(self.running) < self.max_num_seqs
+               and len(batch.seqs) < rows_left):
             seq = self.waiting[0]
             if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_blocks:
                 self.waiting.popleft()
@@ -166,7 +172,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
         while not self.blocks.can_grow(seq.block_table, tokens):
-            victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs]
+            victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs
+                       and not (self.busy and id(s) in self.busy)]
             if victims:
                 self.preempt(victims[0])
             else:

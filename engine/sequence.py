@@ -39,6 +39,7 @@ class Sequence:
         self.pending = 0  # places held in output_ids for tokens still being chosen on the device
         self.freed = False  # taken out of the engine (finished or aborted)
         self.guide = None  # guided.grammars.Guide: the grammar its tokens follow
+        self.pp_hops: list | None = None  # a pipeline's hops: per hop, phases summed over this sequence's steps
         self.hold_after_first = False  # leaves the scheduler after its first token, blocks kept (its KV goes away)
 
     @classmethod

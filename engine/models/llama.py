@@ -171,28 +171,43 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
+    def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE, span: tuple[int, int] | None = None,
+                 ends: bool = True):
+        """``span``: the layers ``[first, end)`` this pipeline stage holds (the others are empty modules, so the
+        checkpoint's names still match); ``ends``: it holds the embedding and the final norm (stage 0)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary, group, i) for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        first, end = span or (0, s.num_layers)
+        if ends:
+            self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, group)
+            self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary, group, i) if first <= i < end else nn.Module()
+                                    for i in range(s.num_layers))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, group: TPGroup = SINGLE):
+    def __init__(self, spec: ModelSpec, group: TPGroup = SINGLE, span: tuple[int, int] | None = None):
+        """``span``: a pipeline stage's layers ``[first, end)`` (``engine.pipeline``); the stage holding layer 0
+        also holds the embedding, the final norm and the LM head, and samples."""
         super().__init__()
         self.spec, self.group = spec, group
+        self.span = span or (0, spec.num_layers)
+        self.ends = self.span[0] == 0
         self.heads = HeadShard(spec.num_heads, spec.num_kv_heads, group.size, group.rank)
         self.rotary = rotary = Rotary(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
-        self.model = Backbone(spec, rotary, group)
-        self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, group)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = Backbone(spec, rotary, group, self.span, self.ends)
+        if self.ends:
+            self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, group)
+        self.tie()
+
+    @property
+    def owned_layers(self) -> list:
+        """This stage's decoder layers, in order (all of them without a pipeline)."""
+        return list(self.model.layers[self.span[0]:self.span[1]])
 
     def fuse(self) -> None:
         """One GEMM for q/k/v and one for gate/up in every layer, which ``forward`` uses (called once the weights
         are loaded by their HF names): fewer, larger launches that read each weight once."""
-        for layer in self.model.layers:
+        for layer in self.owned_layers:
             a, m = layer.self_attn, layer.ffn
             a.qkv_proj = _joined(a.q_proj, a.k_proj, a.v_proj)
             del a.q_proj, a.k_proj, a.v_proj
@@ -203,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
             del m.gate_proj, m.up_proj
 
     def tie(self) -> None:
-        if self.spec.tie_word_embeddings:
+        if self.spec.tie_word_embeddings and self.ends:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
@@ -213,6 +228,23 @@ class LlamaForCausalLM(nn.Module):
             if meta.on_layer is not None:
                 meta.on_layer(i)
         return self.model.norm(x, residual)[0]
+
+    def stage_forward(self, x, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
+        """A pipeline stage's part: token ids (stage 0) or the residual stream from the stage before through this
+        stage's layers (``kv_cache``: their pool layers); returns the residual stream after them (``x + residual``,
+        added as the next layer's norm would add them, so the split forward equals the whole one)."""
+        if self.ends:
+            x = self.model.embed_tokens(x)
+        residual = None
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.owned_layers, kv_cache)):
+            x, residual = layer(x, residual, positions, meta, k_cache, v_cache)
+            if meta.on_layer is not None:
+                meta.on_layer(i)
+        return x + residual
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Stage 0: the final norm of the residual stream the last stage returned."""
+        return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -113,7 +113,7 @@ class Fp8Linear(nn.Module):
 def quantize_model(model: nn.Module) -> int:
     """Replace every fused projection of ``model``'s layers with its FP8 form (after ``fuse``); returns how many."""
     count = 0
-    for layer in model.model.layers:
+    for layer in model.owned_layers:
         for parent in (layer.self_attn, layer.ffn):  # a sparse block's experts stay in the model's dtype
             for name in TARGETS:
                 linear = getattr(parent, name, None)

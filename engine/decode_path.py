@@ -1,0 +1,66 @@
+"""Which decode path an engine gets (``cfg.decode_graphs``): CUDA graphs over the Triton kernels, the same padded
+step run eagerly, or none; and the Triton layer kernels that go with the graphs."""
+from __future__ import annotations
+
+import logging
+import os
+
+from .config import EngineConfig
+from .graphs import DecodeGraphs
+from .kernels import paged
+from .models.llama import use_kernels
+from .models.moe import SparseMoE
+
+log = logging.getLogger(__name__)
+
+
+def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
+    """Fixed-shape decode steps: CUDA graphs over the Triton kernels on CUDA (``auto``/``cuda``; the norms,
+    rotary and MLP activation of prefill use the Triton kernels then too), the same
+    padded forward run eagerly with the torch operations (``eager``), or none (``off``; ``auto`` off CUDA)."""
+    mode = cfg.decode_graphs
+    if cfg.pp > 1:  # a stage's forward is split around its hops: steps run eagerly
+        return None
+    if mode == "cuda" and self.device.type != "cuda":
+        raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
+    if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+        return None
+    if self.model.spec.moe is not None and os.environ.get("PDSERVE_MOE_KERNEL") == "0" and mode != "eager":
+        log.warning("PDSERVE_MOE_KERNEL=0: the reference expert loop (host synchronizing), no decode graphs")
+        return None  # for the A/B of ``bench/gpu_moe.sh loop``
+    ops, capture, layers = paged, False, None
+    if mode in ("auto", "cuda") and self.device.type == "cuda":
+        try:
+            from .kernels import triton_layers as layers
+            from .kernels import triton_attention as ops
+            capture = True
+        except ImportError as e:
+            if mode == "cuda":
+                raise RuntimeError(f"decode_graphs=cuda needs triton (pip install 'pdserve[cuda]'): {e}") from e
+            log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
+            return None
+    if layers is not None:
+        use_kernels(self.model, layers)
+        fp8_kernels(self.model)
+        from .kernels import triton_moe
+
+        for module in self.model.modules():
+            if isinstance(module, SparseMoE):
+                module.kernels = triton_moe
+    max_blocks = -(-self.max_len // self.block_size) + 1
+    return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
+
+
+def fp8_kernels(model) -> None:
+    """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches on
+    ``triton_fp8``, and the norms before q/k/v and gate/up writing e4m3 themselves."""
+    from .kernels import triton_fp8, triton_quant
+    from .quant.fp8_linear import Fp8Linear
+
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.quantize_activations = triton_quant.quantize_rows
+            module.few_rows, module.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
+    for layer in model.owned_layers:
+        layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
+        layer.post_attention_layernorm.quantized = isinstance(getattr(layer.ffn, "gate_up_proj", None), Fp8Linear)

@@ -1,0 +1,149 @@
+"""Stage 0 of a pipeline: it schedules, runs the first layers, keeps micro-batches in flight, and samples.
+
+``step`` (in place of ``Engine._step``): while fewer than ``pp`` micro-batches
+are in flight, schedule one from the sequences not already in flight (at
+most its share of them, so the micro-batches come out even), send its rows
+on the plan, run the embedding and this stage's layers and send the
+residual stream to stage 1; once ``pp`` are in flight (or nothing more can
+be scheduled), take the oldest back from the last stage, apply the final
+norm and the LM head, and sample. So with as many micro-batches as stages
+every stage works on one while the others work on the rest; prompt chunks
+go in micro-batches like decode rows. A sequence in flight is neither
+scheduled again nor preempted; every stage handles micro-batches in the
+order sent, so a block freed and reused is written after its last reader.
+Each sequence accumulates the phases of its micro-batches' hops
+(``pp_hops``: per hop, the sum over its steps)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..model_runner import StepRow, step_rows
+from .hops import HopLink
+from .launch import Stages, fingerprint
+
+log = logging.getLogger(__name__)
+
+RETURN_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Flight:
+    tag: str
+    batch: object
+    rows: list[StepRow]
+    meta: object
+    starts: list[int]
+    sent_at: float
+
+
+class Pipeline:
+    drives = True
+
+    def __init__(self, cfg):
+        self.cfg, self.depth = cfg, cfg.pp
+        self.stages = Stages(cfg)
+        self.span = self.stages.spans[0]
+        self.link = None
+        self.flights: deque[Flight] = deque()
+        self.busy: set[int] = set()  # id() of the sequences in flight
+        self.tags = itertools.count()
+        self.hop_totals: list[dict] = []  # per hop: phases summed over every micro-batch (Prometheus, bench)
+
+    def agree_blocks(self, engine, blocks: int) -> int:
+        self.link = HopLink(self.cfg.pp_transport, self.stages.token, engine.device)
+        return self.stages.agree(fingerprint(engine), blocks, self.link.address)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.flights)
+
+    def step(self, engine):
+        from ..engine import StepOutput
+
+        out, launched = StepOutput(), False
+        if len(self.flights) < self.depth:
+            batch = self._schedule(engine)
+            out.refused = batch.refused
+            if batch.seqs:
+                self._launch(engine, batch, out)
+                launched = True
+        if self.flights and (len(self.flights) >= self.depth or not launched):
+            self._land(engine, out)
+        return out
+
+    def _schedule(self, engine):
+        sched = engine.scheduler
+        free = len(sched.running) + len(sched.waiting) - len(self.busy)
+        sched.busy, sched.row_cap = self.busy, max(1, -(-free // (self.depth - len(self.flights))))
+        try:
+            return sched.schedule()
+        finally:
+            sched.busy, sched.row_cap = None, None
+
+    def _launch(self, engine, batch, out) -> None:
+        rows = step_rows(batch)
+        tag = f"mb{next(self.tags)}"
+        self.stages.plan.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in batch.copies],
+                              tag=tag)
+        for source, target in batch.copies:
+            engine.pool.copy_block(source, target)
+            engine.blocks.release([source])
+        engine._count_prefix(batch)
+        x, meta = engine.runner.stage_forward(rows)
+        self.link.send(self.stages.next_address, tag, x, [])
+        starts = []
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            starts.append(seq.num_computed)
+            seq.num_computed += chunk
+            engine.register(seq)
+        self.busy.update(id(s) for s in batch.seqs)
+        self.flights.append(Flight(tag, batch, rows, meta, starts, time.perf_counter()))
+        out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
+
+    def _land(self, engine, out) -> None:
+        from ..engine import add_prompt_logprobs
+        from ..sampler import choose_later
+
+        flight = self.flights.popleft()
+        batch = flight.batch
+        self.busy.difference_update(id(s) for s in batch.seqs)
+        x, hops = self.link.recv(flight.tag, RETURN_TIMEOUT_S)
+        self._count_hops(batch.seqs, hops)
+        hidden = engine.model.final_norm(x)
+        scores, prompt_scores = engine.runner.pick_scores(hidden, flight.rows, flight.meta)
+        live = [not s.freed for s in batch.seqs]
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            if i in prompt_scores and live[i]:
+                add_prompt_logprobs(seq, prompt_scores[i], flight.starts[i], chunk)
+        index = [i for i, r in enumerate(flight.rows) if r.samples]
+        keep = [j for j, i in enumerate(index) if live[i] and not batch.seqs[i].finished]
+        if not keep:
+            return
+        sampling = [batch.seqs[index[j]] for j in keep]
+        choices = choose_later(scores[keep], sampling, engine.tokenizer.eos_token_id)
+        for seq, choice in zip(sampling, choices.read()):
+            engine._took(seq, seq.append(choice), out)
+
+    def _count_hops(self, seqs, hops: list) -> None:
+        while len(self.hop_totals) < len(hops):
+            self.hop_totals.append({"count": 0})
+        for total, hop in zip(self.hop_totals, hops):
+            total["count"] += 1
+            for k, v in hop.items():
+                if k != "total":
+                    total[k] = total.get(k, 0) + v
+        for seq in seqs:
+            mine = seq.pp_hops = getattr(seq, "pp_hops", None) or [{"count": 0} for _ in hops]
+            for total, hop in zip(mine, hops):
+                total["count"] += 1
+                for k, v in hop.items():
+                    total[k] = total.get(k, 0) + v
+
+    def close(self) -> None:
+        self.stages.close()
+        if self.link is not None:
+            self.link.close()

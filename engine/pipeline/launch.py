@@ -1,0 +1,136 @@
+"""Start a pipeline's stages 1..pp-1 from stage 0 (the worker process), agree on the pool and wire the ring.
+
+``start_stages`` splits the layers (``split.stage_spans``), binds the step
+plan (``parallel.plan.PlanSender``: one zmq PUSH per stage, one PULL for
+their reports) and starts each stage as ``python -m engine.pipeline.stage``
+with its span; a watcher thread notices a stage that exits (the worker then
+fails its requests and exits, so its supervisor restarts the pipeline as a
+unit). Each stage loads its layers, opens its hop receiver and reports
+``hello{stage, span, model, blocks, address}``; ``Stages.agree`` checks every
+stage runs the same model with the span it was given (a disagreeing stage is
+refused: start-up fails naming it), takes the smallest block count (every
+stage's pool has the same blocks, so one block table serves all) and sends
+each ``setup{blocks, next}``: the hop address of the stage after it (the
+last stage's next is stage 0)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+from ..config import EngineConfig
+from ..parallel.plan import PlanSender
+from .split import stage_spans
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+TOKEN_ENV = "PDSERVE_PP_TOKEN"
+
+
+def model_layers(cfg: EngineConfig) -> int:
+    """The configured model's layer count, read without loading it."""
+    from ..loader import TINY_NAME, _config
+    from ..tiny import TINY_CONFIG
+
+    if cfg.model == TINY_NAME and cfg.load_format != "dummy":
+        return TINY_CONFIG["num_hidden_layers"]
+    return _config(cfg).num_hidden_layers
+
+
+def fingerprint(engine) -> dict:
+    """What every stage of one pipeline must agree on."""
+    s = engine.model.spec
+    return {"model": engine.name, "layers": s.num_layers, "hidden": s.hidden_size, "vocab": s.vocab_size,
+            "dtype": str(engine.dtype), "block_size": engine.block_size}
+
+
+class Stages:
+    """Stage 0's handle on the others: their processes, the plan, the reports, the agreed wiring."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.spans = stage_spans(model_layers(cfg), cfg.pp, cfg.pp_layers)
+        self.token = secrets.token_bytes(16)
+        self.plan = PlanSender(cfg.pp - 1)
+        self.reports: queue.Queue = queue.Queue()
+        self.plan.on_report = self.reports.put
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.closing = False
+        self.on_lost = _default_lost
+        config = json.dumps(dataclasses.asdict(cfg))
+        env = {**os.environ, TOKEN_ENV: self.token.hex()}
+        for stage in range(1, cfg.pp):
+            first, end = self.spans[stage]
+            cmd = [sys.executable, "-m", "engine.pipeline.stage", "--stage", str(stage), "--span", f"{first}:{end}",
+                   "--plan", self.plan.addresses[stage - 1], "--reports", self.plan.report_address,
+                   "--config", config, "--parent", str(os.getpid())]
+            self.procs[stage] = subprocess.Popen(cmd, env=env)
+        threading.Thread(target=self._watch, name="pp-watch", daemon=True).start()
+        log.info("pipeline of %d stages, layers %s (stages 1..%d: pids %s)", cfg.pp, self.spans, cfg.pp - 1,
+                 [p.pid for p in self.procs.values()])
+
+    def agree(self, own: dict, blocks: int, address: str, timeout_s: float = START_TIMEOUT_S) -> int:
+        """Wait for every stage's hello; refuse a stage that disagrees; send each its setup; the pool's blocks."""
+        hellos, deadline = {}, time.monotonic() + timeout_s
+        while len(hellos) < len(self.procs):
+            dead = [(s, p.returncode) for s, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"pipeline stage {dead[0][0]} exited during start-up (code {dead[0][1]})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pipeline stages {sorted(set(self.procs) - set(hellos))} did not start in "
+                                   f"{timeout_s:.0f}s")
+            try:
+                msg = self.reports.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg.get("kind") == "hello":
+                self._check(msg, own)
+                hellos[msg["stage"]] = msg
+        blocks = min([blocks] + [m["blocks"] for m in hellos.values()])
+        addresses = [address] + [hellos[s]["address"] for s in sorted(hellos)]
+        for stage in self.procs:
+            self.plan.send_to(stage, "setup", blocks=blocks, next=addresses[(stage + 1) % len(addresses)])
+        self.next_address = addresses[1]
+        return blocks
+
+    def _check(self, msg: dict, own: dict) -> None:
+        stage, span = msg["stage"], tuple(msg["span"])
+        if span != self.spans[stage]:
+            raise RuntimeError(f"pipeline stage {stage} holds layers {span}, the split gives it {self.spans[stage]}")
+        theirs = msg["model"]
+        diff = {k: (own[k], theirs.get(k)) for k in own if theirs.get(k) != own[k]}
+        if diff:
+            raise RuntimeError(f"pipeline stage {stage} runs another model than stage 0: "
+                               + ", ".join(f"{k} {a!r} here, {b!r} there" for k, (a, b) in diff.items()))
+
+    def _watch(self) -> None:
+        while not self.closing:
+            for stage, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and not self.closing:
+                    self.on_lost(stage, code)
+                    return
+            time.sleep(0.1)
+
+    def close(self, wait_s: float = 5.0) -> None:
+        self.closing = True
+        self.plan.close()
+        deadline = time.monotonic() + wait_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _default_lost(stage: int, code: int) -> None:
+    log.error("pipeline stage %d exited (code %s): this worker exits too, so the pipeline restarts as a unit",
+              stage, code)
+    os._exit(70)

@@ -1,0 +1,107 @@
+"""A pipeline stage after the first (started by ``launch.Stages``): its layers, its pool, the plan loop.
+
+It builds the engine for its span (``Engine(cfg, stage=StageRole(...))``: only these layers' weights, a pool of
+these layers with the block count stage 0 sets), says hello, takes its setup, then for every ``step`` of the
+plan: the block copies, the residual stream of that micro-batch from the stage before (``hops``), this
+stage's layers, and the result on to the next stage (the last sends it back to stage 0)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+from .hops import HopLink
+from .launch import TOKEN_ENV, fingerprint
+
+log = logging.getLogger("engine.pipeline.stage")
+
+
+class StageRole:
+    drives = False
+    in_flight = False
+
+    def __init__(self, stage: int, span: tuple[int, int], plan, token: bytes, transport: str):
+        self.stage, self.span, self.plan = stage, span, plan
+        self.token, self.transport = token, transport
+        self.link = self.next = None
+
+    def agree_blocks(self, engine, blocks: int) -> int:
+        """Say hello (what this stage runs, how many blocks it could hold, where its hops land), await setup."""
+        self.link = HopLink(self.transport, self.token, engine.device)
+        self.plan.report(kind="hello", stage=self.stage, span=list(self.span), model=fingerprint(engine),
+                         blocks=blocks, address=self.link.address)
+        while True:
+            msg = self.plan.recv(1000)
+            if msg is None:
+                continue
+            if msg["op"] == "setup":
+                self.next = msg["next"]
+                return msg["blocks"]
+            if msg["op"] == "stop":
+                sys.exit(0)
+
+    def follow(self, engine, parent: int) -> None:
+        from ..model_runner import StepRow
+
+        while True:
+            msg = self.plan.recv(1000)
+            if msg is None:
+                if os.getppid() != parent:
+                    return
+                continue
+            if msg["op"] == "stop":
+                return
+            if msg["op"] != "step":
+                log.warning("stage %d: unknown plan op %r", self.stage, msg["op"])
+                continue
+            for source, target in msg["copies"]:
+                engine.pool.copy_block(source, target)
+            x, hops = self.link.recv(msg["tag"])
+            y, _ = engine.runner.stage_forward([StepRow(*r) for r in msg["rows"]], x)
+            self.link.send(self.next, msg["tag"], y, hops)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.pipeline.stage")
+    for name in ("stage", "parent"):
+        ap.add_argument(f"--{name}", type=int, required=True)
+    for name in ("span", "plan", "reports", "config"):
+        ap.add_argument(f"--{name}", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s stage{args.stage} %(name)s: %(message)s")
+    from ..parallel.follower import die_with_parent
+
+    die_with_parent(args.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stage 0 decides when the pipeline stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    from ..config import EngineConfig
+    from ..engine import Engine
+    from ..loader import rank_device
+    from ..parallel.plan import PlanReceiver
+
+    cfg = EngineConfig(**json.loads(args.config))
+    first, end = (int(n) for n in args.span.split(":"))
+    plan = PlanReceiver(args.plan, args.reports)
+    role = StageRole(args.stage, (first, end), plan, bytes.fromhex(os.environ[TOKEN_ENV]), cfg.pp_transport)
+    engine = Engine(cfg, stage=role, device=rank_device(cfg.device, args.stage, cfg.pp))
+    try:
+        role.follow(engine, args.parent)
+    except Exception:
+        log.exception("stage %d failed: exiting, so stage 0 restarts the pipeline", args.stage)
+        return 1
+    finally:
+        role.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
