@@ -58,6 +58,12 @@ def _add_engine(p: argparse.ArgumentParser):
                    help="learn that cap from measured steps to keep steps that decode within this many ms")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: processes with one device each "
                    "(cuda:K..K+N-1 from --device cuda:K; gloo ranks on the CPU)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: processes each holding a contiguous range of "
+                   "layers and their KV (cuda:K..K+N-1 from --device cuda:K; one CPU process each)")
+    p.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 10,22 (default: as even as can be; "
+                   "`pdserve plan placement` prints one that fits each node)")
+    p.add_argument("--pp-transport", default="tcp", help="the kvtransfer transport carrying hidden states between "
+                   "stages: tcp | shm | nccl | nixl | ...")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights made on each rank's device at load; --model is then a shape name "
                         "(llama-3-70b, mistral-7b, ...) or a directory with a config.json")
@@ -173,6 +179,10 @@ def _parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode"):
         u.add_argument(f"--{role}-tp", type=int, default=None, help=f"tensor-parallel ranks of each {role} "
                        f"worker (default: --tp){' (colocated workers too)' if role == 'decode' else ''}")
+        u.add_argument(f"--{role}-pp", type=int, default=None, help=f"pipeline stages of each {role} worker "
+                       f"(default: --pp){' (colocated workers too)' if role == 'decode' else ''}")
+        u.add_argument(f"--{role}-pp-layers", default=None, help=f"layers per stage of the {role} workers "
+                       "(default: --pp-layers)")
         u.add_argument(f"--{role}-device", default=None, help=f"device of the {role} workers (default: --device), "
                        "e.g. --prefill-tp 2 --decode-device cuda:1")
         u.add_argument(f"--{role}-kv-cache-dtype", default=None, choices=["auto", "fp8"],
@@ -247,7 +257,8 @@ def _engine_config(args):
                         threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
                         decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
-                        engine=args.engine, tp=args.tp, load_format=args.load_format,
+                        engine=args.engine, tp=args.tp, load_format=args.load_format, pp=getattr(args, "pp", 1),
+                        pp_layers=getattr(args, "pp_layers", None), pp_transport=getattr(args, "pp_transport", "tcp"),
                         overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         quantization=getattr(args, "quantization", None),

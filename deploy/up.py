@@ -49,10 +49,13 @@ def engine_args(args) -> list[str]:
         out += ["--threads", str(args.threads)]
     out += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--decode-graphs", args.decode_graphs, "--tp", str(getattr(args, "tp", 1)),
+            "--pp", str(getattr(args, "pp", 1)), "--pp-transport", getattr(args, "pp_transport", "tcp"),
             "--load-format", getattr(args, "load_format", "auto"),
             "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
     if getattr(args, "quantization", None):
         out += ["--quantization", args.quantization]
+    if getattr(args, "pp_layers", None):
+        out += ["--pp-layers", args.pp_layers]
     if args.max_batched_tokens:
         out += ["--max-batched-tokens", str(args.max_batched_tokens)]
     for flag in ("step_prefill_tokens", "slo_tpot_ms"):
@@ -76,11 +79,16 @@ def engine_args(args) -> list[str]:
 def role_engine(args, role: str) -> list[str]:
     """``--prefill-engine``/``-tp``/``-device`` and the decode ones (a later flag wins over the shared one)."""
     out = []
-    for flag in ("engine", "tp", "device", "kv_cache_dtype"):
+    for flag in ("engine", "tp", "pp", "pp_layers", "device", "kv_cache_dtype"):
         value = getattr(args, f"{role}_{flag}", None)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
     return out
+
+
+def last_int(cmd: list[str], flag: str) -> int:
+    """The value of the last ``flag`` on a command line (a role's own flag comes after the shared one)."""
+    return int(cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1])
 
 
 def rank_args(args, host: str) -> list[list[str]] | None:
@@ -140,7 +148,7 @@ def plan(args) -> list[list[str]]:
             if getattr(args, f"{cmd[5]}_device", None):
                 placed.append(cmd)
                 continue
-            tp = int(cmd[len(cmd) - 1 - cmd[::-1].index("--tp") + 1])
+            tp = last_int(cmd, "--tp") * last_int(cmd, "--pp")  # the GPUs the worker's ranks or stages take
             first = cursor % gpus if cursor % gpus + tp <= gpus else 0
             placed.append(cmd + ["--device", f"cuda:{first}"])
             cursor = first + tp

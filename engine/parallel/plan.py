@@ -91,10 +91,14 @@ class PlanSender:
                     handler(msg)
 
     def close(self) -> None:
-        try:
-            self.send("stop")
-        except zmq.ZMQError:
-            pass
+        """``stop`` to every follower that can take it now (one that died has no peer: it is not waited for)."""
+        raw = _pack("stop", {})
+        with self._lock:
+            for sock in self.socks:
+                try:
+                    sock.send(raw, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         self._stop.set()
 
 

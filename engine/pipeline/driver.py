@@ -52,6 +52,7 @@ class Pipeline:
         self.busy: set[int] = set()  # id() of the sequences in flight
         self.tags = itertools.count()
         self.hop_totals: list[dict] = []  # per hop: phases summed over every micro-batch (Prometheus, bench)
+        self.most_in_flight = 0  # the most micro-batches that were in the pipeline at once
 
     def agree_blocks(self, engine, blocks: int) -> int:
         self.link = HopLink(self.cfg.pp_transport, self.stages.token, engine.device)
@@ -102,6 +103,7 @@ class Pipeline:
             engine.register(seq)
         self.busy.update(id(s) for s in batch.seqs)
         self.flights.append(Flight(tag, batch, rows, meta, starts, time.perf_counter()))
+        self.most_in_flight = max(self.most_in_flight, len(self.flights))
         out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
 
     def _land(self, engine, out) -> None:

@@ -1,0 +1,129 @@
+"""Pipeline parallelism on the CPU (stages as processes, hidden states over tcp and shm): greedy tokens and
+logprobs of 2- and 3-stage pipelines equal Hugging Face's and one stage's, with micro-batches in flight, chunked
+prompts, cached prefixes and preemption; no block leaks; a layer split or a stage that disagrees is refused; a stage
+that dies is noticed at once."""
+import os
+import signal
+import time
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.generate import generate_many
+from engine.pipeline.split import stage_spans
+from engine.sequence import Sequence
+from tests.hf_reference import hf_model
+from tests.test_paged_engine import GREEDY, check, prompts, write_family
+
+
+def pp_engine(path=None, pp=2, **kw):
+    extra = {"model": path} if path else {}
+    return Engine(EngineConfig(threads=1, block_size=8, pp=pp, warmup=False, dtype="float32", **extra, **kw))
+
+
+def run(engine, ps, max_tokens=8):
+    return [s for _, s in generate_many(engine, ps, [SamplingParams(max_tokens=max_tokens, **GREEDY) for _ in ps])]
+
+
+def test_stage_spans_split_evenly_or_as_told_and_refuse_what_cannot_be():
+    assert stage_spans(32, 2) == [(0, 16), (16, 32)]
+    assert stage_spans(4, 3) == [(0, 1), (1, 2), (2, 4)]  # stage 0 (which also samples) gets the fewer
+    assert stage_spans(32, 2, "10,22") == [(0, 10), (10, 32)]
+    for pp, layers, words in [(2, "10,21", "add up to"), (3, "10,22", "names 2 stages"), (2, "0,32", "every stage"),
+                              (2, "a,b", "layer counts"), (5, None, "more stages")]:
+        with pytest.raises(ValueError, match=words):
+            stage_spans(4 if layers is None else 32, pp, layers)
+    with pytest.raises(ValueError, match="--pp and --tp"):
+        EngineConfig(pp=2, tp=2)
+
+
+@pytest.mark.parametrize("family,pp,transport", [("llama", 2, "tcp"), ("qwen3-moe", 3, "shm")])
+def test_pipeline_matches_hf_and_one_stage(tmp_path, family, pp, transport):
+    path = write_family(tmp_path, family)
+    hf = hf_model(path)
+    engine = pp_engine(path, pp, pp_transport=transport)
+    try:
+        assert [tuple(s) for s in engine.stage.stages.spans] == stage_spans(3, pp)
+        assert len(engine.pool.layers) == stage_spans(3, pp)[0][1]  # stage 0's pool holds its layers only
+        ps = prompts(8, seed=11)
+        seqs = run(engine, ps)
+        check(seqs, hf, 8)
+        assert engine.stage.most_in_flight == pp  # the eight went as pp micro-batches in flight together
+        hops = seqs[0].pp_hops
+        assert len(hops) == pp and all(h["count"] >= 8 and h["bytes"] > 0 and h["wire"] > 0 for h in hops)
+        single = run(Engine(EngineConfig(model=path, threads=1, block_size=8, warmup=False)), ps)
+        assert [s.output_ids for s in seqs] == [s.output_ids for s in single]
+        assert engine.blocks.num_free == engine.num_blocks
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_pp():
+    engine = pp_engine(pp=2, num_blocks=40)
+    yield engine
+    engine.close()
+
+
+def test_chunks_cached_prefixes_and_preemption_match_one_stage(tiny_pp, monkeypatch):
+    engine = tiny_pp
+    reference = Engine(EngineConfig(threads=1, block_size=8, warmup=False, dtype="float32", num_blocks=40))
+    base = prompts(1, seed=5)[0] * 2
+    ps = [base + [7, 8, 9], base + [10, 11], base, *prompts(5, seed=6)]
+    for e in (engine, reference):
+        monkeypatch.setattr(e.scheduler, "max_batched_tokens", 24)  # prompts in chunks, mixed with decodes
+    hits, preempted = engine.prefix_hits, engine.scheduler.preemptions
+    got = run(engine, ps[:1], 24) + run(engine, ps[1:], 24)
+    want = run(reference, ps[:1], 24) + run(reference, ps[1:], 24)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    for a, b in zip(got, want):
+        assert [e[1] for e in a.pending_logprobs] == pytest.approx([e[1] for e in b.pending_logprobs], abs=1e-4)
+    assert engine.prefix_hits > hits and engine.scheduler.preemptions > preempted  # 40 blocks: some had to wait
+    assert engine.blocks.num_free == engine.num_blocks and all(r == 0 for r in engine.blocks.refs)
+
+
+def test_aborts_in_flight_leave_no_block_behind(tiny_pp):
+    engine = tiny_pp
+    seqs = [Sequence.create(f"a{i}", "ab" * (4 + i), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                            engine.tokenizer, engine.max_len) for i in range(6)]
+    for s in seqs:
+        engine.add(s)
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps in (3, 6):  # freed while its micro-batch may be in the pipeline
+            engine.free(seqs[steps // 3])
+    assert all(s.finished for i, s in enumerate(seqs) if i not in (1, 2))
+    assert engine.blocks.num_free == engine.num_blocks and all(r == 0 for r in engine.blocks.refs)
+
+
+def test_a_stage_that_disagrees_is_refused():
+    from engine.pipeline.launch import Stages
+
+    stages = Stages.__new__(Stages)
+    stages.spans = [(0, 2), (2, 4)]
+    own = {"model": "tiny-llama", "layers": 4, "hidden": 64, "vocab": 259, "dtype": "torch.float32", "block_size": 8}
+    stages._check({"stage": 1, "span": [2, 4], "model": own}, own)
+    with pytest.raises(RuntimeError, match="stage 1 holds layers"):
+        stages._check({"stage": 1, "span": [1, 4], "model": own}, own)
+    with pytest.raises(RuntimeError, match="another model.*dtype"):
+        stages._check({"stage": 1, "span": [2, 4], "model": {**own, "dtype": "torch.bfloat16"}}, own)
+
+
+def test_a_stage_that_dies_is_noticed_at_once():
+    engine = pp_engine(pp=3)
+    lost = []
+    engine.stage.stages.on_lost = lambda stage, code: lost.append((stage, code, time.monotonic()))
+    try:
+        run(engine, prompts(2, seed=1), 4)
+        victim = engine.stage.stages.procs[2]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while not lost and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        assert lost and lost[0][:2] == (2, -signal.SIGKILL) and lost[0][2] - killed < 1.0
+    finally:
+        engine.stage.stages.closing = True
+        engine.close()
