@@ -244,7 +244,7 @@ def _perturb(model, relative: float) -> None:
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in model.owned_layers:
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.ffn, "gate_up_proj", None),
                         getattr(layer.ffn, "down_proj", None)):
                 if lin is None:  # a sparse block's experts: left as they are

@@ -56,6 +56,10 @@ class WorkerLoop:
         group = getattr(getattr(self, "engine", None), "group", None)
         if group is not None and group.size > 1:
             out.update(tp=group.size, rank_pids=[p.pid for p in group.procs.values()])
+        stages = getattr(getattr(getattr(self, "engine", None), "stage", None), "stages", None)
+        if stages is not None:  # stage 0 of a pipeline: the others' processes and layers
+            out.update(pp=len(stages.spans), pp_layers=[list(s) for s in stages.spans],
+                       stage_pids=[p.pid for p in stages.procs.values()])
         return out
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
@@ -85,6 +89,9 @@ class WorkerLoop:
         group = getattr(engine, "group", None)
         if group is not None and group.size > 1:
             group.on_lost = self._rank_lost
+        stages = getattr(getattr(engine, "stage", None), "stages", None)
+        if stages is not None:
+            stages.on_lost = lambda stage, code: self._rank_lost(stage, code, "pipeline stage")
 
     def after_step_error(self) -> None:
         """A step failed: when a rank of this worker's group died, fail everything and exit (as the watcher does),
@@ -96,14 +103,22 @@ class WorkerLoop:
             dead = dead_rank(group)
             if dead is not None:
                 self._rank_lost(*dead)
+        stages = getattr(getattr(getattr(self, "engine", None), "stage", None), "stages", None)
+        if stages is not None:  # a hop fails a moment before the stage's exit is seen
+            from engine.parallel.launch import dead_rank
 
-    def _rank_lost(self, rank: int, code) -> None:
-        """(Watcher thread) A rank of this worker's group exited: its collectives can only hang or fail now."""
-        log.error("tensor-parallel rank %d of this %s worker exited (code %s): failing %d requests and exiting",
-                  rank, self.role, code, len(self.reply_to))
+            dead = dead_rank(stages)
+            if dead is not None:
+                self._rank_lost(*dead, "pipeline stage")
+
+    def _rank_lost(self, rank: int, code, what: str = "tensor-parallel rank") -> None:
+        """(Watcher thread) A rank of this worker's group (or a stage of its pipeline) exited: its collectives (hops)
+        can only hang or fail now."""
+        log.error("%s %d of this %s worker exited (code %s): failing %d requests and exiting",
+                  what, rank, self.role, code, len(self.reply_to))
         for rid in list(self.reply_to):
-            self.fail(rid, 503, f"tensor-parallel rank {rank} of the {self.role} worker died; it restarts",
-                      stage="tp_rank_lost")
+            self.fail(rid, 503, f"{what} {rank} of the {self.role} worker died; it restarts",
+                      stage="pp_stage_lost" if what == "pipeline stage" else "tp_rank_lost")
         time.sleep(0.3)  # let the errors leave
         os._exit(70)
 
@@ -232,6 +247,15 @@ class WorkerLoop:
         if engine is not None and hasattr(engine, "close"):
             engine.close()
         self.server.close()
+
+
+def pipeline_kv(engine_cfg) -> None:
+    """A clear error for a pipelined (``--pp``) worker that would exchange KV with another: only colocated workers
+    run pipelines so far (their KV never leaves them)."""
+    if getattr(engine_cfg, "pp", 1) > 1:
+        raise ValueError(f"--pp {engine_cfg.pp} runs colocated workers only so far (`pdserve up --colocated --pp N`, "
+                         "`pdserve decode --colocated --pp N`): KV by layer range between a pipelined worker and "
+                         "another is not built yet")
 
 
 def fixed_world(transport: str, engine_cfg) -> None:

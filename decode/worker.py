@@ -28,10 +28,10 @@ from collections import deque
 
 import torch
 
-from control.worker import WorkerLoop, fixed_world
+from control.worker import WorkerLoop, fixed_world, pipeline_kv
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
-from engine.requests import first_message, new_sequence, resumed_sequence
+from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
 from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
 from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
@@ -61,6 +61,7 @@ class DecodeWorker(WorkerLoop):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
         if not colocated:
             fixed_world(transport, engine)
+            pipeline_kv(engine)
         if kv_budget_bytes:
             engine.kv_budget_bytes = kv_budget_bytes
         self.shared_pool = self.pool_memory = None
@@ -107,7 +108,7 @@ class DecodeWorker(WorkerLoop):
         e = self.engine
         return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
                 "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None,
-                "tp": e.group.size, "max_len": e.max_len,
+                "tp": e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
@@ -373,7 +374,7 @@ class DecodeWorker(WorkerLoop):
         decode_ms = (time.perf_counter() - live.started) * 1e3
         phases = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
         self.emit(seq.rid, "done", ids=[seq.last_token], text=text, finish_reason=seq.finish_reason,
-                  completion_tokens=seq.num_output, timing={"decode": decode_ms}, phases=phases,
+                  completion_tokens=seq.num_output, timing={"decode": decode_ms, **pp_timing(seq)}, phases=phases,
                   logprobs=seq.take_logprobs())
 
     def close(self):

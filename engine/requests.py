@@ -77,6 +77,7 @@ def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) 
         "logprobs": seq.take_logprobs(),
         "timing": {"queue": queue_ms, "prefill": prefill_ms},
     }
+    out["timing"].update(pp_timing(seq))
     if seq.params.echo:
         out["prompt_text"] = seq.tokenizer.decode(seq.prompt_ids)
         plp = seq.prompt_logprob_list
@@ -85,3 +86,8 @@ def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) 
                 logprob_entry(seq.tokenizer, t, e[0], e[1]) if e else logprob_entry(seq.tokenizer, t, None, [])
                 for t, e in zip(seq.prompt_ids, plp)]
     return out
+
+
+def pp_timing(seq: Sequence) -> dict:
+    """The phases of the pipeline hops that carried ``seq`` (``engine.pipeline``; nothing without one)."""
+    return {"pp_hops": seq.pp_hops} if seq.pp_hops else {}

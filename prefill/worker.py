@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from control.worker import WorkerLoop, fixed_world
+from control.worker import WorkerLoop, fixed_world, pipeline_kv
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.progress import LayerProgress, StepFailed
@@ -54,6 +54,7 @@ class PrefillWorker(WorkerLoop):
                  transport_cfg: TransportConfig | None = None, send_threads: int = 4, max_queue: int = 64,
                  drain_s: float = 20.0, kv_stream: bool = True):
         fixed_world(transport, engine)
+        pipeline_kv(engine)
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
         self.pool_memory = None

@@ -39,6 +39,11 @@ class Metrics:
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
         self.rank_wire = Histogram("pdserve_kv_transfer_rank_wire_seconds", "KV wire time of each rank of a "
                                    "tensor-parallel decode group", ["transport", "rank"], buckets=PHASE_BUCKETS, registry=r)
+        self.pp_hop = Histogram("pdserve_pp_hop_seconds", "Time a pipeline hop (hidden states from one stage to the "
+                                "next) takes per step, by phase, averaged over a request's steps", ["role", "hop", "phase"],
+                                buckets=PHASE_BUCKETS, registry=r)
+        self.pp_hop_bytes = Counter("pdserve_pp_hop_bytes", "Hidden-state bytes moved between pipeline stages",
+                                    ["role", "hop"], registry=r)
         self.requests = Counter("pdserve_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.retries = Counter("pdserve_request_retries", "Requests run again on other workers, by what failed",
                                ["reason"], registry=r)
@@ -65,6 +70,13 @@ class Metrics:
         for rank, own in enumerate(ranks if isinstance(ranks, list) and len(ranks) <= 64 else []):
             if isinstance(own, dict) and isinstance(own.get("wire"), (int, float)):
                 self.rank_wire.labels(transport, str(rank)).observe(own["wire"] / 1e3)
+
+    def observe_hops(self, hops: list):
+        for h in hops:
+            steps = max(1, h["steps"])
+            for name in PHASE_NAMES:
+                self.pp_hop.labels(h["role"], h["hop"], name).observe(h[name] / steps / 1e3)
+            self.pp_hop_bytes.labels(h["role"], h["hop"]).inc(h["bytes"])
 
     def observe_stream(self, transport: str, stream: dict):
         for part in ("overlap", "exposed"):

@@ -25,6 +25,7 @@ from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
 from .retry import RequestRun, StreamError, WorkerFailure
 from .inbox import coalesce
+from .timing import close_timing, note_hops
 from .workers import SOURCE, pair_mismatch
 
 _ids = itertools.count()
@@ -221,6 +222,7 @@ class Service:
                 first = run.first = fresh
                 timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
                               ttft=(time.perf_counter() - run.t0) * 1e3)
+                note_hops(run, "prefill", first["timing"])
                 yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
                             first.get("prompt_logprobs"), first["prompt_tokens"])
             elif fresh is not None and fresh["token"] != run.first["token"]:
@@ -233,7 +235,7 @@ class Service:
                 finished = True
                 if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
-                yield Finished(first["finish_reason"], first["prompt_tokens"], 1, self._close_timing(run))
+                yield Finished(first["finish_reason"], first["prompt_tokens"], 1, close_timing(run, self.metrics))
                 return
             if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
@@ -343,12 +345,13 @@ class Service:
                 run.streamed = True
                 yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
                 timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
+                note_hops(run, "decode", msg.get("timing"))
                 if msg.get("phases"):
                     timing["kv"] = msg["phases"]
                     self.metrics.observe_transfer(timing["transport"], msg["phases"])
                 if not run.local and "overlap" not in timing:
                     await self._await_kv_sent(inbox, timing)
-                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion, self._close_timing(run))
+                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion, close_timing(run, self.metrics))
                 return
 
     def _kv_sent(self, timing: dict, msg: dict) -> None:
@@ -379,20 +382,3 @@ class Service:
             await worker.send("abort", rid=rid)
         except Exception:
             pass
-
-    @staticmethod
-    def _close_timing(run: RequestRun) -> dict:
-        timing = run.timing
-        timing["e2e"] = (time.perf_counter() - run.t0) * 1e3
-        timing["retries"] = run.attempt
-        if run.reasons:
-            timing["retry_reasons"] = list(run.reasons)
-        kv = timing.pop("kv", None) or {}
-        timing.update({p: kv.get(p, 0.0) for p in ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")})
-        timing["transfer_total"] = kv.get("total", 0.0)
-        timing["kv_bytes"] = kv.get("bytes", 0)
-        if isinstance(kv.get("ranks"), list):  # a tensor-parallel decode group: the phases above are the slowest rank's
-            timing["kv_ranks"] = [{p: r.get(p, 0.0) for p in ("wire", "h2d", "total", "bytes")} for r in kv["ranks"]
-                                  if isinstance(r, dict)]
-        timing.setdefault("decode", 0.0)
-        return timing
