@@ -226,9 +226,12 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import chaos, compare, engine, fp8, goodput, guided, idle, kernels, router, serve, soak, stream, transfer
+    from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, pipeline, router, serve, soak,
+                       stream, transfer)
 
     guided.add_arguments(bsub.add_parser("guided", help="xgrammar vs llguidance: compile and mask time per token"))
+    pipeline.add_arguments(bsub.add_parser("pipeline", help="one device vs --pp 2 vs --tp 2 over a shaped link: "
+                                           "prefill, decode, each hop's phases"))
     transfer.add_arguments(bsub.add_parser("transfer", help="KV transfer A/B between two processes"))
     serve.add_arguments(bsub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint"))
     compare.add_arguments(bsub.add_parser("compare", help="colocated baseline vs disaggregated, per transport"))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.plan.placement import (PlacementError, Node, Shape, bytes_per_weight, model_config, place,
-                                  weights_only)
+                                  place_stage_zero, weights_only)
 
 MACS = [Node("studio1", 128), Node("studio2", 128), Node("macbook", 36)]
 
@@ -24,10 +24,13 @@ def covers(stages, layers: int) -> bool:
 def test_three_macs_give_the_macbook_fewer_layers_and_everything_fits_200k_tokens():
     shape = minimax_5bit()
     assert 150 < shape.weight_bytes / 1e9 < 165 and shape.layers == 62  # ~230B parameters at 5.5 bits
-    stages, naive = place(MACS, shape, 200_000), weights_only(MACS, shape, 200_000)
+    with pytest.raises(PlacementError, match="at most 61 of 62"):  # the MacBook last: a studio holds embed + head
+        place(MACS, shape, 200_000)
+    stages, naive = place_stage_zero(MACS, shape, 200_000), weights_only(MACS, shape, 200_000)
     assert covers(stages, 62) and covers(naive, 62)
+    assert [s.node.name for s in stages] == ["macbook", "studio1", "studio2"]  # stage 0 on the MacBook fits
     assert all(s.fits and s.max_tokens >= 200_000 for s in stages)
-    assert stages[2].layers < naive[2].layers
+    assert stages[0].layers < naive[2].layers
     assert not naive[2].fits and naive[2].max_tokens < 200_000  # by weights alone the MacBook runs out of memory
 
 
@@ -71,9 +74,11 @@ def test_the_command_prints_and_writes_the_plan(tmp_path):
                           "studio1:128,studio2:128,macbook:36", "--model", "minimax-m2-230b", "--bits", "5",
                           "--max-model-len", "200000", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert "macbook runs out of memory at" in run.stdout and "layers per stage: 28,28,6" in run.stdout
+    assert "macbook runs out of memory at" in run.stdout and "stage 0 (which also holds" in run.stdout
+    assert "layers per stage: 6,28,28  (pdserve up --pp 3 --pp-layers 6,28,28)" in run.stdout
     plan = json.loads(out.read_text())
-    assert [s["last"] - s["first"] for s in plan["stages"]] == [28, 28, 6] and all(s["fits"] for s in plan["stages"])
+    assert [s["last"] - s["first"] for s in plan["stages"]] == [6, 28, 28] and all(s["fits"] for s in plan["stages"])
+    assert plan["stages"][0]["node"] == "macbook"
     refused = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "placement", "--nodes", "a:64,b:64",
                               "--model", "minimax-m2-230b", "--bits", "5", "--max-model-len", "200000"],
                              capture_output=True, text=True, timeout=120)

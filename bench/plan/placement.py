@@ -3,7 +3,8 @@ its weights plus the KV of the whole context.
 
 Per layer: its weights (attention, MLP or every expert, norms; at ``bits`` per weight plus a 16-bit scale and
 bias per group of ``group`` weights when quantized) and its KV for ``max_model_len`` tokens of each of
-``max_num_seqs`` sequences. The first node also holds the embedding, the last the final norm and the LM head.
+``max_num_seqs`` sequences. The first node also holds the embedding, the final norm and the LM head (pdserve's
+stage 0 schedules and samples: the last stage hands its hidden states back to it; a tied head costs nothing more).
 A node offers ``memory x usable - reserve`` (the OS, activations, the runtime; ``usable`` by default what
 macOS lets Metal wire: about two thirds of 36 GB or less, three quarters above; give 0.9 for GPUs). Layers are shared in proportion
 to each node's speed (given as ``name:memGB:speed``) or, without speeds, its capacity, then moved off any node
@@ -69,8 +70,9 @@ class Shape:
         else:
             mlp = 3 * h * config["intermediate_size"]
         vocab = config["vocab_size"]
+        head = 0 if config.get("tie_word_embeddings") else vocab * h * bytes_per_weight
         return cls(layers, (attention + mlp) * bytes_per_weight + 2 * h * 2, 2 * kv_heads * head_dim * kv_bytes,
-                   vocab * h * bytes_per_weight, vocab * h * bytes_per_weight + h * 2)
+                   vocab * h * bytes_per_weight, head + h * 2)
 
     @property
     def weight_bytes(self) -> float:
@@ -134,7 +136,7 @@ def capacities(nodes: list[Node], usable: float | None, reserve_gb: float) -> li
 def stages_for(nodes: list[Node], counts: list[int], shape: Shape, tokens: int, caps: list[float]) -> list[Stage]:
     out, first = [], 0
     for i, (node, n) in enumerate(zip(nodes, counts)):
-        extra = (shape.embed_bytes if i == 0 else 0) + (shape.head_bytes if i == len(nodes) - 1 else 0)
+        extra = shape.embed_bytes + shape.head_bytes if i == 0 else 0
         weights = n * shape.layer_weight_bytes + extra
         per_token = n * shape.kv_bytes_per_token_layer
         room = max(0.0, caps[i] - weights)
@@ -158,8 +160,7 @@ def place(nodes: list[Node], shape: Shape, tokens: int, usable: float | None = N
     """Contiguous layer ranges, one per node in order, each fitting its weights and the KV of ``tokens``."""
     caps = capacities(nodes, usable, reserve_gb)
     per_layer = shape.layer_weight_bytes + shape.kv_bytes_per_token_layer * tokens
-    extras = [(shape.embed_bytes if i == 0 else 0) + (shape.head_bytes if i == len(nodes) - 1 else 0)
-              for i in range(len(nodes))]
+    extras = [shape.embed_bytes + shape.head_bytes if i == 0 else 0 for i in range(len(nodes))]
     most = [max(0, int((c - e) // per_layer)) for c, e in zip(caps, extras)]
     if sum(most) < shape.layers or any(c < e for c, e in zip(caps, extras)):
         need = shape.weight_bytes + shape.layers * shape.kv_bytes_per_token_layer * tokens
@@ -178,6 +179,21 @@ def place(nodes: list[Node], shape: Shape, tokens: int, usable: float | None = N
                                                           for n, cap, r in zip(nodes, caps, room)])
         counts = [c + min(s, r) for c, s, r in zip(counts, share, room)]
     return stages_for(nodes, counts, shape, tokens, caps)
+
+
+def place_stage_zero(nodes: list[Node], shape: Shape, tokens: int, usable: float | None = None,
+                     reserve_gb: float = 2.0) -> list[Stage]:
+    """``place`` in the order given; when that does not fit, with another node first (stage 0 also holds the
+    embedding and the LM head, which can tip a tight cluster), the rest in their order. Refuses as ``place``."""
+    try:
+        return place(nodes, shape, tokens, usable, reserve_gb)
+    except PlacementError as first_error:
+        for i in range(1, len(nodes)):
+            try:
+                return place([nodes[i], *nodes[:i], *nodes[i + 1:]], shape, tokens, usable, reserve_gb)
+            except PlacementError:
+                continue
+        raise first_error from None
 
 
 def weights_only(nodes: list[Node], shape: Shape, tokens: int, usable: float | None = None,

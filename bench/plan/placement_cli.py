@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-from .placement import PlacementError, Node, Shape, bytes_per_weight, model_config, place, table, weights_only
+from .placement import (PlacementError, Node, Shape, bytes_per_weight, model_config, place_stage_zero, table,
+                        weights_only)
 
 
 def add_arguments(p):
@@ -28,7 +29,7 @@ def run(args) -> int:
         shape = Shape.of(model_config(args.model), bytes_per_weight(args.dtype, args.bits), args.kv_bytes)
         tokens = args.max_model_len * args.max_num_seqs
         naive = weights_only(nodes, shape, tokens, args.usable, args.reserve_gb)
-        stages = place(nodes, shape, tokens, args.usable, args.reserve_gb)
+        stages = place_stage_zero(nodes, shape, tokens, args.usable, args.reserve_gb)
     except PlacementError as e:
         print(f"error: {e}")
         return 2
@@ -38,13 +39,17 @@ def run(args) -> int:
     print(f"{args.model}: {shape.layers} layers, weights {shape.weight_bytes / 1e9:.1f} GB, KV "
           f"{shape.layers * shape.kv_bytes_per_token_layer / 1024:.0f} KiB a token; {args.max_num_seqs} x "
           f"{args.max_model_len:,} tokens\n")
+    if stages[0].node is not nodes[0]:
+        print(f"stage 0 (which also holds the embedding and the LM head, and samples) is {stages[0].node.name}: "
+              f"the order given does not fit\n")
     print(table(stages))
     print("\nby weights alone (layers in proportion to memory, no room kept for the KV):\n")
     print(table(naive))
     short = [s for s in naive if not s.fits]
     if short:
         print("\n" + "; ".join(f"{s.node.name} runs out of memory at {s.max_tokens:,} tokens" for s in short))
-    print("\nlayers per stage: " + ",".join(str(s.layers) for s in stages))
+    layers = ",".join(str(s.layers) for s in stages)
+    print(f"\nlayers per stage: {layers}  (pdserve up --pp {len(stages)} --pp-layers {layers})")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
