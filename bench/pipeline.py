@@ -33,6 +33,8 @@ def add_arguments(p):
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--layouts", default="single,pp2,tp2")
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="tokens a step takes at most: a prompt "
+                   "longer goes in chunks (which a pipeline overlaps)")
     p.add_argument("--out", default="bench/out/pipeline")
 
 
@@ -42,7 +44,35 @@ def layout_config(args, layout: str):
     dummy = "auto" if os.path.isdir(args.model) else "dummy"
     parallel = {"single": {}, "pp2": {"pp": 2, "pp_transport": args.pp_transport}, "tp2": {"tp": 2}}[layout]
     return EngineConfig(model=args.model, load_format=dummy, dtype="float32", device="cpu", warmup=False,
-                        threads=2 if layout == "single" else 1, max_num_seqs=max(args.batch, 8), **parallel)
+                        threads=2 if layout == "single" else 1, max_num_seqs=max(args.batch, 8),
+                        max_batched_tokens=args.max_batched_tokens, **parallel)
+
+
+def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng) -> tuple[dict, list]:
+    """Output tok/s of ``steps`` decode steps of ``batch`` sequences (after their prompts and 4 untimed steps),
+    and the pipeline's hop totals just before the timed steps (empty without a pipeline)."""
+    from .engine import _seqs, _vocab
+
+    vocab = _vocab(engine)
+    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)],
+                 [steps + 16] * batch)
+    for s in seqs:
+        engine.add(s)
+    while any(len(s.output_ids) < 2 for s in seqs):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    stage = getattr(engine, "stage", None)
+    before = [dict(h) for h in stage.hop_totals] if stage is not None else []
+    start, made = time.perf_counter(), 0
+    for _ in range(steps):
+        made += len(engine.step().tokens)
+    elapsed = time.perf_counter() - start
+    for s in seqs:
+        engine.free(s)
+    while engine.has_work:
+        engine.step()
+    return {"tok_per_s": made / elapsed}, before
 
 
 def hop_rates(engine, before: list) -> list:
@@ -54,7 +84,8 @@ def hop_rates(engine, before: list) -> list:
         if steps:
             out.append({"hop": f"{i}->{(i + 1) % len(engine.stage.hop_totals)}", "steps": steps,
                         **{k: (now.get(k, 0) - was.get(k, 0)) / steps for k in
-                           ("d2h", "serialize", "wire", "deserialize", "total", "bytes")}})
+                           ("d2h", "serialize", "wire", "deserialize", "convert", "h2d", "bytes")}})
+            out[-1]["total"] = sum(out[-1][k] for k in ("d2h", "serialize", "wire", "deserialize", "convert", "h2d"))
     return out
 
 
@@ -78,18 +109,13 @@ def prefill_ms(engine, length: int, rng) -> float:
 def measure(args, layout: str) -> dict:
     from engine.engine import Engine
 
-    from .engine import decode_rate
-
     engine = Engine(layout_config(args, layout))
     spec, rng = engine.model.spec, random.Random(0)
     try:
         prefill_ms(engine, 16, rng)  # first-use costs
         row = {"layout": layout, "prefill_ms": prefill_ms(engine, args.prefill_len, rng), "decode": []}
         for batch in (1, args.batch):
-            before = [dict(h) for h in engine.stage.hop_totals] if layout == "pp2" else []
-            d = decode_rate(engine, batch, args.prompt_len, args.decode_steps, rng, warmup=4)
-            while engine.has_work:
-                engine.step()
+            d, before = decode_steps(engine, batch, args.prompt_len, args.decode_steps, rng)
             entry = {"batch": batch, "tok_per_s": d["tok_per_s"], "token_ms": 1e3 * batch / d["tok_per_s"]}
             if layout == "pp2":
                 entry["hops"] = hop_rates(engine, before)
@@ -129,7 +155,7 @@ def run(args) -> int:
         print(f"{layout:6} prefill {args.prefill_len}: {rows[-1]['prefill_ms']:8.1f} ms; decode "
               + ", ".join(f"bs{e['batch']} {e['tok_per_s']:.1f} tok/s" for e in d), file=sys.stderr)
     md = [f"Link: {args.link}; model {args.model} (fp32, CPU, 2 cores in all); hidden states over "
-          f"{args.pp_transport}.", "", "| layout | prefill ms | decode bs1 tok/s | decode bs"
+          f"{args.pp_transport}; prompts in chunks of {args.max_batched_tokens or 'up to 2048'} tokens.", "", "| layout | prefill ms | decode bs1 tok/s | decode bs"
           f"{args.batch} tok/s |", "|---|---|---|---|"]
     md += [f"| {r['layout']} | {r['prefill_ms']:.1f} | {r['decode'][0]['tok_per_s']:.1f} | "
            f"{r['decode'][1]['tok_per_s']:.1f} |" for r in rows]

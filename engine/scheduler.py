@@ -57,7 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.prefill_cap: int | None = None  # prompt tokens of a step that also decodes (None: budget only)
-        self.busy: set | None = None  # id() of sequences in a pipeline's flight: not scheduled, not preempted
+        self.busy: set | None = None  # id() of sequences whose token a pipeline has in flight: not scheduled
+        self.pinned: dict | None = None  # id() of every sequence a pipeline has in flight: not preempted
         self.row_cap: int | None = None  # sequences a step takes at most (a pipeline's micro-batch share)
 
     def add(self, seq: Sequence) -> None:
@@ -173,7 +174,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
         while not self.blocks.can_grow(seq.block_table, tokens):
             victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs
-                       and not (self.busy and id(s) in self.busy)]
+                       and not (self.pinned and id(s) in self.pinned)]
             if victims:
                 self.preempt(victims[0])
             else:

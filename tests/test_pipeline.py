@@ -83,6 +83,23 @@ def test_chunks_cached_prefixes_and_preemption_match_one_stage(tiny_pp, monkeypa
     assert engine.blocks.num_free == engine.num_blocks and all(r == 0 for r in engine.blocks.refs)
 
 
+def test_a_long_prompt_goes_through_in_pipelined_chunks(monkeypatch):
+    engine = pp_engine(pp=2, num_blocks=64, max_batched_tokens=16)
+    reference = Engine(EngineConfig(threads=1, block_size=8, warmup=False, dtype="float32", num_blocks=64))
+    try:
+        prompt = prompts(1, seed=9)[0] * 3  # several chunks of 16
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+        got = generate_many(engine, [prompt], [params])[0][1]
+        want = generate_many(reference, [prompt], [SamplingParams(**params.to_dict())])[0][1]
+        assert engine.stage.most_in_flight == 2  # the next chunk followed the one before into the pipeline
+        assert got.output_ids == want.output_ids
+        assert [e[0] for e in got.prompt_logprob_list[1:]] == pytest.approx(
+            [e[0] for e in want.prompt_logprob_list[1:]], abs=1e-4)
+        assert engine.blocks.num_free == engine.num_blocks
+    finally:
+        engine.close()
+
+
 def test_aborts_in_flight_leave_no_block_behind(tiny_pp):
     engine = tiny_pp
     seqs = [Sequence.create(f"a{i}", "ab" * (4 + i), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),

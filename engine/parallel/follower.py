@@ -27,6 +27,16 @@ def die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+def child_setup(label: str, parent: int) -> None:
+    """A child process of a worker (a rank, a stage): log lines named ``label``, die with ``parent``, and leave
+    SIGINT/SIGTERM to it (it decides when its children stop)."""
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {label} %(name)s: %(message)s")
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def follow(engine, plan, parent: int, kv=None) -> None:
     """Run rank 0's plan on ``engine``: steps, KV work (``kv``: the role's handler of ``kv_*`` ops for this
     rank, e.g. ``prefill.tp_kv``), until ``stop``."""
@@ -57,11 +67,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", required=True)
     ap.add_argument("--kv", default=None, help="module:Class of this role's KV work for one rank (the worker's)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
-    die_with_parent(args.parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child_setup(f"rank{args.rank}", args.parent)
 
     from ..config import EngineConfig
     from ..engine import Engine

@@ -8,9 +8,12 @@ residual stream to stage 1; once ``pp`` are in flight (or nothing more can
 be scheduled), take the oldest back from the last stage, apply the final
 norm and the LM head, and sample. So with as many micro-batches as stages
 every stage works on one while the others work on the rest; prompt chunks
-go in micro-batches like decode rows. A sequence in flight is neither
-scheduled again nor preempted; every stage handles micro-batches in the
-order sent, so a block freed and reused is written after its last reader.
+go in micro-batches like decode rows, and a chunk that does not sample lets
+the prompt's next chunk follow it at once (a long prompt is pipelined). A
+sequence whose token is in flight is not scheduled again, and none in flight
+is preempted; every stage handles micro-batches in the order sent, so KV is
+written before a later micro-batch reads it, and a block freed and reused
+is written after its last reader.
 Each sequence accumulates the phases of its micro-batches' hops
 (``pp_hops``: per hop, the sum over its steps)."""
 from __future__ import annotations
@@ -49,7 +52,8 @@ class Pipeline:
         self.span = self.stages.spans[0]
         self.link = None
         self.flights: deque[Flight] = deque()
-        self.busy: set[int] = set()  # id() of the sequences in flight
+        self.busy: set[int] = set()  # id() of the sequences whose token is in flight: not scheduled until it lands
+        self.pinned: dict[int, int] = {}  # id() of every sequence in flight: micro-batches holding it (not preempted)
         self.tags = itertools.count()
         self.hop_totals: list[dict] = []  # per hop: phases summed over every micro-batch (Prometheus, bench)
         self.most_in_flight = 0  # the most micro-batches that were in the pipeline at once
@@ -79,11 +83,12 @@ class Pipeline:
     def _schedule(self, engine):
         sched = engine.scheduler
         free = len(sched.running) + len(sched.waiting) - len(self.busy)
-        sched.busy, sched.row_cap = self.busy, max(1, -(-free // (self.depth - len(self.flights))))
+        sched.busy, sched.pinned = self.busy, self.pinned
+        sched.row_cap = max(1, -(-free // (self.depth - len(self.flights))))
         try:
             return sched.schedule()
         finally:
-            sched.busy, sched.row_cap = None, None
+            sched.busy = sched.pinned = sched.row_cap = None
 
     def _launch(self, engine, batch, out) -> None:
         rows = step_rows(batch)
@@ -101,7 +106,10 @@ class Pipeline:
             starts.append(seq.num_computed)
             seq.num_computed += chunk
             engine.register(seq)
-        self.busy.update(id(s) for s in batch.seqs)
+        for seq, row in zip(batch.seqs, rows):
+            if row.samples:  # a prompt chunk that does not sample lets the next chunk follow it into the pipeline
+                self.busy.add(id(seq))
+            self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
         self.flights.append(Flight(tag, batch, rows, meta, starts, time.perf_counter()))
         self.most_in_flight = max(self.most_in_flight, len(self.flights))
         out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
@@ -113,6 +121,10 @@ class Pipeline:
         flight = self.flights.popleft()
         batch = flight.batch
         self.busy.difference_update(id(s) for s in batch.seqs)
+        for seq in batch.seqs:
+            left = self.pinned.pop(id(seq)) - 1
+            if left:
+                self.pinned[id(seq)] = left
         x, hops = self.link.recv(flight.tag, RETURN_TIMEOUT_S)
         self._count_hops(batch.seqs, hops)
         hidden = engine.model.final_norm(x)

@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 
 from .hops import HopLink
@@ -75,13 +74,9 @@ def main(argv=None) -> int:
     for name in ("span", "plan", "reports", "config"):
         ap.add_argument(f"--{name}", required=True)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s stage{args.stage} %(name)s: %(message)s")
-    from ..parallel.follower import die_with_parent
+    from ..parallel.follower import child_setup
 
-    die_with_parent(args.parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stage 0 decides when the pipeline stops
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child_setup(f"stage{args.stage}", args.parent)
 
     from ..config import EngineConfig
     from ..engine import Engine
