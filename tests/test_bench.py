@@ -164,3 +164,16 @@ def test_bench_guided_small(tmp_path):
     rows = json.loads((tmp_path / "gd.json").read_text())["rows"]
     assert {(r["engine"], r["grammar"]) for r in rows} >= {("xgrammar", "json_schema"), ("llguidance", "regex")}
     assert all(r["compile_ms"] > 0 and r["fill_accept_us"] > 0 for r in rows) and {r["vocab"] for r in rows} == {259, 600}
+
+
+def test_bench_pipeline_small(tmp_path):
+    out = tmp_path / "pipe"
+    assert main(["bench", "pipeline", "--model", "chat-cpu", "--batch", "4", "--prompt-len", "16", "--prefill-len",
+                 "48", "--max-batched-tokens", "16", "--decode-steps", "4", "--layouts", "single,pp2",
+                 "--out", str(out)]) == 0
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "pipe.json").read_text())["rows"]}
+    assert set(rows) == {"single", "pp2"} and all(r["prefill_ms"] > 0 for r in rows.values())
+    hops = rows["pp2"]["decode"][1]["hops"]
+    assert [h["hop"] for h in hops] == ["0->1", "1->0"]
+    assert all(h["bytes"] == 2 * 512 * 4 and h["wire"] > 0 for h in hops)  # two rows of 512 fp32 a micro-batch
+    assert "| 0->1 | 4 |" in (tmp_path / "pipe.md").read_text()
