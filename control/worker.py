@@ -249,15 +249,6 @@ class WorkerLoop:
         self.server.close()
 
 
-def pipeline_kv(engine_cfg) -> None:
-    """A clear error for a pipelined (``--pp``) worker that would exchange KV with another: only colocated workers
-    run pipelines so far (their KV never leaves them)."""
-    if getattr(engine_cfg, "pp", 1) > 1:
-        raise ValueError(f"--pp {engine_cfg.pp} runs colocated workers only so far (`pdserve up --colocated --pp N`, "
-                         "`pdserve decode --colocated --pp N`): KV by layer range between a pipelined worker and "
-                         "another is not built yet")
-
-
 def fixed_world(transport: str, engine_cfg) -> None:
     """A clear error for the transport whose two processes form one fixed world (mlx) under ``--tp``: the slices of
     a tensor-parallel group go between many pairs of ranks."""

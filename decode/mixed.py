@@ -39,8 +39,8 @@ class MixedWorker(DecodeWorker):
     def __init__(self, engine, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0, kv_port: int = 0,
                  transport_cfg: TransportConfig | None = None, kv_budget_bytes: int = 0, drain_s: float = 20.0,
                  send_threads: int = 2):
-        if engine.tp > 1 or transport in FIXED_WORLDS or engine.engine == "mlx":
-            raise ValueError(f"--role mixed runs one rank (--tp 1) of the torch engine with a transport other than "
+        if engine.tp > 1 or engine.pp > 1 or transport in FIXED_WORLDS or engine.engine == "mlx":
+            raise ValueError(f"--role mixed runs one rank (--tp 1, --pp 1) of the torch engine with a transport other than "
                              f"{' and '.join(FIXED_WORLDS)} (got --tp {engine.tp}, --transport {transport}, "
                              f"--engine {engine.engine})")
         super().__init__(engine, transport, host, port, kv_port, False, transport_cfg, kv_budget_bytes, drain_s)

@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from control.worker import WorkerLoop, fixed_world, pipeline_kv
+from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
@@ -37,6 +37,7 @@ from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
+from . import holds, pp_kv
 from .tp_kv import GroupReceive
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ class DecodeWorker(WorkerLoop):
         super().__init__(host, port, drain_s, transport_cfg.token if transport_cfg else None)
         if not colocated:
             fixed_world(transport, engine)
-            pipeline_kv(engine)
         if kv_budget_bytes:
             engine.kv_budget_bytes = kv_budget_bytes
         self.shared_pool = self.pool_memory = None
@@ -151,7 +151,7 @@ class DecodeWorker(WorkerLoop):
             self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
             self._try_start(rid)
         elif op == "_kv":
-            rid = rid.split(":h")[0]  # a slice of a request's KV (tp_kv)
+            rid = rid.split(":h")[0].split(":L")[0]  # a slice of a request's KV (tp_kv), a range of layers (pp_kv)
             if rid in self.waiting:
                 self._try_start(rid)
         elif op == "_adopted":
@@ -166,33 +166,10 @@ class DecodeWorker(WorkerLoop):
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
 
     def _hold(self, rid, keys):
-        """Keep the cached blocks of the prompt's longest cached prefix (``keys``: its block keys as the router
-        computed them) for ``rid``, whose KV will then come without them; answers ``held`` with their count."""
-        if not isinstance(keys, list) or any(type(k) is not int for k in keys) or rid in self.held:
-            return self.fail(rid, 400, "hold needs a list of block keys")
-        table = self.engine.cached_prefix(keys[:self.engine.max_len // self.engine.block_size])
-        self.held[rid] = (table, time.monotonic() + self.kv_timeout)
-        self.emit(rid, "held", blocks=len(table))
+        holds.hold(self, rid, keys)
 
     def _prefix(self, rid, seq, kv_tokens) -> list[int]:
-        """The held blocks that stand for the first ``len(prompt) - kv_tokens`` tokens (checked against the prompt's
-        own keys); the rest of the hold is let go. Raises RequestError when they do not cover them."""
-        table, _ = self.held.pop(rid, ([], 0.0))
-        skip = len(seq.prompt_ids) - kv_tokens
-        bs = self.engine.block_size
-        try:
-            if skip < 0 or skip % bs or skip // bs > len(table):
-                raise RequestError(f"{len(seq.prompt_ids)} prompt ids but KV for {kv_tokens} tokens and "
-                                   f"{len(table)} cached blocks held")
-            keys = self.engine.scheduler.keys(seq, skip)
-            if [self.engine.blocks.key_of[b] for b in table[:skip // bs]] != keys[:skip // bs]:
-                raise RequestError("the held blocks do not hold this prompt's prefix")
-        except RequestError:
-            self.engine.release(table)
-            raise
-        self.engine.release(table[skip // bs:])
-        del table[skip // bs:]
-        return table
+        return holds.prefix(self, rid, seq, kv_tokens)
 
     def _transport_pool(self, nbytes: int, device):
         """The KV pool (host memory) where the transport can write into its blocks: a shared-memory file for shm,
@@ -209,8 +186,8 @@ class DecodeWorker(WorkerLoop):
 
     def _land(self, tid: str, layout: KVLayout):
         """(Receiver thread) Blocks for an arriving KV, so its bytes land where decode will read them."""
-        layers, heads, head_dim = self.engine.kv_shape
-        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (layers, heads, head_dim) \
+        layers, heads, head_dim = self.engine.kv_shape if getattr(self.engine, "stage", None) is None else (0, 0, 0)
+        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (layers, heads, head_dim) or ":L" in tid \
                 or needs_convert(layout, self.engine.kv_dtype, self.engine.kv_scales) or tid in self.landing:
             return None
         table = self.engine.reserve(layout.num_tokens)
@@ -229,7 +206,14 @@ class DecodeWorker(WorkerLoop):
         self.live[seq.rid] = Live(seq, phases)
 
     def _try_start(self, rid):
-        if GroupReceive.sliced(self.waiting[rid][0], self.engine):
+        msg = self.waiting[rid][0]
+        if pp_kv.spans_of(msg) is not None:  # a pipelined prefill: a piece of KV per stage
+            return pp_kv.try_start(self, rid)
+        if getattr(self.engine, "stage", None) is not None and msg.get("kv_tp", 1) != 1:
+            self.waiting.pop(rid)
+            return self.fail(rid, 400, "KV from a tensor-parallel prefill into a pipelined decode worker is not "
+                                       "supported yet")
+        if GroupReceive.sliced(msg, self.engine):
             return self.group_kv.try_start(rid)
         status = self.receiver.poll(rid)
         if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
@@ -242,16 +226,10 @@ class DecodeWorker(WorkerLoop):
         early = (received.meta or {}).get("d2h_ms")  # the sender's copy out of its engine before the transfer began
         if isinstance(early, (int, float)) and 0 <= early < 1e6:
             received.phases.d2h += float(early)
-        try:
-            seq = resumed_sequence(self.engine, rid, msg["prompt_ids"], msg["first_token"], msg["emitted"],
-                                   msg["params"])
-            prefix = self._prefix(rid, seq, received.layout.num_tokens)
-        except (KeyError, TypeError, RequestError) as e:
-            received.release()
-            return self.fail(rid, 400, f"bad decode request: {e}")
-        if not self._reserve(rid, len(seq.prompt_ids), seq.params):
-            self.engine.release(prefix)
-            return received.release()
+        resumed = self._resume(rid, msg, received, received.layout.num_tokens)
+        if resumed is None:
+            return
+        seq, prefix = resumed
         if received.landed is not None:
             table = self.landing.pop(rid, None)
             if table is None:
@@ -272,6 +250,30 @@ class DecodeWorker(WorkerLoop):
                 views = convert(views, received.layout, self.engine.kv_dtype, self.engine.kv_scales)
         self.blocked.append((seq, received, views, prefix))
         self._admit_blocked()
+
+    def _resume(self, rid, msg, received, tokens: int):
+        """``(sequence, held prefix blocks)`` of a ``decode`` message whose KV of ``tokens`` tokens is in, its KV
+        budget reserved; None after failing the request (``received`` released)."""
+        try:
+            seq = resumed_sequence(self.engine, rid, msg["prompt_ids"], msg["first_token"], msg["emitted"],
+                                   msg["params"])
+            prefix = self._prefix(rid, seq, tokens)
+        except (KeyError, TypeError, RequestError) as e:
+            received.release()
+            self.fail(rid, 400, f"bad decode request: {e}")
+            return None
+        if not self._reserve(rid, len(seq.prompt_ids), seq.params):
+            self.engine.release(prefix)
+            received.release()
+            return None
+        return seq, prefix
+
+    def admit(self, rid, msg, received, views, tokens: int) -> None:
+        """KV that is in and in the pool's dtype (``views``: every layer) into the queue for blocks."""
+        resumed = self._resume(rid, msg, received, tokens)
+        if resumed is not None:
+            self.blocked.append((resumed[0], received, views, resumed[1]))
+            self._admit_blocked()
 
     def _admit_blocked(self):
         while self.blocked:

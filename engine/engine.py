@@ -64,7 +64,7 @@ class Engine:
         if stage is None and cfg.pp > 1:
             from .pipeline.driver import Pipeline
 
-            device, stage = rank_device(cfg.device, 0, cfg.pp), Pipeline(cfg)
+            device, stage = rank_device(cfg.device, 0, cfg.pp), Pipeline(cfg, tp_kv)
         self.group, self.stage = group or SINGLE, stage
         loaded = load(cfg, self.group, device, stage.span if stage is not None else None)
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
@@ -165,6 +165,8 @@ class Engine:
         table = self.reserve(len(seq.prompt_ids) - len(prefix) * self.block_size)
         if table is None:
             return False
+        if self.stage is not None:  # stage 0 of a pipeline: its layers here, the others' to them
+            layers = self.stage.hand_out(self, table, layers)
         self.pool.scatter(table, layers)
         self.adopt(seq, prefix + table)
         return True

@@ -31,9 +31,38 @@ from kvtransfer.convert import layout_for
 log = logging.getLogger(__name__)
 
 
+def layer_piece(rid: str, first: int) -> str:
+    """The transfer id of the layers from ``first`` on that one pipeline stage holds, of request ``rid``."""
+    return f"{rid}:L{first}"
+
+
+def kv_spans(engine) -> dict:
+    """``{"kv_pp": [[first, end], ...]}``: the layers each stage of this pipeline sends (nothing without one), for
+    the ``first`` message, so the decode worker knows which pieces to wait for."""
+    stages = getattr(getattr(engine, "stage", None), "stages", None)
+    return {"kv_pp": [list(s) for s in stages.spans]} if stages is not None else {}
+
+
+def push_layers(engine, sender, rid: str, dests: list, table: list, tokens: int) -> PhaseTimes:
+    """A pipeline stage's layers of the KV in ``table``, straight from its pool to the decode worker's receiver
+    (its stage 0, which hands each of its stages their layers)."""
+    if len(dests) != 1:
+        raise TransferError("KV from a pipeline goes to a decode worker of one rank (--tp 1) so far")
+    first = engine.model.span[0]
+    layout = layout_for(engine.kv_shape, tokens, engine.kv_dtype, engine.kv_scales)
+    if sender.takes_pieces(engine.device):
+        kv = PiecewiseKV(layout, engine.pieces(table, tokens))
+    else:
+        kv = engine.pool.gather(table, tokens)
+    return sender.send(dests[0], layer_piece(rid, first), layout, kv)
+
+
 def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
                 timeout_s: float = 60.0) -> PhaseTimes:
-    """Send this rank's slices of the KV in ``table`` to the decode ranks at ``dests``; phases summed over them."""
+    """Send this rank's slices of the KV in ``table`` to the decode ranks at ``dests``; phases summed over them
+    (a pipeline stage: its layers, ``push_layers``)."""
+    if getattr(engine, "stage", None) is not None:
+        return push_layers(engine, sender, rid, dests, table, tokens)
     spec, group = engine.model.spec, engine.group
     heads, b = spec.num_kv_heads, len(dests)
     own = kv_range(heads, group.size, group.rank)[0]
@@ -93,6 +122,9 @@ class GroupPushes:
 
     def __init__(self, engine):
         self.plan, self.followers = engine.group.plan, engine.group.size - 1
+        stages = getattr(getattr(engine, "stage", None), "stages", None)
+        if stages is not None:  # a pipeline: every stage pushes its layers
+            self.plan, self.followers = stages.plan, len(stages.spans) - 1
         self.reports: dict[str, list] = {}
         self._cond = threading.Condition()
         if self.plan is not None:
@@ -184,6 +216,7 @@ class PrefillRankKV:
 
     def handle(self, msg: dict) -> None:
         if msg["op"] == "kv_cancel":
+            self.sender.cancel(layer_piece(msg["rid"], self.engine.model.span[0]))
             return cancel_slices(self.sender, msg["rid"], self.engine.model_kv_shape[1])
         progress = None
         if msg.get("stream"):  # every push that streams from the coming step shares its progress
@@ -191,7 +224,7 @@ class PrefillRankKV:
         self.threads.submit(self._push, msg, progress)
 
     def _push(self, msg: dict, progress) -> None:
-        rank = self.engine.group.rank
+        rank = getattr(self.engine.stage, "stage", None) or self.engine.group.rank  # a pipeline's stage number
         try:
             phases = push_slices(self.engine, self.sender, msg["rid"], msg["dests"], msg["table"], msg["tokens"],
                                  progress, self.cfg.timeout_s)

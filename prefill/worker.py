@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from control.worker import WorkerLoop, fixed_world, pipeline_kv
+from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.progress import LayerProgress, StepFailed
@@ -42,7 +42,7 @@ from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, ma
 from kvtransfer import spec as transport_spec
 
 from .pushes import kv_suffix, push_ended
-from .tp_kv import GroupPushes, cancel_slices, push_group, push_whole
+from .tp_kv import GroupPushes, cancel_slices, kv_spans, layer_piece, push_group, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ class PrefillWorker(WorkerLoop):
                  transport_cfg: TransportConfig | None = None, send_threads: int = 4, max_queue: int = 64,
                  drain_s: float = 20.0, kv_stream: bool = True):
         fixed_world(transport, engine)
-        pipeline_kv(engine)
         self.cfg = transport_cfg or TransportConfig(host=host)
         super().__init__(host, port, drain_s, self.cfg.token)
         self.pool_memory = None
@@ -139,7 +138,8 @@ class PrefillWorker(WorkerLoop):
         # has no spec: model_kv_shape holds the KV heads for both engines)
         sliced = self.engine.group.size > 1 or rid in self.sending
         cancel_slices(self.sender, rid, self.engine.model_kv_shape[1] if sliced else 0)
-        if self.engine.group.size > 1 and self.paged:
+        if self.paged and (self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None):
+            self.sender.cancel(layer_piece(rid, 0))
             self.group_pushes.cancel(rid)
 
     def handle(self, msg):
@@ -234,7 +234,7 @@ class PrefillWorker(WorkerLoop):
     def _grouped(self, dest) -> bool:
         """Whether every rank sends its own head slices: either side is a tensor-parallel group (the mlx engine
         gathers all heads on rank 0 instead, ``push_whole``)."""
-        return self.paged and (isinstance(dest, list) or self.engine.group.size > 1)
+        return self.paged and (isinstance(dest, list) or self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None)
 
     def _start_group_push(self, seq, dest, layout, table, computed):
         """Every rank pushes its heads (``tp_kv``); the blocks are freed once all have."""
@@ -262,7 +262,8 @@ class PrefillWorker(WorkerLoop):
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
-                  kv_tp=self.engine.group.size if self.paged else 1)  # the mlx engine sends whole heads
+                  kv_tp=self.engine.group.size if self.paged else 1,  # the mlx engine sends whole heads
+                  **kv_spans(self.engine))
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
             if seq.finished:
                 self.reply_to.pop(rid, None)

@@ -230,6 +230,7 @@ class Service:
                          rid, fresh["token"], run.first["token"])
             first, decode_worker = run.first, None if run.local else run.workers.get("decode")
             kv_tp = (fresh or first).get("kv_tp", 1)  # the prefill group whose head slices decode receives
+            kv_pp = {"kv_pp": (fresh or first)["kv_pp"]} if (fresh or first).get("kv_pp") else {}  # its stages
             self.admission.adjust(rid, first["prompt_tokens"] + (first["params"].get("max_tokens") or 0))
             if first.get("finish_reason"):
                 finished = True
@@ -240,7 +241,7 @@ class Service:
             if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
                                      prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"],
-                                     kv_tp=kv_tp)
+                                     kv_tp=kv_tp, **kv_pp)
             async for ev in self._relay(run, inbox, first_worker):
                 yield ev
             finished = True

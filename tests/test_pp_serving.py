@@ -1,7 +1,8 @@
 """Serving with pipelines on the CPU: ``pdserve up --colocated --pp N`` streams the one-device reference through the
 openai SDK, four at once, with each hop's phases in the ``pdserve`` block and in Prometheus; a stage that dies
-fails its pipeline's streams within 5 s, and ``up`` restarts the pipeline as a unit; a pipelined worker asked to
-exchange KV with another is a clear error."""
+fails its pipeline's streams within 5 s, and ``up`` restarts the pipeline as a unit; disaggregated, each prefill
+stage sends its own layers to the decode worker, whose stage 0 hands its stages theirs: any pair of pipeline depths
+streams the reference."""
 import os
 import re
 import signal
@@ -59,9 +60,28 @@ def test_up_with_a_pipeline_serves_the_reference_and_restarts_as_a_unit(referenc
         cluster.stop()
 
 
-def test_a_pipelined_worker_that_would_move_kv_is_a_clear_error():
-    from decode.worker import DecodeWorker
+@pytest.mark.parametrize("transport,prefill_pp,decode_pp", [("tcp", 2, 1), ("tcp", 1, 2), ("shm", 2, 2),
+                                                             ("tcp", 3, 2)], ids=lambda v: str(v))
+def test_kv_moves_by_layer_range_between_pipelines_and_single_workers(reference, transport, prefill_pp,  # noqa: F811
+                                                                        decode_pp):
+    cluster = Cluster("--prefill-pp", str(prefill_pp), "--decode-pp", str(decode_pp), "--transport", transport)
+    try:
+        cluster.wait_ready()
+        clients = streams_of_the_reference(cluster.url, reference)
+        block = clients[0].pdserve
+        assert block["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)  # every layer, once
+        roles = {h["role"] for h in block.get("pp_hops", [])}
+        assert roles == {r for r, n in (("prefill", prefill_pp), ("decode", decode_pp)) if n > 1}
+        workers = health(cluster.url)["workers"]
+        assert [w.get("pp", 1) for w in workers["prefill"] + workers["decode"]] == [prefill_pp, decode_pp]
+        assert eventually(lambda: all_back(cluster.url), 30, 0.5)
+    finally:
+        cluster.stop()
+
+
+def test_a_mixed_worker_with_a_pipeline_is_a_clear_error():
+    from decode.mixed import MixedWorker
     from engine import EngineConfig
 
-    with pytest.raises(ValueError, match="--pp 2 runs colocated workers only"):
-        DecodeWorker(EngineConfig(pp=2))
+    with pytest.raises(ValueError, match="--pp 1"):
+        MixedWorker(EngineConfig(pp=2))

@@ -46,9 +46,9 @@ class Flight:
 class Pipeline:
     drives = True
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, kv: tuple | None = None):
         self.cfg, self.depth = cfg, cfg.pp
-        self.stages = Stages(cfg)
+        self.stages = Stages(cfg, kv)
         self.span = self.stages.spans[0]
         self.link = None
         self.flights: deque[Flight] = deque()
@@ -141,6 +141,21 @@ class Pipeline:
         choices = choose_later(scores[keep], sampling, engine.tokenizer.eos_token_id)
         for seq, choice in zip(sampling, choices.read()):
             engine._took(seq, seq.append(choice), out)
+
+    def hand_out(self, engine, table: list[int], layers: list) -> list:
+        """A prompt's KV of every layer, arrived here (a decode worker): each other stage's layers go to it over
+        its hop link, with a ``kv_adopt`` on the plan ahead of any step that reads them; returns this stage's."""
+        from kvtransfer.convert import layout_for
+
+        layers = list(layers)
+        for stage in range(1, len(self.stages.spans)):
+            first, end = self.stages.spans[stage]
+            part = [(k.contiguous(), v.contiguous()) for k, v in layers[first:end]]
+            tag = f"kv{next(self.tags)}"
+            self.stages.plan.send_to(stage, "kv_adopt", table=list(table), tag=tag)
+            layout = layout_for((end - first, *part[0][0].shape[1:]), part[0][0].shape[0], part[0][0].dtype)
+            self.link.sender.send(self.stages.addresses[stage], tag, layout, part)
+        return layers[self.span[0]:self.span[1]]
 
     def _count_hops(self, seqs, hops: list) -> None:
         while len(self.hop_totals) < len(hops):

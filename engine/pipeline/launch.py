@@ -55,7 +55,8 @@ def fingerprint(engine) -> dict:
 class Stages:
     """Stage 0's handle on the others: their processes, the plan, the reports, the agreed wiring."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, kv: tuple | None = None):
+        """``kv``: ``(module:Class, environment)``: a stage's part of its worker's KV pushes (a prefill worker's)."""
         self.spans = stage_spans(model_layers(cfg), cfg.pp, cfg.pp_layers)
         self.token = secrets.token_bytes(16)
         self.plan = PlanSender(cfg.pp - 1)
@@ -65,12 +66,12 @@ class Stages:
         self.closing = False
         self.on_lost = _default_lost
         config = json.dumps(dataclasses.asdict(cfg))
-        env = {**os.environ, TOKEN_ENV: self.token.hex()}
+        env = {**os.environ, **(kv[1] if kv else {}), TOKEN_ENV: self.token.hex()}
         for stage in range(1, cfg.pp):
             first, end = self.spans[stage]
             cmd = [sys.executable, "-m", "engine.pipeline.stage", "--stage", str(stage), "--span", f"{first}:{end}",
                    "--plan", self.plan.addresses[stage - 1], "--reports", self.plan.report_address,
-                   "--config", config, "--parent", str(os.getpid())]
+                   "--config", config, "--parent", str(os.getpid())] + (["--kv", kv[0]] if kv else [])
             self.procs[stage] = subprocess.Popen(cmd, env=env)
         threading.Thread(target=self._watch, name="pp-watch", daemon=True).start()
         log.info("pipeline of %d stages, layers %s (stages 1..%d: pids %s)", cfg.pp, self.spans, cfg.pp - 1,
@@ -97,7 +98,7 @@ class Stages:
         addresses = [address] + [hellos[s]["address"] for s in sorted(hellos)]
         for stage in self.procs:
             self.plan.send_to(stage, "setup", blocks=blocks, next=addresses[(stage + 1) % len(addresses)])
-        self.next_address = addresses[1]
+        self.next_address, self.addresses = addresses[1], addresses
         return blocks
 
     def _check(self, msg: dict, own: dict) -> None:

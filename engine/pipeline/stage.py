@@ -25,7 +25,7 @@ class StageRole:
     def __init__(self, stage: int, span: tuple[int, int], plan, token: bytes, transport: str):
         self.stage, self.span, self.plan = stage, span, plan
         self.token, self.transport = token, transport
-        self.link = self.next = None
+        self.link = self.next = self.kv = None
 
     def agree_blocks(self, engine, blocks: int) -> int:
         """Say hello (what this stage runs, how many blocks it could hold, where its hops land), await setup."""
@@ -53,6 +53,12 @@ class StageRole:
                 continue
             if msg["op"] == "stop":
                 return
+            if msg["op"] == "kv_adopt":  # this stage's layers of a KV that came to stage 0
+                self.adopt(engine, msg)
+                continue
+            if msg["op"].startswith("kv_") and self.kv is not None:  # this stage's part of a KV push
+                self.kv.handle(msg)
+                continue
             if msg["op"] != "step":
                 log.warning("stage %d: unknown plan op %r", self.stage, msg["op"])
                 continue
@@ -61,6 +67,18 @@ class StageRole:
             x, hops = self.link.recv(msg["tag"])
             y, _ = engine.runner.stage_forward([StepRow(*r) for r in msg["rows"]], x)
             self.link.send(self.next, msg["tag"], y, hops)
+
+    def adopt(self, engine, msg: dict) -> None:
+        """Write the layers stage 0 sent (tagged ``msg["tag"]``) into this stage's blocks ``msg["table"]``, before
+        any later step of the plan reads them."""
+        from kvtransfer.tensors import unpack
+
+        received = self.link.receiver.wait(msg["tag"], self.link.timeout_s)
+        try:
+            engine.pool.scatter(msg["table"], unpack(received.buffer, received.layout) if received.layers is None
+                                else received.layers)
+        finally:
+            received.release()
 
     def close(self) -> None:
         if self.link is not None:
@@ -73,6 +91,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, required=True)
     for name in ("span", "plan", "reports", "config"):
         ap.add_argument(f"--{name}", required=True)
+    ap.add_argument("--kv", default=None, help="module:Class of this stage's part of its worker's KV pushes")
     args = ap.parse_args(argv)
     from ..parallel.follower import child_setup
 
@@ -88,6 +107,11 @@ def main(argv=None) -> int:
     plan = PlanReceiver(args.plan, args.reports)
     role = StageRole(args.stage, (first, end), plan, bytes.fromhex(os.environ[TOKEN_ENV]), cfg.pp_transport)
     engine = Engine(cfg, stage=role, device=rank_device(cfg.device, args.stage, cfg.pp))
+    if args.kv:
+        import importlib
+
+        module, _, name = args.kv.partition(":")
+        role.kv = getattr(importlib.import_module(module), name)(engine, plan)
     try:
         role.follow(engine, args.parent)
     except Exception:
