@@ -168,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
                    "streamed a token runs again on other workers")
+    u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
+                   "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
+                   "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")
     u.add_argument("--gpus", type=int, default=0, help="spread the workers over this many GPUs (worker i on "
                    "cuda:i mod N), e.g. --colocated --decode 2 --gpus 2: one replica per GPU")
     u.add_argument("--prefill-engine", default=None, choices=["auto", "torch", "mlx"],

@@ -193,9 +193,29 @@ def stop(procs, grace: float = 30.0) -> None:
             p.wait()
 
 
+def place_stages(args) -> None:
+    """``--pp-nodes``: ``--pp`` and ``--pp-layers`` from ``pdserve plan placement`` (``bench.plan.placement``)."""
+    from bench.plan.placement import Node, Shape, bytes_per_weight, model_config, place_stage_zero, table
+
+    if not args.max_model_len:
+        raise SystemExit("--pp-nodes needs --max-model-len (the context each node keeps room for)")
+    dtype = args.dtype if args.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    shape = Shape.of(model_config(args.model), bytes_per_weight(dtype, None), 1.0 if args.kv_cache_dtype == "fp8"
+                     else bytes_per_weight(dtype, None))
+    try:
+        stages = place_stage_zero([Node.parse(n) for n in args.pp_nodes.split(",") if n], shape,
+                                  args.max_model_len * args.max_num_seqs, usable=0.9)
+    except ValueError as e:
+        raise SystemExit(f"--pp-nodes: {e}") from None
+    args.pp, args.pp_layers = len(stages), ",".join(str(s.layers) for s in stages)
+    print(table(stages), f"\n--pp {args.pp} --pp-layers {args.pp_layers}", flush=True)
+
+
 def up(args) -> int:
     if args.port == 0:
         args.port = free_port(args.host)
+    if getattr(args, "pp_nodes", None):
+        place_stages(args)
     procs, supervisor = [], None
     stopping = False
 

@@ -59,6 +59,18 @@ def test_pipeline_matches_hf_and_one_stage(tmp_path, family, pp, transport):
         engine.close()
 
 
+@pytest.mark.parametrize("transport", ["nixl", "pickle"])
+def test_hidden_states_go_over_other_transports_too(transport):
+    pytest.importorskip("nixl") if transport == "nixl" else None
+    ps = prompts(3, seed=4)
+    want = [s.output_ids for s in run(Engine(EngineConfig(threads=1, block_size=8, warmup=False)), ps, 6)]
+    engine = pp_engine(pp=2, pp_transport=transport)
+    try:
+        assert [s.output_ids for s in run(engine, ps, 6)] == want
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_pp():
     engine = pp_engine(pp=2, num_blocks=40)

@@ -79,6 +79,17 @@ def test_kv_moves_by_layer_range_between_pipelines_and_single_workers(reference,
         cluster.stop()
 
 
+def test_up_places_the_stages_with_the_placement_plan(reference):  # noqa: F811
+    cluster = Cluster("--colocated", "--pp-nodes", "small:2.5,big:8", "--max-model-len", "512",
+                      "--max-num-seqs", "4").wait_ready()
+    try:
+        worker = health(cluster.url)["workers"]["colocated"][0]
+        assert worker["pp"] == 2 and [end - first for first, end in worker["pp_layers"]] == [1, 3]  # small: fewer
+        streams_of_the_reference(cluster.url, reference)
+    finally:
+        cluster.stop()
+
+
 def test_a_mixed_worker_with_a_pipeline_is_a_clear_error():
     from decode.mixed import MixedWorker
     from engine import EngineConfig

@@ -87,6 +87,10 @@ def model_config(model: str) -> dict:
         return config.get("text_config", config)
     if model in PLACEMENT_SHAPES:
         return PLACEMENT_SHAPES[model]
+    from engine.tiny import TINY_CONFIG, TINY_NAME
+
+    if model == TINY_NAME:
+        return TINY_CONFIG
     from engine.models.presets import SHAPES
 
     if model not in SHAPES:
@@ -171,8 +175,14 @@ def place(nodes: list[Node], shape: Shape, tokens: int, usable: float | None = N
             f"x {usable or 'the default share'} - {reserve_gb:g} GB); at most {sum(most)} of {shape.layers} layers "
             "fit. Shorten "
             "--max-model-len, lower --max-num-seqs, quantize, or add a node")
+    if shape.layers < len(nodes) or not all(most):
+        short = [n.name for n, m in zip(nodes, most) if not m]
+        raise PlacementError(f"every stage needs a layer: {', '.join(short) or 'the model'} "
+                             f"{'cannot hold one with its KV' if short else f'has only {shape.layers}'}")
     counts = proportional(shape.layers, [n.speed or c for n, c in zip(nodes, caps)])
-    counts = [min(c, m) for c, m in zip(counts, most)]
+    counts = [max(1, min(c, m)) for c, m in zip(counts, most)]  # a stage holds a layer at least
+    while sum(counts) > shape.layers:
+        counts[max(range(len(counts)), key=lambda i: counts[i])] -= 1
     while sum(counts) < shape.layers:  # what did not fit goes to the nodes with room, in the same proportion
         room = [m - c for c, m in zip(counts, most)]
         share = proportional(shape.layers - sum(counts), [(n.speed or cap) if r else 0.0
