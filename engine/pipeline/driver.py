@@ -30,9 +30,6 @@ from .launch import Stages, fingerprint
 
 log = logging.getLogger(__name__)
 
-RETURN_TIMEOUT_S = 600.0
-
-
 @dataclass
 class Flight:
     tag: str
@@ -125,7 +122,7 @@ class Pipeline:
             left = self.pinned.pop(id(seq)) - 1
             if left:
                 self.pinned[id(seq)] = left
-        x, hops = self.link.recv(flight.tag, RETURN_TIMEOUT_S)
+        x, hops = self._recv(flight.tag)
         self._count_hops(batch.seqs, hops)
         hidden = engine.model.final_norm(x)
         scores, prompt_scores = engine.runner.pick_scores(hidden, flight.rows, flight.meta)
@@ -141,6 +138,17 @@ class Pipeline:
         choices = choose_later(scores[keep], sampling, engine.tokenizer.eos_token_id)
         for seq, choice in zip(sampling, choices.read()):
             engine._took(seq, seq.append(choice), out)
+
+    def _recv(self, tag: str):
+        """The micro-batch ``tag`` back from the last stage, however long the stages take while all of them live
+        (one that dies ends this worker through ``Stages.on_lost``)."""
+        while True:
+            try:
+                return self.link.recv(tag, 5.0)
+            except TimeoutError:
+                dead = [stage for stage, proc in self.stages.procs.items() if proc.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"pipeline stage {dead[0]} exited") from None
 
     def hand_out(self, engine, table: list[int], layers: list) -> list:
         """A prompt's KV of every layer, arrived here (a decode worker): each other stage's layers go to it over

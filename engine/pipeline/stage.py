@@ -64,9 +64,19 @@ class StageRole:
                 continue
             for source, target in msg["copies"]:
                 engine.pool.copy_block(source, target)
-            x, hops = self.link.recv(msg["tag"])
+            x, hops = self._recv(msg["tag"], parent)
             y, _ = engine.runner.stage_forward([StepRow(*r) for r in msg["rows"]], x)
             self.link.send(self.next, msg["tag"], y, hops)
+
+    def _recv(self, tag: str, parent: int):
+        """The micro-batch ``tag`` from the stage before, however long stage 0's part takes (a long chunk on a CPU),
+        as long as stage 0 lives."""
+        while True:
+            try:
+                return self.link.recv(tag, 5.0)
+            except TimeoutError:
+                if os.getppid() != parent:
+                    raise
 
     def adopt(self, engine, msg: dict) -> None:
         """Write the layers stage 0 sent (tagged ``msg["tag"]``) into this stage's blocks ``msg["table"]``, before
