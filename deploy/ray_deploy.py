@@ -205,7 +205,8 @@ def deploy_ray(args) -> int:
         with open(args.api_key_file) as f:
             env["PDSERVE_API_KEY"] = f.read().strip()
     state = {"name": name, "namespace": f"pdserve-{name}", "env": env, "max_restarts": args.max_restarts,
-             "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args, "tp": args.tp,
+             "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args,
+             "tp": args.tp * getattr(args, "pp", 1),  # the processes (GPUs) of one worker: its ranks or stages
              "resources": {role: json.loads(getattr(args, f"{role}_resources") or "{}") for role in ROLES}}
     if args.address:
         state.update(address=args.address, ray_env={k: os.environ[k] for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
