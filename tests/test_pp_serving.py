@@ -96,3 +96,12 @@ def test_a_mixed_worker_with_a_pipeline_is_a_clear_error():
 
     with pytest.raises(ValueError, match="--pp 1"):
         MixedWorker(EngineConfig(pp=2))
+
+
+def test_a_pipeline_and_a_tensor_parallel_group_are_not_paired():
+    from router.workers import pair_mismatch
+
+    base = {"model": "m", "kv_geometry": [4, 2, 16]}
+    assert pair_mismatch({**base, "pp": 2}, {**base, "pp": 3}) is None
+    assert "--decode-tp 1" in pair_mismatch({**base, "pp": 2}, {**base, "tp": 2})
+    assert "--prefill-tp 1" in pair_mismatch({**base, "tp": 2}, {**base, "pp": 2})
