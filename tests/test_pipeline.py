@@ -59,7 +59,7 @@ def test_pipeline_matches_hf_and_one_stage(tmp_path, family, pp, transport):
         engine.close()
 
 
-@pytest.mark.parametrize("transport", ["nixl", "pickle"])
+@pytest.mark.parametrize("transport", ["nixl", "pickle", "nccl"])  # nccl's protocol over gloo on the CPU
 def test_hidden_states_go_over_other_transports_too(transport):
     pytest.importorskip("nixl") if transport == "nixl" else None
     ps = prompts(3, seed=4)
