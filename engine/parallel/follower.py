@@ -37,6 +37,16 @@ def child_setup(label: str, parent: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def kv_work(spec: str | None, engine, plan):
+    """The role's KV work for this process, built from ``module:Class`` (None without one)."""
+    if not spec:
+        return None
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)(engine, plan)
+
+
 def follow(engine, plan, parent: int, kv=None) -> None:
     """Run rank 0's plan on ``engine``: steps, KV work (``kv``: the role's handler of ``kv_*`` ops for this
     rank, e.g. ``prefill.tp_kv``), until ``stop``."""
@@ -90,13 +100,7 @@ def main(argv=None) -> int:
         device = rank_device(cfg.device, args.rank, args.size)
         group = join(args.size, args.rank, args.init, device)
         engine = Engine(cfg, group=group, device=device)
-    kv = None
-    if args.kv:
-        import importlib
-
-        module, _, name = args.kv.partition(":")
-        kv = getattr(importlib.import_module(module), name)(engine, plan)
-    follow(engine, plan, args.parent, kv)
+    follow(engine, plan, args.parent, kv_work(args.kv, engine, plan))
     return 0
 
 

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", required=True)
     ap.add_argument("--kv", default=None, help="module:Class of this stage's part of its worker's KV pushes")
     args = ap.parse_args(argv)
-    from ..parallel.follower import child_setup
+    from ..parallel.follower import child_setup, kv_work
 
     child_setup(f"stage{args.stage}", args.parent)
 
@@ -117,11 +117,7 @@ def main(argv=None) -> int:
     plan = PlanReceiver(args.plan, args.reports)
     role = StageRole(args.stage, (first, end), plan, bytes.fromhex(os.environ[TOKEN_ENV]), cfg.pp_transport)
     engine = Engine(cfg, stage=role, device=rank_device(cfg.device, args.stage, cfg.pp))
-    if args.kv:
-        import importlib
-
-        module, _, name = args.kv.partition(":")
-        role.kv = getattr(importlib.import_module(module), name)(engine, plan)
+    role.kv = kv_work(args.kv, engine, plan)
     try:
         role.follow(engine, args.parent)
     except Exception:
