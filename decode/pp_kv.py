@@ -3,9 +3,11 @@ here (``prefill.tp_kv.push_layers``), each range its own transfer (``rid:L<first
 
 The ``decode`` message carries the prefill's stages (``kv_pp``: ``[[first, end], ...]``). Once every range is in,
 the pieces are joined in layer order and go on as one KV would (prefix holds, reservation, conversion, the pool; a
-pipelined decode worker's stage 0 hands each of its stages their layers). The phases are the slowest piece's, with
-each piece's under ``ranks``."""
+pipelined decode worker's stage 0 hands each of its stages their layers). The phases are the slowest piece's, bytes
+summed."""
 from __future__ import annotations
+
+import dataclasses
 
 from kvtransfer import TransferError, TransferStatus
 from kvtransfer.convert import convert, needs_convert
@@ -21,7 +23,6 @@ class Pieces:
         self.received = received
         self.phases = PhaseTimes(**{p: max(getattr(r.phases, p) for r in received) for p in PHASES},
                                  bytes=sum(r.phases.bytes for r in received))
-        self.ranks = [r.phases.to_dict() for r in received]
 
     def release(self) -> None:
         for r in self.received:
@@ -67,11 +68,7 @@ def try_start(worker, rid: str) -> None:
     layout = received[0].layout
     if needs_convert(layout, engine.kv_dtype, engine.kv_scales):
         with pieces.phases.measure("convert"):
-            views = convert(views, dataclass_layers(layout, len(views)), engine.kv_dtype, engine.kv_scales)
+            views = convert(views, dataclasses.replace(layout, num_layers=len(views), scales=None), engine.kv_dtype,
+                            engine.kv_scales)
     worker.admit(rid, msg, pieces, views, layout.num_tokens)
 
-
-def dataclass_layers(layout, layers: int):
-    import dataclasses
-
-    return dataclasses.replace(layout, num_layers=layers, scales=None)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,7 +36,6 @@ class Flight:
     rows: list[StepRow]
     meta: object
     starts: list[int]
-    sent_at: float
 
 
 class Pipeline:
@@ -107,7 +105,7 @@ class Pipeline:
             if row.samples:  # a prompt chunk that does not sample lets the next chunk follow it into the pipeline
                 self.busy.add(id(seq))
             self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
-        self.flights.append(Flight(tag, batch, rows, meta, starts, time.perf_counter()))
+        self.flights.append(Flight(tag, batch, rows, meta, starts))
         self.most_in_flight = max(self.most_in_flight, len(self.flights))
         out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
 
@@ -166,21 +164,22 @@ class Pipeline:
         return layers[self.span[0]:self.span[1]]
 
     def _count_hops(self, seqs, hops: list) -> None:
-        while len(self.hop_totals) < len(hops):
-            self.hop_totals.append({"count": 0})
-        for total, hop in zip(self.hop_totals, hops):
-            total["count"] += 1
-            for k, v in hop.items():
-                if k != "total":
-                    total[k] = total.get(k, 0) + v
+        add_hops(self.hop_totals, hops)
         for seq in seqs:
-            mine = seq.pp_hops = getattr(seq, "pp_hops", None) or [{"count": 0} for _ in hops]
-            for total, hop in zip(mine, hops):
-                total["count"] += 1
-                for k, v in hop.items():
-                    total[k] = total.get(k, 0) + v
+            seq.pp_hops = seq.pp_hops or []
+            add_hops(seq.pp_hops, hops)
 
     def close(self) -> None:
         self.stages.close()
         if self.link is not None:
             self.link.close()
+
+
+def add_hops(totals: list[dict], hops: list[dict]) -> None:
+    """Add one micro-batch's hop phases to running sums per hop (``count``: the steps summed)."""
+    while len(totals) < len(hops):
+        totals.append({"count": 0})
+    for total, hop in zip(totals, hops):
+        total["count"] += 1
+        for k, v in hop.items():
+            total[k] = total.get(k, 0) + v
