@@ -1,19 +1,19 @@
-"""KV arriving in layer ranges: from a pipelined prefill worker, whose every stage sends its own layers straight
-here (``prefill.tp_kv.push_layers``), each range its own transfer (``rid:L<first>``).
+"""KV arriving in layer ranges into a decode worker without a paged pool (the mlx engine): from a pipelined prefill
+worker, whose every stage sends its own layers here (``prefill.tp_kv.push_layers``), each range its own transfer
+(``rid:L<first>``); a paged worker writes each range into its blocks as it is (``group_receive``).
 
 The ``decode`` message carries the prefill's stages (``kv_pp``: ``[[first, end], ...]``). Once every range is in,
-the pieces are joined in layer order and go on as one KV would (prefix holds, reservation, conversion, the pool; a
-pipelined decode worker's stage 0 hands each of its stages their layers). The phases are the slowest piece's, bytes
-summed."""
+the pieces are joined in layer order and go on as one KV would (reservation, conversion, the engine). The phases
+are the slowest piece's, bytes summed."""
 from __future__ import annotations
 
 import dataclasses
 
+from engine.pipeline.split import layer_piece
 from kvtransfer import TransferError, TransferStatus
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.phases import PHASES, PhaseTimes
 from kvtransfer.tensors import unpack
-from prefill.tp_kv import layer_piece
 
 
 class Pieces:

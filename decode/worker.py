@@ -38,7 +38,7 @@ from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
 from . import holds, pp_kv
-from .tp_kv import GroupReceive
+from .group_receive import GroupReceive
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class DecodeWorker(WorkerLoop):
         e = self.engine
         return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
                 "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None,
+                "kv_stages": self.group_kv.kv_stages(self.receiver.address) if self.receiver else None,
                 "tp": e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
@@ -207,7 +208,7 @@ class DecodeWorker(WorkerLoop):
 
     def _try_start(self, rid):
         msg = self.waiting[rid][0]
-        if pp_kv.spans_of(msg) is not None:  # a pipelined prefill: a piece of KV per stage
+        if pp_kv.spans_of(msg) is not None and not getattr(self.engine, "paged", True):  # joined, for mlx
             return pp_kv.try_start(self, rid)
         if getattr(self.engine, "stage", None) is not None and msg.get("kv_tp", 1) != 1:
             self.waiting.pop(rid)
@@ -307,8 +308,8 @@ class DecodeWorker(WorkerLoop):
     def _abort(self, rid):
         msg = self.waiting.pop(rid, (None,))[0]
         if self.group_kv is not None and (rid in self.adopting or (msg and GroupReceive.sliced(msg, self.engine))):
-            kv_tp = self.adopting[rid][3] if rid in self.adopting else GroupReceive.kv_tp(msg, self.engine)
-            self.group_kv.abort(rid, kv_tp or 1)
+            split = self.adopting[rid][3] if rid in self.adopting else GroupReceive.split(msg, self.engine)
+            self.group_kv.abort(rid, split or {"kv_tp": 1})
         for entry in [b for b in self.blocked if b[0].rid == rid]:
             self.blocked.remove(entry)
             entry[1].release()
@@ -333,7 +334,7 @@ class DecodeWorker(WorkerLoop):
                 msg = self.waiting.pop(rid)[0]
                 self.receiver.abort(rid)
                 if GroupReceive.sliced(msg, self.engine):
-                    self.group_kv.abort(rid, GroupReceive.kv_tp(msg, self.engine) or 1)
+                    self.group_kv.abort(rid, GroupReceive.split(msg, self.engine) or {"kv_tp": 1})
                 self.fail(rid, 504, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s")
         self._admit_blocked()
         if not self.engine.has_work:

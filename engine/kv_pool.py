@@ -71,15 +71,17 @@ class KVPool:
                 out.append((k, v))
         return out
 
-    def scatter(self, table: list[int], layers, heads: tuple | None = None) -> None:
+    def scatter(self, table: list[int], layers, heads: tuple | None = None, span: tuple | None = None) -> None:
         """Write canonical ``(k, v)`` layers (any device; any float dtype, cast, but FP8 into an FP8 pool only: its
-        scales are the pool's, so convert first) into the sequence's blocks (``heads``: its heads ``[first, end)``)."""
+        scales are the pool's, so convert first) into the sequence's blocks (``heads``: its heads ``[first, end)``;
+        ``span``: only the pool's layers ``[first, end)``)."""
         it = iter(layers)
         first = next(it)
         tokens = first[0].shape[0]
         slots = self._slots(table, tokens, self.layers[0][0].device)
         h0, h1 = heads or (0, self.kv_heads)
-        for (kc, vc), (k, v) in zip(self.layers, [first, *it], strict=True):
+        l0, l1 = span or (0, len(self.layers))
+        for (kc, vc), (k, v) in zip(self.layers[l0:l1], [first, *it], strict=True):
             for cache, new in ((kc, k), (vc, v)):
                 if (cache.dtype == kv_fp8.FP8) != (new.dtype == kv_fp8.FP8):
                     raise ValueError(f"{new.dtype} KV into a {cache.dtype} pool: convert it first")

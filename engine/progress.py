@@ -73,3 +73,13 @@ class LayerProgress:
             if self.computed_at is None:
                 raise StepFailed(f"the forward failed: {self.error}")
             return self.computed_at
+
+
+class ShiftedGate:
+    """A gate on layers ``first``.. of a forward's progress, counted from 0 (a ``PiecewiseKV`` of a layer range)."""
+
+    def __init__(self, progress: LayerProgress, first: int):
+        self.progress, self.first = progress, first
+
+    def host_wait(self, i: int, timeout: float | None = None) -> None:
+        self.progress.host_wait(self.first + i, timeout)

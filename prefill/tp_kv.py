@@ -22,7 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.parallel.heads import kv_range, piece_id, recv_pieces, send_pieces
-from engine.progress import LayerProgress, StepFailed
+from engine.pipeline.split import layer_piece, layer_pieces
+from engine.progress import LayerProgress, ShiftedGate, StepFailed
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
 from kvtransfer import spec as transport_spec
 from kvtransfer.phases import PHASES, PhaseTimes, merge_ranks
@@ -31,38 +32,81 @@ from kvtransfer.convert import layout_for
 log = logging.getLogger(__name__)
 
 
-def layer_piece(rid: str, first: int) -> str:
-    """The transfer id of the layers from ``first`` on that one pipeline stage holds, of request ``rid``."""
-    return f"{rid}:L{first}"
-
-
-def kv_spans(engine) -> dict:
-    """``{"kv_pp": [[first, end], ...]}``: the layers each stage of this pipeline sends (nothing without one), for
-    the ``first`` message, so the decode worker knows which pieces to wait for."""
+def kv_spans(engine, dest) -> dict:
+    """``{"kv_pp": [[first, end], ...]}``: the layers each stage of this pipeline sends (``[[0, layers]]`` from one
+    process that sends by layer range; nothing otherwise), for the ``first`` message, so the decode worker knows
+    which pieces to wait for."""
     stages = getattr(getattr(engine, "stage", None), "stages", None)
-    return {"kv_pp": [list(s) for s in stages.spans]} if stages is not None else {}
+    if stages is not None:
+        return {"kv_pp": [list(s) for s in stages.spans]}
+    return {"kv_pp": [[0, engine.model_kv_shape[0]]]} if isinstance(dest, dict) else {}
 
 
-def push_layers(engine, sender, rid: str, dests: list, table: list, tokens: int) -> PhaseTimes:
-    """A pipeline stage's layers of the KV in ``table``, straight from its pool to the decode worker's receiver
-    (its stage 0, which hands each of its stages their layers)."""
-    if len(dests) != 1:
-        raise TransferError("KV from a pipeline goes to a decode worker of one rank (--tp 1) so far")
-    first = engine.model.span[0]
-    layout = layout_for(engine.kv_shape, tokens, engine.kv_dtype, engine.kv_scales)
-    if sender.takes_pieces(engine.device):
-        kv = PiecewiseKV(layout, engine.pieces(table, tokens))
+def layer_dest(msg: dict, engine):
+    """Where a prompt's KV goes: the ``kv_dest`` of the message, or, when the decode worker is a pipeline
+    (``kv_stages``) and this worker can send by layer range (paged, one rank), ``{"stages": kv_stages}``."""
+    stages = msg.get("kv_stages")
+    ok = isinstance(stages, list) and stages and all(
+        isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
+        for s in stages)
+    if ok and getattr(engine, "paged", True) and engine.group.size == 1:
+        return {"stages": stages}
+    return msg.get("kv_dest")
+
+
+def push_layers(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
+                timeout_s: float = 60.0) -> PhaseTimes:
+    """This process's layers of the KV in ``table`` (a pipeline stage's, or all), straight from its pool: each
+    decode stage (``{"stages": [[first, end, address], ...]}``) gets the ones it holds, a one-process decode
+    worker all of them; phases summed over the pieces."""
+    layers = engine.model_kv_shape[0]
+    own = getattr(engine.model, "span", (0, layers))
+    if isinstance(dests[0], dict):
+        targets = dests[0]["stages"]
+    elif len(dests) == 1:
+        targets = [[0, layers, dests[0]]]
     else:
-        kv = engine.pool.gather(table, tokens)
-    return sender.send(dests[0], layer_piece(rid, first), layout, kv)
+        raise TransferError("KV from a pipeline goes to a decode worker of one rank (--tp 1) so far")
+    layout = layout_for(engine.kv_shape, tokens, engine.kv_dtype, engine.kv_scales)
+    pieces = engine.pieces(table, tokens) if sender.takes_pieces(engine.device) else None
+    total, gathered = PhaseTimes(), None
+    for (lo, hi), address in _overlaps(targets, own):
+        part = dataclasses.replace(layout, num_layers=hi - lo)
+        a, b = lo - own[0], hi - own[0]
+        if pieces is not None:
+            kv = PiecewiseKV(part, pieces[a:b], gate=ShiftedGate(progress, a) if progress is not None else None)
+        else:
+            if gathered is None:
+                if progress is not None:
+                    progress.wait_computed(timeout_s)
+                gathered = engine.pool.gather(table, tokens)
+            kv = gathered[a:b]
+        phases = sender.send(address, layer_piece(rid, lo), part, kv)
+        for name in (*PHASES, "bytes"):
+            setattr(total, name, getattr(total, name) + getattr(phases, name))
+    return total
+
+
+def _overlaps(targets: list, own: tuple) -> list:
+    """``((lo, hi), address)`` of each decode stage's share of the layers ``own``."""
+    out = []
+    for first, end, address in targets:
+        out += [(piece, address) for piece in layer_pieces([own], (first, end))]
+    return out
+
+
+def cancel_layers(sender, rid: str, span: tuple) -> None:
+    """Stop every layer-range transfer of ``rid`` from the layers ``span`` holds."""
+    for lo in range(*span):
+        sender.cancel(layer_piece(rid, lo))
 
 
 def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
                 timeout_s: float = 60.0) -> PhaseTimes:
     """Send this rank's slices of the KV in ``table`` to the decode ranks at ``dests``; phases summed over them
     (a pipeline stage: its layers, ``push_layers``)."""
-    if getattr(engine, "stage", None) is not None:
-        return push_layers(engine, sender, rid, dests, table, tokens)
+    if getattr(engine, "stage", None) is not None or isinstance(dests[0], dict):
+        return push_layers(engine, sender, rid, dests, table, tokens, progress, timeout_s)
     spec, group = engine.model.spec, engine.group
     heads, b = spec.num_kv_heads, len(dests)
     own = kv_range(heads, group.size, group.rank)[0]
@@ -216,7 +260,7 @@ class PrefillRankKV:
 
     def handle(self, msg: dict) -> None:
         if msg["op"] == "kv_cancel":
-            self.sender.cancel(layer_piece(msg["rid"], self.engine.model.span[0]))
+            cancel_layers(self.sender, msg["rid"], self.engine.model.span)
             return cancel_slices(self.sender, msg["rid"], self.engine.model_kv_shape[1])
         progress = None
         if msg.get("stream"):  # every push that streams from the coming step shares its progress

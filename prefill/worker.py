@@ -42,7 +42,7 @@ from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, ma
 from kvtransfer import spec as transport_spec
 
 from .pushes import kv_suffix, push_ended
-from .tp_kv import GroupPushes, cancel_slices, kv_spans, layer_piece, push_group, push_whole
+from .tp_kv import GroupPushes, cancel_layers, cancel_slices, kv_spans, layer_dest, push_group, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,10 @@ class PrefillWorker(WorkerLoop):
         # has no spec: model_kv_shape holds the KV heads for both engines)
         sliced = self.engine.group.size > 1 or rid in self.sending
         cancel_slices(self.sender, rid, self.engine.model_kv_shape[1] if sliced else 0)
-        if self.paged and (self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None):
-            self.sender.cancel(layer_piece(rid, 0))
-            self.group_pushes.cancel(rid)
+        if self.paged:
+            cancel_layers(self.sender, rid, getattr(self.engine.model, "span", (0, 0)))
+            if self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None:
+                self.group_pushes.cancel(rid)
 
     def handle(self, msg):
         rid = msg["rid"]
@@ -172,7 +173,7 @@ class PrefillWorker(WorkerLoop):
             return self.fail(rid, e.status, str(e))
         self.engine.add(seq)
         skip = msg.get("kv_skip")
-        self.live[rid] = [seq, msg.get("kv_dest"), queued_at, True, skip if isinstance(skip, list) else []]
+        self.live[rid] = [seq, layer_dest(msg, self.engine), queued_at, True, skip if isinstance(skip, list) else []]
 
     def tick(self):
         if not self.engine.has_work:
@@ -234,11 +235,12 @@ class PrefillWorker(WorkerLoop):
     def _grouped(self, dest) -> bool:
         """Whether every rank sends its own head slices: either side is a tensor-parallel group (the mlx engine
         gathers all heads on rank 0 instead, ``push_whole``)."""
-        return self.paged and (isinstance(dest, list) or self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None)
+        return self.paged and (isinstance(dest, (list, dict)) or self.engine.group.size > 1
+                               or getattr(self.engine, "stage", None) is not None)
 
     def _start_group_push(self, seq, dest, layout, table, computed):
         """Every rank pushes its heads (``tp_kv``); the blocks are freed once all have."""
-        dests = dest if isinstance(dest, list) else [dest]
+        dests = dest if isinstance(dest, list) else [dest]  # (a pipeline's: [{"stages": ...}])
         self.sending[seq.rid] = seq
         self.kv_from_blocks += 1
         self._count("pushing", 1)
@@ -263,7 +265,7 @@ class PrefillWorker(WorkerLoop):
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
                   kv_tp=self.engine.group.size if self.paged else 1,  # the mlx engine sends whole heads
-                  **kv_spans(self.engine))
+                  **kv_spans(self.engine, dest))
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
             if seq.finished:
                 self.reply_to.pop(rid, None)
@@ -355,5 +357,6 @@ class PrefillWorker(WorkerLoop):
 
 
 def _is_dest(dest) -> bool:
-    """A decode worker's KV address, or a decode group's (one per rank)."""
-    return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))
+    """A decode worker's KV address, a decode group's (one per rank), or a pipeline's (``{"stages": ...}``)."""
+    return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest)) \
+        or isinstance(dest, dict)

@@ -286,8 +286,9 @@ class Service:
                                 f"{decode.address}: {problem}")
         run.timing["transport"] = decode.info.get("transport")
         skip = await self._hold(decode, prefill, rid, inbox, prompt)
+        stages = {"kv_stages": decode.info["kv_stages"]} if decode.info.get("kv_stages") else {}  # a pipeline's
         await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
-                             **payload)
+                             **stages, **payload)
         return prefill
 
     async def _generate_here(self, run: RequestRun, worker, rid: str, involved: list):

@@ -38,6 +38,16 @@ def test_stage_spans_split_evenly_or_as_told_and_refuse_what_cannot_be():
         EngineConfig(pp=2, tp=2)
 
 
+def test_kv_moves_between_splits_by_the_overlap_of_their_layers():
+    from engine.pipeline.split import layer_pieces
+
+    prefill = [[0, 3], [3, 6], [6, 8]]
+    assert layer_pieces(prefill, (0, 4)) == [(0, 3), (3, 4)]  # decode stage 0 of 2: two pieces
+    assert layer_pieces(prefill, (4, 8)) == [(4, 6), (6, 8)]
+    assert layer_pieces([[0, 8]], (4, 8)) == [(4, 8)]  # from one process: its share in one piece
+    assert layer_pieces(prefill, (0, 8)) == [(0, 3), (3, 6), (6, 8)]  # into one process: each stage's layers
+
+
 @pytest.mark.parametrize("family,pp,transport", [("llama", 2, "tcp"), ("qwen3-moe", 3, "shm")])
 def test_pipeline_matches_hf_and_one_stage(tmp_path, family, pp, transport):
     path = write_family(tmp_path, family)

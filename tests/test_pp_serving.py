@@ -70,6 +70,9 @@ def test_kv_moves_by_layer_range_between_pipelines_and_single_workers(reference,
         clients = streams_of_the_reference(cluster.url, reference)
         block = clients[0].pdserve
         assert block["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)  # every layer, once
+        if decode_pp > 1:  # each decode stage took its own layers (half of them) from the prefill stages
+            assert [r["bytes"] for r in block["kv_ranks"]] == [block["kv_bytes"] // 2] * 2
+        assert block["streamed"] == (prefill_pp == 1 and decode_pp > 1)  # one process streams layer by layer
         roles = {h["role"] for h in block.get("pp_hops", [])}
         assert roles == {r for r, n in (("prefill", prefill_pp), ("decode", decode_pp)) if n > 1}
         workers = health(cluster.url)["workers"]

@@ -18,9 +18,12 @@ embedding and its layers, and sends the residual stream of the rows to stage
 micro-batch, with every earlier hop's phases in its meta). Each stage takes
 the next plan message, waits for that tag's hidden states, runs its layers
 and sends them on. Stage 0 keeps up to ``pp`` micro-batches in flight and
-lands the oldest when full: final norm, LM head, sampling. ``kv_adopt{table,
-tag}`` gives a stage its layers of a KV that came to stage 0 (a decode
-worker); ``kv_push``/``kv_cancel`` ask it to send its layers of a prompt's KV
-(a prefill worker; ``prefill.tp_kv``) and it reports back. ``stop`` ends it.
+lands the oldest when full: final norm, LM head, sampling. KV moves by layer
+range: ``kv_push``/``kv_cancel`` ask a prefill worker's stage to send its
+layers of a prompt's KV to the decode stages holding them
+(``prefill.tp_kv``); ``kv_adopt``/``kv_abort`` have a decode worker's stage
+place the layers it received itself (``decode.tp_kv``; it reports back);
+``kv_relay{table, tag}`` gives it its layers of a KV that came whole to
+stage 0 over its hop link. ``stop`` ends it.
 A stage dies with stage 0; stage 0's worker exits when a stage dies, so its
 supervisor restarts the pipeline as a unit."""

@@ -149,8 +149,9 @@ class Pipeline:
                     raise RuntimeError(f"pipeline stage {dead[0]} exited") from None
 
     def hand_out(self, engine, table: list[int], layers: list) -> list:
-        """A prompt's KV of every layer, arrived here (a decode worker): each other stage's layers go to it over
-        its hop link, with a ``kv_adopt`` on the plan ahead of any step that reads them; returns this stage's."""
+        """A prompt's KV of every layer, arrived here whole (a decode worker; from an mlx or tensor-parallel prefill,
+        which do not send by layer): each other stage's layers go to it over its hop link, with a ``kv_relay`` on
+        the plan ahead of any step that reads them; returns this stage's."""
         from kvtransfer.convert import layout_for
 
         layers = list(layers)
@@ -158,7 +159,7 @@ class Pipeline:
             first, end = self.stages.spans[stage]
             part = [(k.contiguous(), v.contiguous()) for k, v in layers[first:end]]
             tag = f"kv{next(self.tags)}"
-            self.stages.plan.send_to(stage, "kv_adopt", table=list(table), tag=tag)
+            self.stages.plan.send_to(stage, "kv_relay", table=list(table), tag=tag)
             layout = layout_for((end - first, *part[0][0].shape[1:]), part[0][0].shape[0], part[0][0].dtype)
             self.link.sender.send(self.stages.addresses[stage], tag, layout, part)
         return layers[self.span[0]:self.span[1]]

@@ -27,3 +27,15 @@ def stage_spans(num_layers: int, pp: int, layers: str | None = None) -> list[tup
         spans.append((first, first + n))
         first += n
     return spans
+
+
+def layer_pieces(sources: list, own: tuple[int, int]) -> list[tuple[int, int]]:
+    """The ranges ``[lo, hi)`` of layers in ``own`` that come from each of ``sources`` (``[first, end)`` each: the
+    sending stages' layers), in layer order: how a KV moves between pipelines of different splits."""
+    first, end = own
+    return [(max(a, first), min(b, end)) for a, b in sources if max(a, first) < min(b, end)]
+
+
+def layer_piece(rid: str, first: int) -> str:
+    """The transfer id of the layers from ``first`` on that one piece of request ``rid``'s KV carries."""
+    return f"{rid}:L{first}"

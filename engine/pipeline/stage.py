@@ -53,10 +53,10 @@ class StageRole:
                 continue
             if msg["op"] == "stop":
                 return
-            if msg["op"] == "kv_adopt":  # this stage's layers of a KV that came to stage 0
+            if msg["op"] == "kv_relay":  # this stage's layers of a KV that came whole to stage 0
                 self.adopt(engine, msg)
                 continue
-            if msg["op"].startswith("kv_") and self.kv is not None:  # this stage's part of a KV push
+            if msg["op"].startswith("kv_") and self.kv is not None:  # its part of a KV push or of a KV arriving
                 self.kv.handle(msg)
                 continue
             if msg["op"] != "step":
