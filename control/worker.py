@@ -53,10 +53,11 @@ class WorkerLoop:
     def describe(self) -> dict:
         out = {**self.info(), "draining": self.draining_since is not None, "restarts": self.restarts,
                "pid": os.getpid()}
-        group = getattr(getattr(self, "engine", None), "group", None)
-        if group is not None and group.size > 1:
+        engine = getattr(self, "engine", None)
+        group = getattr(engine, "group", None)
+        stages = getattr(getattr(engine, "stage", None), "stages", None) or getattr(engine, "pipeline", None)
+        if group is not None and group.size > 1 and stages is None:
             out.update(tp=group.size, rank_pids=[p.pid for p in group.procs.values()])
-        stages = getattr(getattr(getattr(self, "engine", None), "stage", None), "stages", None)
         if stages is not None:  # stage 0 of a pipeline: the others' processes and layers
             out.update(pp=len(stages.spans), pp_layers=[list(s) for s in stages.spans],
                        stage_pids=[p.pid for p in stages.procs.values()])

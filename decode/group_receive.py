@@ -63,17 +63,18 @@ class GroupReceive:
 
     @staticmethod
     def split(msg: dict, engine) -> dict | None:
-        """How the prefill split the KV (``tp_kv.own_pieces``), or None when this model cannot be split so."""
+        """How the prefill split the KV (``tp_kv.own_pieces``), or None when this model cannot be split so: the
+        stages' layers must cover the model's, in order."""
         from engine.parallel.heads import check_tp
 
         split = split_in(msg)
-        if "kv_pp" in split:
-            spans, layers = split["kv_pp"], engine.model_kv_shape[0]
+        spans, value = split["kv_pp"], split["kv_tp"]
+        if spans is not None:
             ok = isinstance(spans, list) and spans and all(
                 isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) and s[0] < s[1] for s in spans)
-            ok = ok and spans[0][0] == 0 and spans[-1][1] == layers and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            return split if ok else None
-        value = split["kv_tp"]
+            if not (ok and spans[0][0] == 0 and spans[-1][1] == engine.model_kv_shape[0]
+                    and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))):
+                return None
         if type(value) is not int or not 1 <= value <= 1024:
             return None
         if not getattr(engine, "paged", True):

@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.parallel.heads import kv_range, piece_id, recv_pieces
-from engine.pipeline.split import layer_piece, layer_pieces
+from engine.pipeline.split import layer_pieces
 from kvtransfer import TransferError, TransferStatus, make_receiver
 from kvtransfer import spec as transport_spec
 from kvtransfer.phases import PhaseTimes, merge_ranks
@@ -48,18 +48,24 @@ def rank_of(engine) -> int:
 
 def own_pieces(rid: str, engine, split: dict) -> list[tuple[str, dict]]:
     """``(transfer id, where it goes in the pool)`` of each of this rank's pieces of ``rid``, for a prefill that
-    split its KV as ``split`` (``{"kv_tp": n}`` or ``{"kv_pp": spans}``)."""
-    if "kv_pp" in split:
-        first, end = getattr(engine.model, "span", (0, engine.model_kv_shape[0]))
-        return [(layer_piece(rid, lo), {"span": (lo - first, hi - first)})
-                for lo, hi in layer_pieces(split["kv_pp"], (first, end))]
+    split its KV as ``split`` (``kv_tp``: its group's size; ``kv_pp``: its stages' layers, when it sent by layer
+    range): the heads this rank holds from each prefill rank, of the layers it holds from each prefill stage."""
     if getattr(engine, "paged", True):
         heads, size, rank = engine.model.spec.num_kv_heads, engine.group.size, engine.group.rank
+        span = engine.model.span
     else:  # the mlx engine receives whole heads on rank 0
-        heads, size, rank = engine.kv_shape[1], 1, 0
-    pieces = recv_pieces(heads, split["kv_tp"], size, rank)
+        heads, size, rank, span = engine.kv_shape[1], 1, 0, (0, engine.kv_shape[0])
+    pieces = recv_pieces(heads, split.get("kv_tp", 1), size, rank)
     first = kv_range(heads, size, rank)[0]
-    return [(piece_id(rid, lo, len(pieces)), {"heads": (lo - first, hi - first)}) for lo, hi in pieces]
+    layers = layer_pieces(split["kv_pp"], span) if split.get("kv_pp") is not None else [None]
+    out = []
+    for lo, hi in pieces:
+        for part in layers:
+            place = {"heads": (lo - first, hi - first)}
+            if part is not None:
+                place["span"] = (part[0] - span[0], part[1] - span[0])
+            out.append((piece_id(rid, lo, len(pieces)) + (f":L{part[0]}" if part else ""), place))
+    return out
 
 
 def piece_ids(rid: str, engine, split: dict) -> list[str]:
@@ -110,7 +116,7 @@ def write(engine, pieces: list, table: list) -> PhaseTimes:
 
 def split_in(msg: dict) -> dict:
     """How the prefill split the KV, as a ``decode``, ``kv_adopt`` or ``kv_abort`` message says (unchecked)."""
-    return {"kv_pp": msg["kv_pp"]} if msg.get("kv_pp") is not None else {"kv_tp": msg.get("kv_tp", 1)}
+    return {"kv_tp": msg.get("kv_tp", 1), "kv_pp": msg.get("kv_pp")}
 
 
 class DecodeRankKV:

@@ -109,7 +109,7 @@ class DecodeWorker(WorkerLoop):
         return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
                 "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None,
                 "kv_stages": self.group_kv.kv_stages(self.receiver.address) if self.receiver else None,
-                "tp": e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,
+                "tp": 1 if getattr(e, "pipeline", None) else e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,
                 "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
                 "kv_registrations": getattr(self.receiver, "registrations", 0),
                 "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
@@ -210,10 +210,10 @@ class DecodeWorker(WorkerLoop):
         msg = self.waiting[rid][0]
         if pp_kv.spans_of(msg) is not None and not getattr(self.engine, "paged", True):  # joined, for mlx
             return pp_kv.try_start(self, rid)
-        if getattr(self.engine, "stage", None) is not None and msg.get("kv_tp", 1) != 1:
+        if getattr(self.engine, "stage", None) is not None and msg.get("kv_tp", 1) != 1 and msg.get("kv_pp") is None:
             self.waiting.pop(rid)
-            return self.fail(rid, 400, "KV from a tensor-parallel prefill into a pipelined decode worker is not "
-                                       "supported yet")
+            return self.fail(rid, 400, "a tensor-parallel prefill sends a pipelined decode worker its KV by layer "
+                                       "range (kv_pp; it takes the stages from kv_stages): this one did not")
         if GroupReceive.sliced(msg, self.engine):
             return self.group_kv.try_start(rid)
         status = self.receiver.poll(rid)

@@ -75,8 +75,6 @@ class EngineConfig:
         if self.pp > 1 and self.kv_cache_dtype != "auto":
             raise ValueError("--pp with an FP8 KV cache is not supported yet (each stage would need its layers' "
                              "scales on the wire)")
-        if self.pp > 1 and self.engine == "mlx":
-            raise ValueError("--pp runs on the torch engine (the mlx engine has no pipeline stages yet)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} not in {LOAD_FORMATS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -58,7 +58,7 @@ class MlxEngine:
 
         self._batch_cache, self._cache = BatchKVCache, KVCache
         self.cfg = cfg
-        if group is None and cfg.tp > 1:
+        if group is None and (cfg.tp > 1 or cfg.pp > 1):
             import dataclasses
 
             from .parallel.launch import start_group
@@ -79,7 +79,13 @@ class MlxEngine:
         self.kv_dtype, self.kv_scales = self.dtype, None  # the caches keep the model's dtype (see load_mlx)
         self.kv_shape = (len(self.model.layers), int(heads), int(head_dim))  # whole heads: what rank 0 sends
         self.model_kv_shape = self.kv_shape
-        if self.group.size > 1:
+        self.pipeline = None
+        if self.group.size > 1 and cfg.pp > 1:
+            from .pipeline.mlx_stages import MlxStages
+
+            self.pipeline = MlxStages(self.model, self.group, cfg.pp_layers, self.plan,
+                                      plan_in.report if plan_in is not None else None)
+        elif self.group.size > 1:
             from .parallel.mlx_group import check
 
             check(self.model, self.group.size)
@@ -136,7 +142,7 @@ class MlxEngine:
         heads: with ``--tp`` each rank keeps its own)."""
         mx, caches = self.mx, []
         if self.group.size > 1 and self.plan_in is None:
-            layers = self._share_heads(seq, layers)
+            layers = self._share(seq, layers)
         for k, v in layers:
             cache = self._cache()
             cache.keys, cache.values = (self._to_mx(t) for t in (k, v))
@@ -159,20 +165,25 @@ class MlxEngine:
                 else self.mx.array(t.numpy())
         return t.astype(self.mx_dtype)
 
-    def _share_heads(self, seq, layers) -> list:
-        """(Rank 0) Send every other rank its heads of this KV with the sequence (``mlx_prefilled``); keep ours."""
+    def _share(self, seq, layers) -> list:
+        """(Rank 0) Send every other rank its heads (its layers, in a pipeline) of this KV with the sequence
+        (``mlx_prefilled``); keep ours."""
         from .parallel.mlx_group import heads_slice
 
         mx, size = self.mx, self.group.size
         full = [tuple(self._canonical(t) for t in kv) for kv in layers]
         wire = mx.uint16 if self.mx_dtype in (mx.bfloat16, mx.float16) else mx.uint32
+        if self.pipeline is not None:
+            shares = self.pipeline.share(full)
+        else:
+            shares = [[[heads_slice(a, rank, size) for a in kv] for kv in full] for rank in range(size)]
         for rank in range(1, size):
-            parts = [[heads_slice(a, rank, size) for a in kv] for kv in full]
+            parts = shares[rank]
             mx.eval(parts)
             self.plan.send_to(rank, "mlx_prefilled", rid=seq.rid, prompt_ids=list(seq.prompt_ids),
                               output_ids=list(seq.output_ids), shape=list(parts[0][0].shape),
                               layers=[[np.array(a.view(wire)).tobytes() for a in kv] for kv in parts])
-        return [tuple(heads_slice(a, 0, size) for a in kv) for kv in full]
+        return shares[0]
 
     def follow(self, msg: dict) -> None:
         """(A follower rank) Replay one of rank 0's operations (see the module docstring)."""
@@ -249,12 +260,12 @@ class MlxEngine:
         chunk = min(seq.num_tokens - seq.num_computed, self.budget)
         seq.scheduled_at = seq.scheduled_at or time.perf_counter()
         ids = mx.array([seq.tokens(seq.num_computed, seq.num_computed + chunk)])
-        logits = self.model(ids, cache=caches)[:, -1, :]
+        logits = self._forward(ids, caches, [seq])[:, -1, :]
         seq.num_computed += chunk
         out.scheduled.append(seq)
         out.batch_tokens += chunk
         if seq.num_computed < seq.num_tokens:
-            mx.eval([c.keys for c in caches])
+            mx.eval([logits] + [c.keys for c in caches])  # (in a pipeline the forward runs on every rank)
             return
         self.waiting.popleft()
         choice = self._pick(logits, [seq])[0]
@@ -268,7 +279,7 @@ class MlxEngine:
 
     def _decode(self, out: StepOutput) -> None:
         ids = self.mx.array([[s.output_ids[-1]] for s in self.running])
-        logits = self.model(ids, cache=self.batch)[:, -1, :]
+        logits = self._forward(ids, self.batch, self.running)[:, -1, :]
         for s in self.running:
             s.num_computed += 1
         choices = self._pick(logits, self.running)
@@ -280,6 +291,19 @@ class MlxEngine:
         for seq in running:
             if self._finished(seq):
                 self._drop(seq)
+
+    def _forward(self, ids, caches, seqs):
+        """The model's logits (lazy); in a pipeline (``--pp``) the stages' forward, its hops added to ``seqs``."""
+        if self.pipeline is None:
+            return self.model(ids, cache=caches)
+        logits = self.pipeline.forward(ids, caches)
+        if self.plan_in is None:
+            from .pipeline.driver import add_hops
+
+            for seq in seqs:
+                seq.pp_hops = seq.pp_hops or []
+                add_hops(seq.pp_hops, self.pipeline.last)
+        return logits
 
     def _pick(self, logits, seqs) -> list:
         """The next tokens: chosen here, or (a follower) rank 0's."""
@@ -331,7 +355,9 @@ class MlxEngine:
         self._tell("mlx_gather", rid=seq.rid, skip=skip_tokens)
         mx, n = self.mx, len(seq.prompt_ids)
         heads = [(c.keys[0, :, skip_tokens:n, :], c.values[0, :, skip_tokens:n, :]) for c in self.caches[seq.rid]]
-        if self.group.size > 1:  # every rank's heads, in rank order
+        if self.pipeline is not None:  # every rank's layers, in layer order
+            heads = self.pipeline.gather(heads)
+        elif self.group.size > 1:  # every rank's heads, in rank order
             heads = [tuple(mx.distributed.all_gather(a, group=self.group.group) for a in kv) for kv in heads]
         out = [tuple(mx.contiguous(a.transpose(1, 0, 2)) for a in kv) for kv in heads]
         mx.eval(out)

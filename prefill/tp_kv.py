@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.parallel.heads import kv_range, piece_id, recv_pieces, send_pieces
-from engine.pipeline.split import layer_piece, layer_pieces
+from engine.pipeline.split import layer_pieces
 from engine.progress import LayerProgress, ShiftedGate, StepFailed
 from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
 from kvtransfer import spec as transport_spec
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def kv_spans(engine, dest) -> dict:
-    """``{"kv_pp": [[first, end], ...]}``: the layers each stage of this pipeline sends (``[[0, layers]]`` from one
-    process that sends by layer range; nothing otherwise), for the ``first`` message, so the decode worker knows
+    """``{"kv_pp": [[first, end], ...]}``: the layers each stage of this pipeline sends (``[[0, layers]]`` from a
+    worker without stages that sends by layer range, to a pipeline; nothing otherwise), for the ``first`` message, so the decode worker knows
     which pieces to wait for."""
     stages = getattr(getattr(engine, "stage", None), "stages", None)
     if stages is not None:
@@ -44,88 +44,53 @@ def kv_spans(engine, dest) -> dict:
 
 def layer_dest(msg: dict, engine):
     """Where a prompt's KV goes: the ``kv_dest`` of the message, or, when the decode worker is a pipeline
-    (``kv_stages``) and this worker can send by layer range (paged, one rank), ``{"stages": kv_stages}``."""
+    (``kv_stages``) and this worker can send by layer range (a paged pool), ``{"stages": kv_stages}``."""
     stages = msg.get("kv_stages")
     ok = isinstance(stages, list) and stages and all(
         isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
         for s in stages)
-    if ok and getattr(engine, "paged", True) and engine.group.size == 1:
-        return {"stages": stages}
-    return msg.get("kv_dest")
+    return {"stages": stages} if ok and getattr(engine, "paged", True) else msg.get("kv_dest")
 
 
-def push_layers(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
-                timeout_s: float = 60.0) -> PhaseTimes:
-    """This process's layers of the KV in ``table`` (a pipeline stage's, or all), straight from its pool: each
-    decode stage (``{"stages": [[first, end, address], ...]}``) gets the ones it holds, a one-process decode
-    worker all of them; phases summed over the pieces."""
-    layers = engine.model_kv_shape[0]
-    own = getattr(engine.model, "span", (0, layers))
+def targets(engine, dests: list) -> tuple[list, bool]:
+    """``([(layers [first, end), rank, ranks, address)], by layer)``: the decode side as this rank sees it (a
+    pipeline's stages, each one rank; or a group's ranks, each every layer), and whether pieces go by layer range
+    (either side is a pipeline)."""
     if isinstance(dests[0], dict):
-        targets = dests[0]["stages"]
-    elif len(dests) == 1:
-        targets = [[0, layers, dests[0]]]
-    else:
-        raise TransferError("KV from a pipeline goes to a decode worker of one rank (--tp 1) so far")
-    layout = layout_for(engine.kv_shape, tokens, engine.kv_dtype, engine.kv_scales)
-    pieces = engine.pieces(table, tokens) if sender.takes_pieces(engine.device) else None
-    total, gathered = PhaseTimes(), None
-    for (lo, hi), address in _overlaps(targets, own):
-        part = dataclasses.replace(layout, num_layers=hi - lo)
-        a, b = lo - own[0], hi - own[0]
-        if pieces is not None:
-            kv = PiecewiseKV(part, pieces[a:b], gate=ShiftedGate(progress, a) if progress is not None else None)
-        else:
-            if gathered is None:
-                if progress is not None:
-                    progress.wait_computed(timeout_s)
-                gathered = engine.pool.gather(table, tokens)
-            kv = gathered[a:b]
-        phases = sender.send(address, layer_piece(rid, lo), part, kv)
-        for name in (*PHASES, "bytes"):
-            setattr(total, name, getattr(total, name) + getattr(phases, name))
-    return total
-
-
-def _overlaps(targets: list, own: tuple) -> list:
-    """``((lo, hi), address)`` of each decode stage's share of the layers ``own``."""
-    out = []
-    for first, end, address in targets:
-        out += [(piece, address) for piece in layer_pieces([own], (first, end))]
-    return out
-
-
-def cancel_layers(sender, rid: str, span: tuple) -> None:
-    """Stop every layer-range transfer of ``rid`` from the layers ``span`` holds."""
-    for lo in range(*span):
-        sender.cancel(layer_piece(rid, lo))
+        return [((first, end), 0, 1, address) for first, end, address in dests[0]["stages"]], True
+    layers = engine.model_kv_shape[0]
+    return [((0, layers), j, len(dests), d) for j, d in enumerate(dests)], getattr(engine, "stage", None) is not None
 
 
 def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int, progress=None,
                 timeout_s: float = 60.0) -> PhaseTimes:
-    """Send this rank's slices of the KV in ``table`` to the decode ranks at ``dests``; phases summed over them
-    (a pipeline stage: its layers, ``push_layers``)."""
-    if getattr(engine, "stage", None) is not None or isinstance(dests[0], dict):
-        return push_layers(engine, sender, rid, dests, table, tokens, progress, timeout_s)
+    """Send this rank's pieces of the KV in ``table`` to the decode side at ``dests``: the heads each decode rank
+    holds (``heads.send_pieces``) of the layers each holds (``split.layer_pieces``), each piece a transfer of its
+    own, from the pool blocks as they are when it is all of this rank's heads; phases summed over them."""
     spec, group = engine.model.spec, engine.group
-    heads, b = spec.num_kv_heads, len(dests)
+    heads, span = spec.num_kv_heads, engine.model.span
     own = kv_range(heads, group.size, group.rank)[0]
-    total = PhaseTimes()
-    for dst, lo, hi in send_pieces(heads, group.size, group.rank, b):
-        layout = layout_for((spec.num_layers, hi - lo, spec.head_dim), tokens, engine.kv_dtype, engine.kv_scales)
-        tid = piece_id(rid, lo, len(recv_pieces(heads, group.size, b, dst)))
-        whole = (lo - own, hi - own) == (0, engine.heads.kv_heads)
-        if whole and sender.takes_pieces(engine.device):
-            kv = PiecewiseKV(layout, engine.pieces(table, tokens), gate=progress)
-        else:
-            if progress is not None:
-                progress.wait_computed(timeout_s)
-            start = time.perf_counter()
-            kv = engine.pool.gather(table, tokens, heads=(lo - own, hi - own))
-            total.d2h += (time.perf_counter() - start) * 1e3
-        phases = sender.send(dests[dst], tid, layout, kv)
-        for name in (*PHASES, "bytes"):
-            setattr(total, name, getattr(total, name) + getattr(phases, name))
+    decode, layered = targets(engine, dests)
+    total, pieces = PhaseTimes(), None
+    for (first, end), j, ranks, address in decode:
+        n = len(recv_pieces(heads, group.size, ranks, j))
+        for dst, lo, hi in send_pieces(heads, group.size, group.rank, ranks):
+            for l0, l1 in (layer_pieces([span], (first, end)) if layered else [span]) if dst == j else ():
+                tid = piece_id(rid, lo, n) + (f":L{l0}" if layered else "")
+                layout = layout_for((l1 - l0, hi - lo, spec.head_dim), tokens, engine.kv_dtype, engine.kv_scales)
+                a, b = l0 - span[0], l1 - span[0]
+                if (lo - own, hi - own) == (0, engine.heads.kv_heads) and sender.takes_pieces(engine.device):
+                    pieces = pieces or engine.pieces(table, tokens)
+                    kv = PiecewiseKV(layout, pieces[a:b], gate=ShiftedGate(progress, a) if progress else None)
+                else:
+                    if progress is not None:
+                        progress.wait_computed(timeout_s)
+                    began = time.perf_counter()
+                    kv = engine.pool.gather(table, tokens, heads=(lo - own, hi - own))[a:b]
+                    total.d2h += (time.perf_counter() - began) * 1e3
+                phases = sender.send(address, tid, layout, kv)
+                for name in (*PHASES, "bytes"):
+                    setattr(total, name, getattr(total, name) + getattr(phases, name))
     return total
 
 
@@ -154,11 +119,13 @@ def _heads_of(t, lo: int, hi: int):
     return part
 
 
-def cancel_slices(sender, rid: str, heads: int) -> None:
-    """Stop every transfer of ``rid``: the whole KV and each slice (a model of ``heads`` KV heads)."""
-    sender.cancel(rid)
-    for lo in range(heads):
-        sender.cancel(piece_id(rid, lo, 2))
+def cancel_slices(sender, rid: str, heads: int, span: tuple = (0, 0)) -> None:
+    """Stop every transfer of ``rid``: the whole KV, each slice (a model of ``heads`` KV heads), each of those by
+    layer range from the layers ``span``."""
+    for base in [rid] + [piece_id(rid, lo, 2) for lo in range(heads)]:
+        sender.cancel(base)
+        for first in range(*span):
+            sender.cancel(f"{base}:L{first}")
 
 
 class GroupPushes:
@@ -260,8 +227,7 @@ class PrefillRankKV:
 
     def handle(self, msg: dict) -> None:
         if msg["op"] == "kv_cancel":
-            cancel_layers(self.sender, msg["rid"], self.engine.model.span)
-            return cancel_slices(self.sender, msg["rid"], self.engine.model_kv_shape[1])
+            return cancel_slices(self.sender, msg["rid"], self.engine.model_kv_shape[1], self.engine.model.span)
         progress = None
         if msg.get("stream"):  # every push that streams from the coming step shares its progress
             progress = self.pending = self.pending or LayerProgress(self.engine.kv_shape[0], self.engine.device)

@@ -42,7 +42,7 @@ from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, ma
 from kvtransfer import spec as transport_spec
 
 from .pushes import kv_suffix, push_ended
-from .tp_kv import GroupPushes, cancel_layers, cancel_slices, kv_spans, layer_dest, push_group, push_whole
+from .tp_kv import GroupPushes, cancel_slices, kv_spans, layer_dest, push_group, push_whole
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,10 @@ class PrefillWorker(WorkerLoop):
         # a push to a decode worker that is gone or cut off would wait out its timeout (the mlx engine's model
         # has no spec: model_kv_shape holds the KV heads for both engines)
         sliced = self.engine.group.size > 1 or rid in self.sending
-        cancel_slices(self.sender, rid, self.engine.model_kv_shape[1] if sliced else 0)
-        if self.paged:
-            cancel_layers(self.sender, rid, getattr(self.engine.model, "span", (0, 0)))
-            if self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None:
-                self.group_pushes.cancel(rid)
+        cancel_slices(self.sender, rid, self.engine.model_kv_shape[1] if sliced else 0,
+                      self.engine.model.span if self.paged else (0, 0))
+        if self.paged and (self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None):
+            self.group_pushes.cancel(rid)
 
     def handle(self, msg):
         rid = msg["rid"]

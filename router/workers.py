@@ -232,9 +232,4 @@ def pair_mismatch(prefill: dict, decode: dict) -> str | None:
     if pg and dg and list(pg) != list(dg):
         return (f"their KV shapes differ (layers, KV heads, head size {pg} and {dg}): the same --model on both, "
                 "any --tp and --dtype")
-    if (prefill.get("pp") or 1) > 1 and (decode.get("tp") or 1) > 1:
-        return ("a pipelined prefill worker sends its layers to a decode worker of one rank: --decode-tp 1 (or "
-                "--prefill-pp 1)")
-    if (decode.get("pp") or 1) > 1 and (prefill.get("tp") or 1) > 1:
-        return "a pipelined decode worker takes KV from a prefill worker of one rank: --prefill-tp 1 (or --decode-pp 1)"
     return None

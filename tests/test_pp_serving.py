@@ -82,6 +82,20 @@ def test_kv_moves_by_layer_range_between_pipelines_and_single_workers(reference,
         cluster.stop()
 
 
+@pytest.mark.parametrize("transport,prefill,decode", [("tcp", "pp", "tp"), ("shm", "tp", "pp")], ids=str)
+def test_kv_moves_between_a_pipeline_and_a_tensor_parallel_group(reference, transport, prefill, decode):  # noqa: F811
+    cluster = Cluster(f"--prefill-{prefill}", "2", f"--decode-{decode}", "2", "--transport", transport)
+    try:
+        cluster.wait_ready()
+        block = streams_of_the_reference(cluster.url, reference)[0].pdserve
+        assert block["kv_bytes"] == 2 * 4 * 2 * 16 * 4 * (len(PROMPTS[0]) + 1)  # every layer and head, once
+        # two decode ranks (each one KV head of every layer) or two decode stages (each both heads of two layers)
+        assert [r["bytes"] for r in block["kv_ranks"]] == [block["kv_bytes"] // 2] * 2
+        assert eventually(lambda: all_back(cluster.url), 30, 0.5)
+    finally:
+        cluster.stop()
+
+
 def test_up_places_the_stages_with_the_placement_plan(reference):  # noqa: F811
     cluster = Cluster("--colocated", "--pp-nodes", "small:2.5,big:8", "--max-model-len", "512",
                       "--max-num-seqs", "4").wait_ready()
@@ -99,12 +113,3 @@ def test_a_mixed_worker_with_a_pipeline_is_a_clear_error():
 
     with pytest.raises(ValueError, match="--pp 1"):
         MixedWorker(EngineConfig(pp=2))
-
-
-def test_a_pipeline_and_a_tensor_parallel_group_are_not_paired():
-    from router.workers import pair_mismatch
-
-    base = {"model": "m", "kv_geometry": [4, 2, 16]}
-    assert pair_mismatch({**base, "pp": 2}, {**base, "pp": 3}) is None
-    assert "--decode-tp 1" in pair_mismatch({**base, "pp": 2}, {**base, "tp": 2})
-    assert "--prefill-tp 1" in pair_mismatch({**base, "tp": 2}, {**base, "pp": 2})

@@ -60,28 +60,30 @@ def free_port() -> int:
 
 
 def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
-    """Rank 0 of a group of ``cfg.tp`` on ``device`` (``loader.rank_device`` of rank 0); blocks until all joined.
+    """Rank 0 of a group of ``cfg.tp`` (the mlx engine: ``cfg.pp``, its pipeline's stages) on ``device``
+    (``loader.rank_device`` of rank 0); blocks until all joined.
     ``kv``: ``(module:Class, environment)``: what the followers build to do their KV work (``follower.follow``)
     and the variables it reads (a transport's config, with the cluster token, stays off the command line)."""
     check_fits(cfg)
     from ..factory import engine_kind
 
     mlx = engine_kind(cfg) == "mlx"
+    size = cfg.tp * (cfg.pp if mlx else 1)  # the mlx engine's pipeline stages are ranks of its group too
     if mlx:
         from .mlx_group import hostfile
 
-        init = hostfile(cfg.tp)
+        init = hostfile(size)
     else:
         init = f"tcp://127.0.0.1:{free_port()}"
-    plan = PlanSender(cfg.tp - 1)
+    plan = PlanSender(size - 1)
     config = json.dumps(dataclasses.asdict(cfg))
     procs = {}
-    for rank in range(1, cfg.tp):
-        cmd = [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank), "--size", str(cfg.tp),
+    for rank in range(1, size):
+        cmd = [sys.executable, "-m", "engine.parallel.follower", "--rank", str(rank), "--size", str(size),
                "--init", init, "--plan", plan.addresses[rank - 1], "--reports", plan.report_address,
                "--config", config, "--parent", str(os.getpid())] + (["--kv", kv[0]] if kv else [])
         procs[rank] = subprocess.Popen(cmd, env={**os.environ, **(kv[1] if kv else {})})
-    group = TPGroup(cfg.tp, 0, None, plan)
+    group = TPGroup(size, 0, None, plan)
     group.procs = procs
     group.on_lost = _default_lost
     threading.Thread(target=_watch, args=(group,), name="tp-watch", daemon=True).start()
@@ -92,7 +94,7 @@ def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
         os.unlink(init)  # the ring is formed: every rank has read it
     else:
         group.group = join(cfg.tp, 0, init, device).group
-    log.info("tensor-parallel group of %d ranks up (ranks 1..%d: pids %s)", cfg.tp, cfg.tp - 1,
+    log.info("group of %d ranks up (ranks 1..%d: pids %s)", size, size - 1,
              [p.pid for p in procs.values()])
     return group
 

@@ -48,6 +48,7 @@ class PlanSender:
         self.reports.bind("tcp://127.0.0.1:*")
         self.report_address = self.reports.getsockopt_string(zmq.LAST_ENDPOINT)
         self._on_report, self._early = None, []
+        self.by_kind: dict = {}  # reports of these kinds go to their own handler (e.g. an mlx pipeline's hops)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._read_reports, name="tp-reports", daemon=True).start()
@@ -83,6 +84,9 @@ class PlanSender:
         while not self._stop.is_set():
             if self.reports.poll(200):
                 msg = _unpack(self.reports.recv())
+                if msg.get("kind") in self.by_kind:
+                    self.by_kind[msg["kind"]](msg)
+                    continue
                 with self._lock:
                     handler = self._on_report
                     if handler is None:

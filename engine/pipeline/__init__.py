@@ -1,4 +1,5 @@
-"""Pipeline parallelism: a model's layers split into ``pp`` contiguous ranges (stages), one process each.
+"""Pipeline parallelism: a model's layers split into ``pp`` contiguous ranges (stages), one process each (the torch
+engine's, below; the mlx engine's stages are ranks of its mx.distributed group: ``mlx_stages``).
 
 Protocol. The worker process is stage 0 (``driver.Pipeline``): it owns the
 scheduler, the block manager, the router connection, the embedding, the

@@ -1,0 +1,109 @@
+"""Pipeline parallelism on the MLX engine: each rank of its ``mx.distributed`` group holds a range of the layers.
+
+The ranks are the group ``--tp`` uses (``parallel.mlx_group``: a ring over
+TCP, JACCL over Thunderbolt with ``PDSERVE_MLX_TP_BACKEND=jaccl``) and
+replay rank 0's engine operations the same way (``MlxEngine.follow``), so
+every forward runs on every rank with the same inputs. Each rank keeps its
+layers of mlx-lm's model (``split.stage_spans``; the others are dropped)
+and a cache per layer it holds. In a forward rank 0 embeds the tokens and
+runs its layers, then sends the hidden states to rank 1
+(``mx.distributed.send``); rank r receives them from r-1, runs its layers
+and sends them on; the last rank applies the final norm and sends them back
+to rank 0, which applies the LM head. A stage's output is evaluated before
+its send, and the send evaluated alone: that time is the hop's ``wire``
+phase (no copies: MLX sends its arrays' memory), and each follower reports
+its hop (``{kind: hop, step, hop, wire, bytes}``); rank 0 collects every
+hop of a step before it returns, so each sequence's ``pp_hops`` has every
+hop of every step it was in. One forward is in the pipeline at a time: the
+stages hold a model that one Mac cannot, they do not overlap micro-batches
+(the torch engine's pipeline does).
+
+KV leaves and enters through rank 0: ``gather`` collects every rank's
+layers of a prompt (an all-gather of each rank's layers, padded to the
+largest range), ``share`` hands each rank its layers of a KV that arrived."""
+from __future__ import annotations
+
+import queue
+import time
+
+from .driver import add_hops
+from .split import stage_spans
+
+
+class MlxStages:
+    def __init__(self, model, group, spans_of: str | None, plan=None, report=None):
+        """``group``: this rank's ``TPGroup`` (its ``group`` the mx group); ``plan``: rank 0's plan (where the
+        hops are reported); ``report``: a follower's way to report them."""
+        import mlx.core as mx
+
+        self.mx, self.model, self.group = mx, model, group
+        inner = model.model
+        for name in ("embed_tokens", "layers", "norm"):
+            if not hasattr(inner, name):
+                raise ValueError(f"--pp on the mlx engine needs a model with embed_tokens, layers and norm "
+                                 f"(mlx-lm's {type(model).__module__.rsplit('.', 1)[-1]} has no {name})")
+        self.spans = stage_spans(len(inner.layers), group.size, spans_of)
+        self.rank, self.size = group.rank, group.size
+        self.span = self.spans[self.rank]
+        inner.layers = inner.layers[self.span[0]:self.span[1]]  # the other layers' weights are freed
+        self.norm = inner.norm
+        if self.rank != self.size - 1:
+            inner.norm = lambda h: h  # the last stage applies it
+        mx.eval(model.parameters())
+        self.hidden = self.norm.weight.shape[0]
+        self.steps = 0
+        self.hops: queue.Queue = queue.Queue()
+        self.hop_totals: list[dict] = []  # per hop: phases summed over every step (bench)
+        self.procs, self.report, self.last = getattr(group, "procs", {}), report, []
+        if plan is not None:
+            plan.by_kind["hop"] = self.hops.put
+
+    def forward(self, ids, caches):
+        """Logits on rank 0 (lazy), the evaluated stage output elsewhere; on rank 0 ``last`` holds the step's hops
+        (per hop, in order: ``wire`` ms and ``bytes``)."""
+        mx, g = self.mx, self.group.group
+        self.steps += 1
+        inner = self.model.model
+        if self.rank == 0:
+            h = inner(ids, cache=caches)
+        else:
+            x = mx.distributed.recv((*ids.shape, self.hidden), self.norm.weight.dtype, self.rank - 1, group=g)
+            h = inner(None, cache=caches, input_embeddings=x)
+        mx.eval(h)
+        began = time.perf_counter()
+        mx.eval(mx.distributed.send(h, (self.rank + 1) % self.size, group=g))
+        hop = {"wire": (time.perf_counter() - began) * 1e3, "bytes": h.nbytes}
+        if self.rank != 0:
+            self.report(kind="hop", step=self.steps, rank=self.rank, **hop)
+            return h
+        out = mx.distributed.recv_like(h, self.size - 1, group=g)
+        mx.eval(out)
+        self.last = [hop] + self._reports(self.steps)
+        add_hops(self.hop_totals, self.last)
+        head = getattr(self.model, "lm_head", None)
+        return head(out) if head is not None else inner.embed_tokens.as_linear(out)
+
+    def _reports(self, step: int, timeout_s: float = 30.0) -> list[dict]:
+        """The other stages' hops of ``step`` (each reported right after its send, before rank 0's receive ended)."""
+        got = {}
+        while len(got) < self.size - 1:
+            msg = self.hops.get(timeout=timeout_s)
+            if msg["step"] == step:
+                got[msg["rank"]] = {"wire": msg["wire"], "bytes": msg["bytes"]}
+        return [got[r] for r in range(1, self.size)]
+
+    def gather(self, layers: list) -> list:
+        """(Every rank) Every rank's ``(k, v)`` layers, in layer order, on every rank."""
+        mx = self.mx
+        most = max(end - first for first, end in self.spans)
+        out = []
+        for i in range(2):
+            mine = mx.stack([kv[i] for kv in layers])
+            pad = mx.zeros((most - mine.shape[0], *mine.shape[1:]), mine.dtype)
+            every = mx.distributed.all_gather(mx.concatenate([mine, pad])[None], group=self.group.group)
+            out.append([every[r, j] for r, (first, end) in enumerate(self.spans) for j in range(end - first)])
+        return list(zip(*out))
+
+    def share(self, full: list) -> list:
+        """(Rank 0) Each rank's layers of a whole KV, by rank."""
+        return [full[first:end] for first, end in self.spans]
