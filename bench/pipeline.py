@@ -1,5 +1,5 @@
 """``pdserve bench pipeline``: one device against two pipeline stages (``--pp 2``) against two tensor-parallel ranks
-(``--tp 2``), in one run, on the CPU, the processes talking over a link of a given rate.
+(``--tp 2``), in one run, on the CPU (or GPUs: ``--device``), the processes talking over a link of a given rate.
 
 ``--link lo:RATE`` (root, iproute2) runs the whole benchmark inside a network namespace made for it whose loopback
 is shaped with ``tc tbf`` to RATE (``10gbit``, ``1gbit``): every byte between the processes (a pipeline's hidden
@@ -35,6 +35,9 @@ def add_arguments(p):
     p.add_argument("--layouts", default="single,pp2,tp2")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="tokens a step takes at most: a prompt "
                    "longer goes in chunks (which a pipeline overlaps)")
+    p.add_argument("--device", default="cpu", help="cpu, or GPUs for the stages (cuda:0,cuda:1; cuda:0,cuda:0 shares "
+                   "one: a check of the CUDA path, not a speed-up); one device runs the first")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="bench/out/pipeline")
 
 
@@ -43,7 +46,8 @@ def layout_config(args, layout: str):
 
     dummy = "auto" if os.path.isdir(args.model) else "dummy"
     parallel = {"single": {}, "pp2": {"pp": 2, "pp_transport": args.pp_transport}, "tp2": {"tp": 2}}[layout]
-    return EngineConfig(model=args.model, load_format=dummy, dtype="float32", device="cpu", warmup=False,
+    device = args.device if layout != "single" else args.device.split(",")[0]
+    return EngineConfig(model=args.model, load_format=dummy, dtype=args.dtype, device=device, warmup=False,
                         threads=2 if layout == "single" else 1, max_num_seqs=max(args.batch, 8),
                         max_batched_tokens=args.max_batched_tokens, **parallel)
 
@@ -72,7 +76,7 @@ def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng) -> tuple[
         engine.free(s)
     while engine.has_work:
         engine.step()
-    return {"tok_per_s": made / elapsed}, before
+    return {"tok_per_s": made / elapsed, "outputs": [list(s.output_ids) for s in seqs]}, before
 
 
 def hop_rates(engine, before: list) -> list:
@@ -106,6 +110,25 @@ def prefill_ms(engine, length: int, rng) -> float:
     return took
 
 
+def prompt_logprobs(engine, length: int = 96) -> list:
+    """The logprob of each token of a fixed prompt given the ones before (teacher-forced: no sampling in the way),
+    to compare layouts within the dtype's noise."""
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    rng = random.Random(1)
+    seq = Sequence.create("bench-logprobs", [rng.randrange(3, 250) for _ in range(length)],
+                          SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), engine.tokenizer,
+                          engine.max_len)
+    engine.add(seq)
+    while not seq.output_ids:
+        engine.step()
+    engine.free(seq)
+    while engine.has_work:
+        engine.step()
+    return [e[0] for e in seq.prompt_logprob_list if e]
+
+
 def measure(args, layout: str) -> dict:
     from engine.engine import Engine
 
@@ -113,10 +136,12 @@ def measure(args, layout: str) -> dict:
     spec, rng = engine.model.spec, random.Random(0)
     try:
         prefill_ms(engine, 16, rng)  # first-use costs
-        row = {"layout": layout, "prefill_ms": prefill_ms(engine, args.prefill_len, rng), "decode": []}
+        row = {"layout": layout, "prefill_ms": prefill_ms(engine, args.prefill_len, rng), "decode": [],
+               "prompt_logprobs": prompt_logprobs(engine)}
         for batch in (1, args.batch):
             d, before = decode_steps(engine, batch, args.prompt_len, args.decode_steps, rng)
-            entry = {"batch": batch, "tok_per_s": d["tok_per_s"], "token_ms": 1e3 * batch / d["tok_per_s"]}
+            entry = {"batch": batch, "tok_per_s": d["tok_per_s"], "token_ms": 1e3 * batch / d["tok_per_s"],
+                     "outputs": d["outputs"]}
             if layout == "pp2":
                 entry["hops"] = hop_rates(engine, before)
             if layout == "tp2":
@@ -154,11 +179,17 @@ def run(args) -> int:
         d = rows[-1]["decode"]
         print(f"{layout:6} prefill {args.prefill_len}: {rows[-1]['prefill_ms']:8.1f} ms; decode "
               + ", ".join(f"bs{e['batch']} {e['tok_per_s']:.1f} tok/s" for e in d), file=sys.stderr)
-    md = [f"Link: {args.link}; model {args.model} (fp32, CPU, 2 cores in all); hidden states over "
-          f"{args.pp_transport}; prompts in chunks of {args.max_batched_tokens or 'up to 2048'} tokens.", "", "| layout | prefill ms | decode bs1 tok/s | decode bs"
-          f"{args.batch} tok/s |", "|---|---|---|---|"]
+    where = "CPU, 2 cores in all" if args.device == "cpu" else args.device
+    md = [f"Link: {args.link}; model {args.model} ({args.dtype}, {where}); hidden states over "
+          f"{args.pp_transport}; prompts in chunks of {args.max_batched_tokens or 'the default'} tokens. Greedy tokens "
+          f"equal to the first layout's: the share of the decode steps' tokens, at batch 1 and {args.batch} (random weights: "
+          f"near-flat logits, so a tie broken by the dtype's noise sends a sequence elsewhere); the prompt's logprobs, "
+          f"teacher-forced, against the first layout's: the largest difference.", "",
+          f"| layout | prefill ms | decode bs1 tok/s | decode bs{args.batch} tok/s | same tokens | "
+          "prompt logprobs off: most / mean |", "|---|---|---|---|---|---|"]
     md += [f"| {r['layout']} | {r['prefill_ms']:.1f} | {r['decode'][0]['tok_per_s']:.1f} | "
-           f"{r['decode'][1]['tok_per_s']:.1f} |" for r in rows]
+           f"{r['decode'][1]['tok_per_s']:.1f} | {agreement(rows[0], r):.3f} | "
+           f"{off(rows[0], r, max):.2e} / {off(rows[0], r, mean):.2e} |" for r in rows]
     hops = [(r["layout"], e) for r in rows for e in r["decode"] if e.get("hops")]
     if hops:
         md += ["", "| pipeline hop | batch | d2h ms | serialize ms | wire ms | deserialize ms | total ms | bytes |",
@@ -172,3 +203,22 @@ def run(args) -> int:
         f.write(f"`{command_line('pipeline')}`\n\n" + "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
+
+
+def agreement(first: dict, row: dict) -> float:
+    """The share of greedy tokens of ``row``'s decode runs equal to ``first``'s (same prompts: one seeded rng)."""
+    same = total = 0
+    for a, b in zip(first["decode"], row["decode"]):
+        for x, y in zip(a["outputs"], b["outputs"]):
+            same += sum(p == q for p, q in zip(x, y))  # (a pipeline lands fewer tokens in as many steps)
+            total += min(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def off(first: dict, row: dict, how) -> float:
+    """``how`` (max, mean) of the differences between two layouts' teacher-forced prompt logprobs."""
+    return how([abs(a - b) for a, b in zip(first["prompt_logprobs"], row["prompt_logprobs"])])
+
+
+def mean(values: list) -> float:
+    return sum(values) / len(values)

@@ -60,7 +60,8 @@ class WorkerLoop:
             out.update(tp=group.size, rank_pids=[p.pid for p in group.procs.values()])
         if stages is not None:  # stage 0 of a pipeline: the others' processes and layers
             out.update(pp=len(stages.spans), pp_layers=[list(s) for s in stages.spans],
-                       stage_pids=[p.pid for p in stages.procs.values()])
+                       stage_pids=[p.pid for p in stages.procs.values()],
+                       stage_hosts=getattr(stages, "hosts", None))
         return out
 
     def _on_message(self, identity: bytes, msg: dict) -> None:

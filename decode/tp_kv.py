@@ -124,7 +124,7 @@ class DecodeRankKV:
 
     def __init__(self, engine, plan):
         name, cfg = transport_spec.load(os.environ[transport_spec.ENV])
-        cfg.port = 0
+        cfg.port, cfg.host = 0, os.environ.get("PDSERVE_RAY_NODE_IP", cfg.host)  # a stage on another node: its own
         if name == "nccl":  # this rank's GPU, not rank 0's
             cfg.options["device"] = str(engine.device)
         self.engine, self.plan, self.timeout = engine, plan, cfg.timeout_s

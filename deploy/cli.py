@@ -64,6 +64,7 @@ def _add_engine(p: argparse.ArgumentParser):
                    "`pdserve plan placement` prints one that fits each node)")
     p.add_argument("--pp-transport", default="tcp", help="the kvtransfer transport carrying hidden states between "
                    "stages: tcp | shm | nccl | nixl | ...")
+    p.add_argument("--pp-placement-group", default=None, help=argparse.SUPPRESS)  # set by `deploy ray --pp-spread`
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights made on each rank's device at load; --model is then a shape name "
                         "(llama-3-70b, mistral-7b, ...) or a directory with a config.json")
@@ -212,6 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--port", type=int, default=8000)
     dr.add_argument("--policy", default="least_outstanding")
     _add_disagg(dr, "always")
+    dr.add_argument("--pp-spread", action="store_true", help="each pipeline stage (--pp) on a node of its own (with "
+                    "--gpus-per-worker GPUs), placed by Ray; default: a worker's stages on one node")
     dr.add_argument("--max-restarts", type=int, default=10)
     dr.add_argument("--kv-budget", type=byte_size, default=0)
     dr.add_argument("--cluster-token-file", default=None)
@@ -265,6 +268,7 @@ def _engine_config(args):
                         decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
                         engine=args.engine, tp=args.tp, load_format=args.load_format, pp=getattr(args, "pp", 1),
                         pp_layers=getattr(args, "pp_layers", None), pp_transport=getattr(args, "pp_transport", "tcp"),
+                        pp_placement_group=getattr(args, "pp_placement_group", None),
                         overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         quantization=getattr(args, "quantization", None),

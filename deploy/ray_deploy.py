@@ -12,7 +12,11 @@ that died (``--max-restarts``), and an actor whose process exited on its own
 process has a new address. A ``--tp N`` worker is one actor holding N GPUs
 (``--gpus-per-worker`` each, in a STRICT_PACK placement group, so one node):
 its process is rank 0 and starts the other ranks as its children, on the
-GPUs Ray gave the actor, so the group is placed and restarted as a unit. The
+GPUs Ray gave the actor, so the group is placed and restarted as a unit; so
+is a ``--pp N`` worker's pipeline, unless ``--pp-spread`` puts each stage on
+a node of its own (a STRICT_SPREAD placement group of a bundle per stage:
+the actor is stage 0 and starts the others as actors in their bundles,
+``engine.pipeline.ray_stages``). The
 router actor keeps a workers file current from the named actors every
 second, and the router re-reads it (``pdserve router --workers-file``): new
 workers join, gone ones leave, nobody writes addresses by hand.
@@ -139,19 +143,26 @@ class RouterProcess(Process):
 
 
 def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None,
-           ranks: int = 1):
-    """``ranks`` > 1 with GPUs: the actor holds ``ranks * gpus`` GPUs of one node (a STRICT_PACK placement group)."""
+           ranks: int = 1, spread: int = 0):
+    """``ranks`` > 1 with GPUs: the actor holds ``ranks * gpus`` GPUs of one node (a STRICT_PACK placement group).
+    ``spread``: a pipeline of that many stages, one per node: a STRICT_SPREAD placement group of a bundle per stage
+    (``gpus`` each), the actor in bundle 0 (stage 0, which starts the others in theirs: ``pipeline.ray_stages``)."""
     import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    extra = {}
-    if ranks > 1 and gpus:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+    extra, cpus = {}, 0
+    if spread > 1:
+        base = {"GPU": gpus} if gpus else {"CPU": 0.01}
+        cpus = base.get("CPU", 0)
+        group = placement_group([{**base, **(resources or {})}] + [base] * (spread - 1), strategy="STRICT_SPREAD",
+                                lifetime="detached", name=f"{namespace}-{name}")
+        extra["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    elif ranks > 1 and gpus:
         group = placement_group([{"GPU": gpus * ranks}], strategy="STRICT_PACK", lifetime="detached",
                                 name=f"{namespace}-{name}")
         extra["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-    return ray.remote(cls).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0,
+    return ray.remote(cls).options(name=name, namespace=namespace, lifetime="detached", num_cpus=cpus,
                                    num_gpus=gpus * ranks, resources=resources or None, max_restarts=max_restarts,
                                    max_concurrency=4, runtime_env={"env_vars": env}, **extra)
 
@@ -190,9 +201,11 @@ def _add_workers(ray, state: dict, role: str, count: int) -> None:
         while index in used:
             index += 1
         used.add(index)
-        resources = state["resources"].get(role)
-        _actor(Process, f"{role}-{index}", state["namespace"], state["env"], state["max_restarts"],
-               state["gpus_per_worker"], resources, state.get("tp", 1)).remote(role, state["worker_args"])
+        resources, name, spread = state["resources"].get(role), f"{role}-{index}", state.get("pp_spread", 0)
+        argv = state["worker_args"] + (["--pp-placement-group", f"{state['namespace']}/{state['namespace']}-{name}"]
+                                       if spread else [])
+        _actor(Process, name, state["namespace"], state["env"], state["max_restarts"], state["gpus_per_worker"],
+               resources, 1 if spread else state.get("tp", 1), spread).remote(role, argv)
 
 
 def deploy_ray(args) -> int:
@@ -207,6 +220,7 @@ def deploy_ray(args) -> int:
     state = {"name": name, "namespace": f"pdserve-{name}", "env": env, "max_restarts": args.max_restarts,
              "gpus_per_worker": args.gpus_per_worker, "worker_args": args.worker_args,
              "tp": args.tp * getattr(args, "pp", 1),  # the processes (GPUs) of one worker: its ranks or stages
+             "pp_spread": args.pp if getattr(args, "pp_spread", False) and args.pp > 1 else 0,
              "resources": {role: json.loads(getattr(args, f"{role}_resources") or "{}") for role in ROLES}}
     if args.address:
         state.update(address=args.address, ray_env={k: os.environ[k] for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")

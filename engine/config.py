@@ -33,6 +33,7 @@ class EngineConfig:
     pp: int = 1  # pipeline stages (processes, each with a contiguous range of layers); see engine.pipeline
     pp_layers: str | None = None  # layers per stage, e.g. "10,22" (default: as even as can be)
     pp_transport: str = "tcp"  # the kvtransfer transport that carries hidden states between stages
+    pp_placement_group: str | None = None  # a Ray placement group: stage k runs in its bundle k (engine.pipeline.ray_stages)
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights made on the device at load
     overlap: bool = True  # launch the next decode step before reading this one's tokens (engine.overlap)
     warmup: bool = True  # workers run engine.warmup before they serve

@@ -27,7 +27,13 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def rank_device(name: str, rank: int, size: int) -> torch.device:
     """The device of ``rank`` in a group of ``size``: ``cuda`` (or ``auto`` with GPUs) puts rank r on ``cuda:r``,
-    ``cuda:k`` on ``cuda:k+r``; CPU ranks share the CPU. More ranks than GPUs is an error naming the count."""
+    ``cuda:k`` on ``cuda:k+r``, a list (``cuda:0,cuda:1``) rank r on its r-th; CPU ranks share the CPU. More ranks
+    than GPUs is an error naming the count."""
+    if "," in name:  # one device per rank or stage, as listed (stages may share a GPU: cuda:0,cuda:0)
+        devices = name.split(",")
+        if len(devices) != size:
+            raise ValueError(f"--device {name} names {len(devices)} devices for {size} ranks or stages")
+        return pick_device(devices[rank])
     if size == 1:
         return pick_device(name)
     if name == "auto":

@@ -38,6 +38,14 @@ def test_stage_spans_split_evenly_or_as_told_and_refuse_what_cannot_be():
         EngineConfig(pp=2, tp=2)
 
 
+def test_stages_take_the_devices_listed_one_each():
+    from engine.loader import rank_device
+
+    assert [rank_device("cpu,cpu", r, 2).type for r in range(2)] == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="names 2 devices for 3"):
+        rank_device("cpu,cpu", 0, 3)
+
+
 def test_kv_moves_between_splits_by_the_overlap_of_their_layers():
     from engine.pipeline.split import layer_pieces
 

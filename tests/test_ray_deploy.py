@@ -182,6 +182,37 @@ def test_a_tensor_parallel_worker_is_one_actor_restarted_as_a_unit(ray_cluster):
         cli("down", "--name", name)
 
 
+def test_a_pipeline_spread_over_two_nodes_serves_and_restarts_as_a_unit(ray_cluster):
+    """``--pp 2 --pp-spread``: each worker's stage 1 runs under an actor on the other node (a STRICT_SPREAD
+    placement group), its sockets on that node's address; the KV goes between the nodes by layer range; a stage
+    SIGKILLed takes its worker down and Ray restarts the pipeline as a unit."""
+    reference = Engine(EngineConfig(threads=1))
+    prompt = "Two stages answer"
+    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
+    name = NAME + "-pp"
+    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "1", "--decode", "1", "--threads", "1",
+        "--pp", "2", "--pp-spread", "--port", "0")
+    try:
+        url = status(name)["url"]
+        assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 1, 120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def answer():
+            return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert answer() == want
+        for role in ("prefill", "decode"):
+            worker = healthy(url, role)[0]
+            assert worker["pp"] == 2 and sorted(worker["stage_hosts"]) == ["127.0.0.2", "127.0.0.3"]
+        decode = healthy(url, "decode")[0]
+        os.kill(decode["stage_pids"][0], signal.SIGKILL)
+        assert eventually(lambda: [w["pid"] for w in healthy(url, "decode")] not in ([], [decode["pid"]]), 90)
+        assert sorted(healthy(url, "decode")[0]["stage_hosts"]) == ["127.0.0.2", "127.0.0.3"]
+        assert answer() == want
+    finally:
+        cli("down", "--name", name)
+
+
 def test_without_an_address_a_local_ray_cluster_is_started_and_down_stops_it(tmp_path):
     """The same command on one machine: ``deploy ray`` starts a Ray cluster of its own (token auth on), serves
     over the ray transport between actors, and ``down`` stops everything it started."""

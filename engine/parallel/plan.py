@@ -34,18 +34,19 @@ def _unpack(raw: bytes) -> dict:
 class PlanSender:
     """Rank 0's end: ``send`` to every follower; ``on_report`` gets their reports (on a thread of its own)."""
 
-    def __init__(self, followers: int):
+    def __init__(self, followers: int, host: str = "127.0.0.1"):
+        """``host``: where the sockets listen (a pipeline whose stages run on other nodes: this node's address)."""
         self.ctx = zmq.Context.instance()
         self.socks, self.addresses = [], []
         for _ in range(followers):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind("tcp://127.0.0.1:*")
+            sock.bind(f"tcp://{host}:*")
             self.socks.append(sock)
             self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.setsockopt(zmq.LINGER, 0)
-        self.reports.bind("tcp://127.0.0.1:*")
+        self.reports.bind(f"tcp://{host}:*")
         self.report_address = self.reports.getsockopt_string(zmq.LAST_ENDPOINT)
         self._on_report, self._early = None, []
         self.by_kind: dict = {}  # reports of these kinds go to their own handler (e.g. an mlx pipeline's hops)

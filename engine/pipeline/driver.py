@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..model_runner import StepRow, step_rows
 from .hops import HopLink
-from .launch import Stages, fingerprint
+from .launch import Stages, fingerprint, node_address
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Pipeline:
         self.most_in_flight = 0  # the most micro-batches that were in the pipeline at once
 
     def agree_blocks(self, engine, blocks: int) -> int:
-        self.link = HopLink(self.cfg.pp_transport, self.stages.token, engine.device)
+        self.link = HopLink(self.cfg.pp_transport, self.stages.token, engine.device, host=node_address())
         return self.stages.agree(fingerprint(engine), blocks, self.link.address)
 
     @property

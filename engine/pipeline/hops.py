@@ -25,11 +25,12 @@ def hop_layout(x: torch.Tensor) -> KVLayout:
 class HopLink:
     """One stage's end of the pipeline: a receiver for what comes in, a sender for what goes out."""
 
-    def __init__(self, transport: str, token: bytes | None, device: torch.device, timeout_s: float = 60.0):
+    def __init__(self, transport: str, token: bytes | None, device: torch.device, timeout_s: float = 60.0,
+                 host: str = "127.0.0.1"):
         options = {}
         if transport == "nccl":  # the stage's own GPU; on the CPU the same protocol over gloo
             options = {"device": str(device)} if device.type == "cuda" else {"nccl_backend": "gloo"}
-        cfg = TransportConfig(token=token, timeout_s=timeout_s, pool_bytes=1 << 30, max_transfer_bytes=1 << 30,
+        cfg = TransportConfig(host=host, token=token, timeout_s=timeout_s, pool_bytes=1 << 30, max_transfer_bytes=1 << 30,
                               options=options)
         self.device = device
         self.receiver = make_receiver(transport, cfg)

@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
 TOKEN_ENV = "PDSERVE_PP_TOKEN"
+PARENT = "{parent}"  # in a stage's command: the pid of the process that started it
+
+
+def node_address() -> str:
+    """Where this process's pipeline sockets listen: its node's address under Ray (stages on other nodes reach
+    it), else loopback."""
+    return os.environ.get("PDSERVE_RAY_NODE_IP", "127.0.0.1")
 
 
 def model_layers(cfg: EngineConfig) -> int:
@@ -59,7 +66,7 @@ class Stages:
         """``kv``: ``(module:Class, environment)``: a stage's part of its worker's KV pushes (a prefill worker's)."""
         self.spans = stage_spans(model_layers(cfg), cfg.pp, cfg.pp_layers)
         self.token = secrets.token_bytes(16)
-        self.plan = PlanSender(cfg.pp - 1)
+        self.plan = PlanSender(cfg.pp - 1, node_address())
         self.reports: queue.Queue = queue.Queue()
         self.plan.on_report = self.reports.put
         self.procs: dict[int, subprocess.Popen] = {}
@@ -67,12 +74,23 @@ class Stages:
         self.on_lost = _default_lost
         config = json.dumps(dataclasses.asdict(cfg))
         env = {**os.environ, **(kv[1] if kv else {}), TOKEN_ENV: self.token.hex()}
+        cmds = {}
         for stage in range(1, cfg.pp):
             first, end = self.spans[stage]
-            cmd = [sys.executable, "-m", "engine.pipeline.stage", "--stage", str(stage), "--span", f"{first}:{end}",
-                   "--plan", self.plan.addresses[stage - 1], "--reports", self.plan.report_address,
-                   "--config", config, "--parent", str(os.getpid())] + (["--kv", kv[0]] if kv else [])
-            self.procs[stage] = subprocess.Popen(cmd, env=env)
+            cmds[stage] = [sys.executable, "-m", "engine.pipeline.stage", "--stage", str(stage), "--span",
+                           f"{first}:{end}", "--plan", self.plan.addresses[stage - 1], "--reports",
+                           self.plan.report_address, "--config", config, "--parent", PARENT] + \
+                (["--kv", kv[0]] if kv else [])
+        if cfg.pp_placement_group:  # each stage on the node of its bundle, under a Ray actor
+            from .ray_stages import start_stages
+
+            self.procs = start_stages(cfg.pp_placement_group, cmds, {k: env[k] for k in env if k not in os.environ
+                                                                     or k.startswith("PDSERVE")})
+        else:
+            for stage, cmd in cmds.items():
+                cmd = [str(os.getpid()) if c == PARENT else c for c in cmd]
+                self.procs[stage] = subprocess.Popen(cmd, env=env)
+        self.hosts = [node_address()] + [getattr(p, "host", node_address()) for _, p in sorted(self.procs.items())]
         threading.Thread(target=self._watch, name="pp-watch", daemon=True).start()
         log.info("pipeline of %d stages, layers %s (stages 1..%d: pids %s)", cfg.pp, self.spans, cfg.pp - 1,
                  [p.pid for p in self.procs.values()])

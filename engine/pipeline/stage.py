@@ -13,7 +13,7 @@ import os
 import sys
 
 from .hops import HopLink
-from .launch import TOKEN_ENV, fingerprint
+from .launch import TOKEN_ENV, fingerprint, node_address
 
 log = logging.getLogger("engine.pipeline.stage")
 
@@ -29,7 +29,7 @@ class StageRole:
 
     def agree_blocks(self, engine, blocks: int) -> int:
         """Say hello (what this stage runs, how many blocks it could hold, where its hops land), await setup."""
-        self.link = HopLink(self.transport, self.token, engine.device)
+        self.link = HopLink(self.transport, self.token, engine.device, host=node_address())
         self.plan.report(kind="hello", stage=self.stage, span=list(self.span), model=fingerprint(engine),
                          blocks=blocks, address=self.link.address)
         while True:
@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     for name in ("span", "plan", "reports", "config"):
         ap.add_argument(f"--{name}", required=True)
     ap.add_argument("--kv", default=None, help="module:Class of this stage's part of its worker's KV pushes")
+    ap.add_argument("--own-device", action="store_true", help="the first device this process sees (a Ray actor's "
+                    "stage: its GPU), not the stage's of the worker's")
     args = ap.parse_args(argv)
     from ..parallel.follower import child_setup, kv_work
 
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     first, end = (int(n) for n in args.span.split(":"))
     plan = PlanReceiver(args.plan, args.reports)
     role = StageRole(args.stage, (first, end), plan, bytes.fromhex(os.environ[TOKEN_ENV]), cfg.pp_transport)
-    engine = Engine(cfg, stage=role, device=rank_device(cfg.device, args.stage, cfg.pp))
+    engine = Engine(cfg, stage=role, device=rank_device(cfg.device, 0, 1) if args.own_device else
+                    rank_device(cfg.device, args.stage, cfg.pp))
     role.kv = kv_work(args.kv, engine, plan)
     try:
         role.follow(engine, args.parent)
