@@ -101,9 +101,11 @@ def write(engine, pieces: list, table: list) -> PhaseTimes:
                 else:
                     with received.phases.measure("deserialize"):
                         views = unpack(received.buffer, received.layout)
-                if needs_convert(received.layout, engine.kv_dtype, engine.kv_scales):
+                pairs = engine.kv_scales[slice(*place["span"])] if engine.kv_scales and "span" in place else \
+                    engine.kv_scales  # FP8: the scales of the layers this piece holds
+                if needs_convert(received.layout, engine.kv_dtype, pairs):
                     with received.phases.measure("convert"):
-                        views = convert(views, received.layout, engine.kv_dtype, engine.kv_scales)
+                        views = convert(views, received.layout, engine.kv_dtype, pairs)
                 with received.phases.measure("h2d"):
                     engine.pool.scatter(table, views, **place)
             for name, value in received.phases.to_dict().items():

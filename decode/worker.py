@@ -216,6 +216,11 @@ class DecodeWorker(WorkerLoop):
                                        "range (kv_pp; it takes the stages from kv_stages): this one did not")
         if GroupReceive.sliced(msg, self.engine):
             return self.group_kv.try_start(rid)
+        if getattr(self.engine, "stage", None) is not None and self.engine.kv_scales:
+            self.waiting.pop(rid)
+            self.receiver.abort(rid)
+            return self.fail(rid, 400, "a pipelined decode worker with an FP8 KV cache takes KV by layer range, each "
+                                       "stage with its scales (from a torch prefill worker), not whole")
         status = self.receiver.poll(rid)
         if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
             return

@@ -73,9 +73,6 @@ class EngineConfig:
             raise ValueError("pp must be a positive integer")
         if self.pp > 1 and self.tp > 1:
             raise ValueError("--pp and --tp together are not supported yet: give one of them")
-        if self.pp > 1 and self.kv_cache_dtype != "auto":
-            raise ValueError("--pp with an FP8 KV cache is not supported yet (each stage would need its layers' "
-                             "scales on the wire)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} not in {LOAD_FORMATS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -77,8 +77,9 @@ def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int,
         for dst, lo, hi in send_pieces(heads, group.size, group.rank, ranks):
             for l0, l1 in (layer_pieces([span], (first, end)) if layered else [span]) if dst == j else ():
                 tid = piece_id(rid, lo, n) + (f":L{l0}" if layered else "")
-                layout = layout_for((l1 - l0, hi - lo, spec.head_dim), tokens, engine.kv_dtype, engine.kv_scales)
                 a, b = l0 - span[0], l1 - span[0]
+                layout = layout_for((l1 - l0, hi - lo, spec.head_dim), tokens, engine.kv_dtype,
+                                    engine.kv_scales[a:b] if engine.kv_scales else None)  # FP8: these layers' scales
                 if (lo - own, hi - own) == (0, engine.heads.kv_heads) and sender.takes_pieces(engine.device):
                     pieces = pieces or engine.pieces(table, tokens)
                     kv = PiecewiseKV(layout, pieces[a:b], gate=ShiftedGate(progress, a) if progress else None)

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
@@ -174,3 +175,29 @@ def test_a_stage_that_dies_is_noticed_at_once():
     finally:
         engine.stage.stages.closing = True
         engine.close()
+
+
+def scaled_checkpoint(tmp_path) -> str:
+    """A Llama checkpoint whose layers have FP8 KV scales of their own (2.5, 1.5, 0.5 for K; 0.25 for V)."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_family(tmp_path, "llama")
+    state = load_file(os.path.join(path, "model.safetensors"))
+    for i in range(3):
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(2.5 - i)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def test_an_fp8_kv_cache_is_split_with_each_stages_scales(tmp_path):
+    path = scaled_checkpoint(tmp_path)
+    ps = prompts(3, seed=9)
+    engine = pp_engine(path, kv_cache_dtype="fp8")
+    try:
+        assert engine.pool.layers[0][0].dtype.itemsize == 1 and engine.kv_scales == [(2.5, 0.25)]  # stage 0: layer 0
+        seqs = run(engine, ps)
+    finally:
+        engine.close()
+    single = run(Engine(EngineConfig(model=path, threads=1, kv_cache_dtype="fp8")), ps)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in single]
