@@ -19,8 +19,6 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     rotary and MLP activation of prefill use the Triton kernels then too), the same
     padded forward run eagerly with the torch operations (``eager``), or none (``off``; ``auto`` off CUDA)."""
     mode = cfg.decode_graphs
-    if cfg.pp > 1:  # a stage's forward is split around its hops: steps run eagerly
-        return None
     if mode == "cuda" and self.device.type != "cuda":
         raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
     if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
@@ -48,7 +46,9 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
             if isinstance(module, SparseMoE):
                 module.kernels = triton_moe
     max_blocks = -(-self.max_len // self.block_size) + 1
-    return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture)
+    part = None if cfg.pp == 1 else "first" if self.model.ends else "rest"  # a pipeline stage's share of the step
+    return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
+                        part)
 
 
 def fp8_kernels(model) -> None:

@@ -34,15 +34,22 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool):
-        """``ops``: ``kernels.paged`` or ``kernels.triton_attention``."""
-        self.model, self.pool, self.device, self.ops = model, pool, device, ops
+    def __init__(self, model, pool, device, max_batch: int, max_blocks: int, ops, capture: bool,
+                 part: str | None = None):
+        """``ops``: ``kernels.paged`` or ``kernels.triton_attention``. ``part``: a pipeline stage's share of the
+        step (``engine.pipeline``): ``first`` (token ids through the embedding and the stage's layers) or ``rest``
+        (the residual stream of the stage before, in ``hidden``, through the stage's layers); either returns the
+        residual stream after them, which the hop carries on (stage 0 applies the final norm and the logits)."""
+        self.model, self.pool, self.device, self.ops, self.part = model, pool, device, ops, part
         self.sizes = batch_sizes(max_batch)
         top = self.sizes[-1]
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.feed_rows = torch.zeros(top, dtype=torch.long, device=device)
+        if part == "rest":
+            dtype = next(model.parameters()).dtype
+            self.hidden = torch.zeros(top, model.spec.hidden_size, dtype=dtype, device=device)
         # two staging buffers, alternated: a step is prepared while the one before may still be copying from its own
         self.staging = [torch.zeros(4, top, dtype=torch.long, pin_memory=device.type == "cuda") for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -56,6 +63,9 @@ class DecodeGraphs:
         rotary = self.model.rotary
         meta = AttnMeta(slots, [], [], True, rotary.cos[positions], rotary.sin[positions], paged=self.ops,
                         tables=self.tables[:n], lens=self.lens[:n], window=self.model.spec.sliding_window or 0)
+        if self.part is not None:
+            return self.model.stage_forward(self.hidden[:n] if self.part == "rest" else ids, positions, meta,
+                                            self.pool.layers)
         hidden = self.model(ids, positions, meta, self.pool.layers)
         return self.model.logits(hidden).float()
 
@@ -85,10 +95,13 @@ class DecodeGraphs:
         return n <= self.sizes[-1]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], feed: tuple | None = None) -> torch.Tensor:
-        """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows. ``feed``: ``(device tokens,
-        [row of them or -1 per row])``: those rows' input ids come from the device tokens (``engine.overlap``)."""
+            lens: list[int], feed: tuple | None = None, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits ``[n, vocab]`` (fp32) of ``n <= sizes[-1]`` decode rows (a pipeline stage: the residual
+        stream after its layers; ``x``: the stage before's, ``rest``). ``feed``: ``(device tokens, [row of them or
+        -1 per row])``: those rows' input ids come from the device tokens (``engine.overlap``)."""
         with self._on_device():
+            if x is not None:
+                self.hidden[:len(ids)].copy_(x)
             return self._run(ids, positions, slots, tables, lens, feed)
 
     def _run(self, ids, positions, slots, tables, lens, feed=None) -> torch.Tensor:

@@ -47,6 +47,12 @@ def step_rows(batch: Batch, inflight_rows: dict | None = None) -> list[StepRow]:
     return rows
 
 
+@dataclass
+class DecodeRows:
+    """What landing a pipeline's captured decode step needs of its meta: where each row's tokens start."""
+    query_starts: list
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, device, suppress: list[int] | None = None, graphs=None):
         self.model = model
@@ -135,6 +141,12 @@ class ModelRunner:
     def stage_forward(self, rows: list[StepRow], x: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """A pipeline stage's part of the forward of ``rows``: from their token ids (``x`` None: stage 0) or the
         residual stream ``x`` of the stage before; ``(the stream after this stage's layers, the step's meta)``."""
+        if self.graphs is not None and all(self.decodes(r) for r in rows) and self.graphs.fits(len(rows)):
+            bs, positions = self.pool.block_size, [r.start for r in rows]
+            out = self.graphs.run([max(r.ids[0], 0) for r in rows], positions,
+                                  [token_slot(r.table, r.start, bs) for r in rows], [list(r.table) for r in rows],
+                                  [p + 1 for p in positions], x=x)
+            return out, DecodeRows(list(range(len(rows) + 1)))  # one token a row
         ids, positions, meta = self._meta(rows)
         return self.model.stage_forward(ids if x is None else x, positions, meta, self.pool.layers), meta
 

@@ -201,3 +201,18 @@ def test_an_fp8_kv_cache_is_split_with_each_stages_scales(tmp_path):
         engine.close()
     single = run(Engine(EngineConfig(model=path, threads=1, kv_cache_dtype="fp8")), ps)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in single]
+
+
+def test_decode_steps_of_a_pipeline_take_the_fixed_shape_path(tmp_path):
+    """``decode_graphs=eager``: each stage's decode steps run the padded fixed-shape forward a CUDA graph captures
+    (stage 0 from token ids, the others from the residual stream in a static buffer) and equal one stage."""
+    path = write_family(tmp_path, "llama")
+    ps = prompts(5, seed=11)
+    engine = pp_engine(path, decode_graphs="eager")
+    try:
+        seqs = run(engine, ps)
+        assert engine.runner.graphs.part == "first" and engine.runner.graphs.runs > 0
+    finally:
+        engine.close()
+    single = run(Engine(EngineConfig(model=path, threads=1, dtype="float32")), ps)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in single]

@@ -45,6 +45,8 @@ class HopLink:
     def send(self, dest: str, tag: str, x: torch.Tensor, hops: list) -> dict:
         """``x`` (``[tokens, hidden]``) to the stage at ``dest``; ``hops``: the phases of the hops before.
         Returns this hop's phases."""
+        if x.is_cuda:  # the stage's kernels end first, so d2h is the copy alone (not this stage's compute)
+            torch.cuda.current_stream(x.device).synchronize()
         flat = x.detach().contiguous().view(-1)
         half = flat.numel() // 2
         layout = hop_layout(x)
