@@ -11,4 +11,4 @@ python -m pip install -q --no-deps nixl nixl-cu12      # plain `nixl` would pull
 if ! command -v iperf3 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   timeout 180 apt-get install -y -q iperf3 >/dev/null 2>&1 || echo "iperf3 not installed; benchmarks fall back to a plain socket reference"
 fi
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"

@@ -60,8 +60,8 @@ def test_up_with_a_pipeline_serves_the_reference_and_restarts_as_a_unit(referenc
         cluster.stop()
 
 
-@pytest.mark.parametrize("transport,prefill_pp,decode_pp", [("tcp", 2, 1), ("tcp", 1, 2), ("shm", 2, 2),
-                                                             ("tcp", 3, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("transport,prefill_pp,decode_pp", [("tcp", 2, 1), ("tcp", 1, 2), ("shm", 2, 2)],
+                         ids=lambda v: str(v))  # (splits that differ: the FP8 test below, 2 -> 3)
 def test_kv_moves_by_layer_range_between_pipelines_and_single_workers(reference, transport, prefill_pp,  # noqa: F811
                                                                         decode_pp):
     cluster = Cluster("--prefill-pp", str(prefill_pp), "--decode-pp", str(decode_pp), "--transport", transport)
