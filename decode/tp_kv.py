@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.parallel.heads import kv_range, piece_id, recv_pieces
 from engine.pipeline.split import layer_pieces
-from kvtransfer import TransferError, TransferStatus, make_receiver
+from kvtransfer import TransferError, make_receiver
 from kvtransfer import spec as transport_spec
-from kvtransfer.phases import PhaseTimes, merge_ranks
+from kvtransfer.phases import PhaseTimes
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 

@@ -58,3 +58,32 @@ def started(clients: list[StreamClient]) -> list[StreamClient]:
     for c in clients:
         c.start()
     return clients
+
+
+def streams_the_engines_tokens(path: str, prompts: list[str], flags: list[str], **engine_kw) -> list:
+    """``pdserve up`` with ``flags`` on the checkpoint at ``path``: the prompts streamed at once (8 greedy tokens
+    each) equal one torch engine's (``engine_kw``: its config); returns the clients, the first with the cluster's
+    ``health`` from the moment they ended."""
+    from deploy.local import Cluster
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+
+    engine = Engine(EngineConfig(model=path, threads=1, **engine_kw))
+    want = [s.output_ids for _, s in generate_many(
+        engine, [engine.tokenizer.encode(p) for p in prompts],
+        [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts])]
+    cluster = Cluster(*flags, "--model", path)
+    try:
+        cluster.wait_ready()
+        bodies = [{"model": path.rsplit("/", 1)[1], "prompt": p, "max_tokens": 8, "temperature": 0,
+                   "ignore_eos": True} for p in prompts]
+        clients = started([StreamClient(cluster.url, b) for b in bodies])
+        for c in clients:
+            c.join(120)
+        assert [c.error for c in clients] == [None] * len(prompts)
+        assert [c.ids for c in clients] == want
+        clients[0].health = httpx.get(cluster.url + "/health", timeout=10).json()
+        return clients
+    finally:
+        cluster.stop()

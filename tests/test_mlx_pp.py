@@ -9,40 +9,20 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm not installed")
 
 from deploy.local import Cluster  # noqa: E402
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.generate import generate_many  # noqa: E402
-from tests.streams import StreamClient, started  # noqa: E402
-from tests.test_paged_engine import prompts, write_family  # noqa: E402
-from tests.test_retry import health  # noqa: E402
+from tests.test_mlx_tp import cluster_streams_the_torch_tokens  # noqa: E402
+from tests.test_paged_engine import write_family  # noqa: E402
 from tests.test_tp_serving import reference, streams_of_the_reference  # noqa: E402, F401
 
 
 def test_colocated_mlx_pp3_streams_the_torch_engines_tokens(tmp_path):
     """A process can form one MLX group only, so the stages run under ``pdserve up`` (as users run them)."""
     path = write_family(tmp_path / "qwen3", "qwen3")  # three layers: one per stage
-    ps = [bytes(p).decode("latin-1") for p in prompts(4, seed=7)]
-    engine = Engine(EngineConfig(model=path, threads=1))
-    want = [s.output_ids for _, s in generate_many(
-        engine, [engine.tokenizer.encode(p) for p in ps],
-        [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in ps])]
-    cluster = Cluster("--colocated", "--engine", "mlx", "--pp", "3", "--model", path, "--max-batched-tokens", "16")
-    try:
-        cluster.wait_ready()
-        worker = health(cluster.url)["workers"]["colocated"][0]
-        assert (worker["pp"], worker["pp_layers"], len(worker["stage_pids"])) == (3, [[0, 1], [1, 2], [2, 3]], 2)
-        bodies = [{"model": path.rsplit("/", 1)[1], "prompt": p, "max_tokens": 8, "temperature": 0,
-                   "ignore_eos": True} for p in ps]
-        clients = started([StreamClient(cluster.url, b) for b in bodies])  # batched, joining, prompts in chunks
-        for c in clients:
-            c.join(120)
-        assert [c.error for c in clients] == [None] * 4
-        assert [c.ids for c in clients] == want
-        hops = clients[0].pdserve["pp_hops"]
-        assert [h["hop"] for h in hops] == ["0->1", "1->2", "2->0"]
-        assert all(h["steps"] >= 8 and h["wire"] > 0 and h["bytes"] > 0 for h in hops)
-    finally:
-        cluster.stop()
+    clients = cluster_streams_the_torch_tokens(path, 7, "--pp", "3")
+    worker = clients[0].health["workers"]["colocated"][0]
+    assert (worker["pp"], worker["pp_layers"], len(worker["stage_pids"])) == (3, [[0, 1], [1, 2], [2, 3]], 2)
+    hops = clients[0].pdserve["pp_hops"]
+    assert [h["hop"] for h in hops] == ["0->1", "1->2", "2->0"]
+    assert all(h["steps"] >= 8 and h["wire"] > 0 and h["bytes"] > 0 for h in hops)
 
 
 @pytest.mark.parametrize("args", [

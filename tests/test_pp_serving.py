@@ -118,26 +118,10 @@ def test_a_mixed_worker_with_a_pipeline_is_a_clear_error():
 def test_an_fp8_kv_moves_between_pipelines_with_each_ranges_scales(tmp_path):
     """Prefill stages (0,1),(1,3) to decode stages (0,1),(1,2),(2,3): decode stage 2 takes layer 2 out of prefill
     stage 1's range, with that layer's scale (each layer has its own)."""
-    from engine import EngineConfig, SamplingParams
-    from engine.engine import Engine
-    from engine.generate import generate_many
+    from tests.streams import streams_the_engines_tokens
     from tests.test_pipeline import scaled_checkpoint
 
-    path = scaled_checkpoint(tmp_path)
-    ps = ["an fp8 pipeline", "layers and their scales, range by range"]
-    engine = Engine(EngineConfig(model=path, threads=1, kv_cache_dtype="fp8"))
-    want = [s.output_ids for _, s in generate_many(engine, ps, [SamplingParams(max_tokens=8, temperature=0,
-                                                                               ignore_eos=True) for _ in ps])]
-    cluster = Cluster("--prefill-pp", "2", "--decode-pp", "3", "--kv-cache-dtype", "fp8", "--model", path)
-    try:
-        cluster.wait_ready()
-        bodies = [{"model": path.rsplit("/", 1)[1], "prompt": p, "max_tokens": 8, "temperature": 0,
-                   "ignore_eos": True} for p in ps]
-        clients = started([StreamClient(cluster.url, b) for b in bodies])
-        for c in clients:
-            c.join(120)
-        assert [c.error for c in clients] == [None] * 2
-        assert [c.ids for c in clients] == want
-        assert len(clients[0].pdserve["kv_ranks"]) == 3
-    finally:
-        cluster.stop()
+    clients = streams_the_engines_tokens(scaled_checkpoint(tmp_path), ["an fp8 pipeline", "layers and their scales"],
+                                         ["--prefill-pp", "2", "--decode-pp", "3", "--kv-cache-dtype", "fp8"],
+                                         kv_cache_dtype="fp8")
+    assert len(clients[0].pdserve["kv_ranks"]) == 3

@@ -154,28 +154,38 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
     assert eventually(lambda: not deployment_processes(), 20), deployment_processes()
 
 
+def deployed_group(ray_cluster, name: str, prompt: str, *flags):
+    """A deployment of one prefill and one decode worker with ``flags``; ``(url, answer, want)``: ``answer()`` asks
+    it for ``prompt`` (greedy, 12 tokens) with the openai SDK, ``want`` is one engine's text."""
+    reference = Engine(EngineConfig(threads=1))
+    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
+    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "1", "--decode", "1", "--threads", "1",
+        *flags, "--port", "0")
+    url = status(name)["url"]
+    assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 1, 120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def answer():
+        return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    return url, answer, want
+
+
+def restarted(url: str, decode: dict) -> bool:
+    return eventually(lambda: [w["pid"] for w in healthy(url, "decode")] not in ([], [decode["pid"]]), 90)
+
+
 def test_a_tensor_parallel_worker_is_one_actor_restarted_as_a_unit(ray_cluster):
     """``--tp 2``: each worker's ranks run under its actor; a follower rank SIGKILLed takes the worker and its actor
     down, Ray restarts the actor, and the group serves the reference tokens again."""
-    reference = Engine(EngineConfig(threads=1))
-    prompt = "Two ranks answer"
-    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
     name = NAME + "-tp"
-    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "1", "--decode", "1", "--threads", "1",
-        "--tp", "2", "--port", "0")
     try:
-        url = status(name)["url"]
-        assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 1, 120)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-        def answer():
-            return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
+        url, answer, want = deployed_group(ray_cluster, name, "Two ranks answer", "--tp", "2")
         assert answer() == want
         decode = healthy(url, "decode")[0]
         assert decode["tp"] == 2
         os.kill(decode["rank_pids"][0], signal.SIGKILL)
-        assert eventually(lambda: [w["pid"] for w in healthy(url, "decode")] not in ([], [decode["pid"]]), 90)
+        assert restarted(url, decode)
         assert {a["name"]: a for a in status(name)["actors"]}["decode-0"]["restarts"] >= 1
         assert answer() == want
     finally:
@@ -186,27 +196,16 @@ def test_a_pipeline_spread_over_two_nodes_serves_and_restarts_as_a_unit(ray_clus
     """``--pp 2 --pp-spread``: each worker's stage 1 runs under an actor on the other node (a STRICT_SPREAD
     placement group), its sockets on that node's address; the KV goes between the nodes by layer range; a stage
     SIGKILLed takes its worker down and Ray restarts the pipeline as a unit."""
-    reference = Engine(EngineConfig(threads=1))
-    prompt = "Two stages answer"
-    want = generate_many(reference, [prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0][0]
     name = NAME + "-pp"
-    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "1", "--decode", "1", "--threads", "1",
-        "--pp", "2", "--pp-spread", "--port", "0")
     try:
-        url = status(name)["url"]
-        assert eventually(lambda: len(healthy(url, "prefill")) == 1 and len(healthy(url, "decode")) == 1, 120)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-        def answer():
-            return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
+        url, answer, want = deployed_group(ray_cluster, name, "Two stages answer", "--pp", "2", "--pp-spread")
         assert answer() == want
         for role in ("prefill", "decode"):
             worker = healthy(url, role)[0]
             assert worker["pp"] == 2 and sorted(worker["stage_hosts"]) == ["127.0.0.2", "127.0.0.3"]
         decode = healthy(url, "decode")[0]
         os.kill(decode["stage_pids"][0], signal.SIGKILL)
-        assert eventually(lambda: [w["pid"] for w in healthy(url, "decode")] not in ([], [decode["pid"]]), 90)
+        assert restarted(url, decode)
         assert sorted(healthy(url, "decode")[0]["stage_hosts"]) == ["127.0.0.2", "127.0.0.3"]
         assert answer() == want
     finally:
