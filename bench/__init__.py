@@ -6,10 +6,11 @@ configuration), ``stream`` (layer-wise KV streaming on and off), ``idle``, ``eng
 ``--tp``, against the HBM limit), ``kernels`` (each decode-step kernel and whole steps against the bandwidth and
 matmul rate measured in the same run; ``--kv-cache-dtype fp8`` over an FP8 pool), ``fp8`` (FP8 weights and the FP8 KV
 cache against bf16 in one run: projections, decode tok/s, sequences per KV budget, long-context steps, logits
-agreement with a perturbation control) and ``router`` (tokens/s one router process streams, fed by
-``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
+agreement with a perturbation control), ``guided`` (structured outputs against free decode), ``pipeline`` (one
+device against ``--pp 2`` against ``--tp 2`` over a shaped link, per-hop phases; on GPUs with token and logprob
+agreement) and ``router`` (tokens/s one router process streams, fed by ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
 sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
-``gpu_disagg.sh``). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
+``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
 ``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from;
 ``serve`` and ``goodput`` share the workloads of ``bench.workload`` (uniform ranges, ``mixed``, JSONL traces)."""
