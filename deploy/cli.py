@@ -106,7 +106,9 @@ def _add_disagg(p: argparse.ArgumentParser, default):
                    help="auto: prompts in flight on every prefill worker that make them busy (default 4)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """``with_bench=False``: the benchmarks' own options left out (their modules import torch, which the router and
+    ``up`` never need)."""
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     ap.add_argument("--log-level", default="INFO")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -231,7 +233,12 @@ def _parser() -> argparse.ArgumentParser:
             d.add_argument("--decode", type=int, default=None)
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
+    if with_bench:
+        _bench_parsers(b.add_subparsers(dest="bench", required=True))
+    return ap
+
+
+def _bench_parsers(bsub) -> None:
     from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, pipeline, router, serve, soak,
                        stream, transfer)
 
@@ -256,7 +263,6 @@ def _parser() -> argparse.ArgumentParser:
                                       "tok/s, sequences per KV budget, long-context steps, logits agreement"))
     router.add_arguments(bsub.add_parser("router", help="tokens/s one router process streams to clients (a fake "
                                          "worker feeds it as fast as asked)"))
-    return ap
 
 
 def _engine_config(args):
@@ -289,7 +295,8 @@ def _transport_config(args, port=0):
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(with_bench="bench" in argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.cmd == "router":

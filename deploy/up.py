@@ -24,11 +24,17 @@ import urllib.request
 from deploy.supervise import Child, Supervisor
 
 
+HANDED_OUT: set[int] = set()  # ports this process named already (their children may not have bound them yet)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now, below Linux's ephemeral range (32768+), so no outgoing connection of another
-    process takes it before the child that gets it binds it."""
+    process takes it before the child that gets it binds it; never one this process handed out before."""
     for _ in range(200):
         port = random.randrange(20000, 32000)
+        if port in HANDED_OUT:
+            continue
+        HANDED_OUT.add(port)
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -108,6 +114,7 @@ def rank_args(args, host: str) -> list[list[str]] | None:
 
 def plan(args) -> list[list[str]]:
     """The command lines of every child: workers first, the router last (``cmd[5]`` names the role)."""
+    HANDED_OUT.add(args.port)  # the router's, named by whoever started ``up``
     base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}

@@ -17,7 +17,7 @@ from .models.weights import load_dummy, load_state, load_weights
 from .parallel.group import SINGLE, TPGroup
 from .quant import checkpoint as fp8_checkpoint
 from .quant import fp8_linear
-from .tiny import TINY_NAME, build_tiny_model
+from .tiny import TINY_NAME, tiny_weights
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -91,13 +91,12 @@ def load(cfg: EngineConfig, group: TPGroup = SINGLE, device: torch.device | None
     device = device or pick_device(cfg.device)
     suppress, kv_scales = None, {}
     if cfg.model == TINY_NAME and cfg.load_format != "dummy":
-        hf = build_tiny_model()
+        config, state, suppress = tiny_weights()
         dtype = pick_dtype(cfg.dtype, device)
-        model = build(hf.config, group, span)
-        load_state(model, hf.state_dict())
+        model = build(config, group, span)
+        load_state(model, state)
         model = model.to(device=device, dtype=dtype)
-        tokenizer, name, suppress = ByteTokenizer(), TINY_NAME, list(hf.generation_config.suppress_tokens or []) or None
-        config = hf.config
+        tokenizer, name, suppress = ByteTokenizer(), TINY_NAME, suppress or None
     elif os.path.isdir(cfg.model) or cfg.load_format == "dummy":
         config = _config(cfg)
         dtype = pick_dtype(cfg.dtype, device, config)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .config import EngineConfig
-from .tiny import TINY_NAME, build_tiny_model
+from .tiny import TINY_NAME, tiny_weights
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -29,11 +29,11 @@ def load_mlx(cfg: EngineConfig):
     if cfg.model == TINY_NAME:
         from mlx_lm.models import llama
 
-        hf = build_tiny_model()
-        model = llama.Model(llama.ModelArgs.from_dict({**hf.config.to_dict(), "model_type": "llama"}))
-        model.load_weights([(k, mx.array(v.float().numpy())) for k, v in hf.state_dict().items()])
-        tokenizer, name, config = ByteTokenizer(), TINY_NAME, hf.config.to_dict()
-        suppress = list(hf.generation_config.suppress_tokens or []) or None
+        tiny, state, suppress = tiny_weights()
+        model = llama.Model(llama.ModelArgs.from_dict({**tiny.to_dict(), "model_type": "llama"}))
+        model.load_weights([(k, mx.array(v.float().numpy())) for k, v in state.items()])
+        tokenizer, name, config = ByteTokenizer(), TINY_NAME, tiny.to_dict()
+        suppress = suppress or None
     elif os.path.isdir(cfg.model):
         model, config = load_model(Path(cfg.model), model_config=_legacy_keys(cfg.model))
         tokenizer, name = HFTokenizer(cfg.model), os.path.basename(os.path.normpath(cfg.model))

@@ -5,10 +5,10 @@ then moves to the decode worker) or on the decode worker itself (local).
 locally (the decode workers then act as colocated replicas that a prefill
 pool can still serve later), ``auto`` decides per request, in this order:
 
-- no prefill worker in the picks: local (``no_prefill_worker``);
 - the prompt's uncached part (its tokens less the prefix the decode worker
   reported holding) is at most ``local_tokens``: local (``short``): a short
   chunk costs the decode steps less than a transfer and a second queue;
+- no prefill worker in the picks: local (``no_prefill_worker``);
 - every prefill worker already has ``prefill_queue`` prompts or more in
   flight: local (``prefill_busy``), unless the decode worker has as many
   prompts of its own to prefill (then remote, ``long``);
@@ -54,10 +54,10 @@ class DisaggPolicy:
             return Decision("remote", "always")
         if self.mode == "never":
             return Decision("local", "never")
-        if not prefill_workers:
-            return Decision("local", "no_prefill_worker")
         if uncached_tokens <= self.local_tokens:
             return Decision("local", "short")
+        if not prefill_workers:
+            return Decision("local", "no_prefill_worker")
         queue = min(w.outstanding for w in prefill_workers)
         if queue >= self.prefill_queue and int(decode_worker.info.get("prefilling") or 0) < queue:
             return Decision("local", "prefill_busy")

@@ -149,9 +149,18 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely_with_the_col
 
 def test_local_prefill_next_to_a_decoding_stream_keeps_to_the_step_cap(pair):
     auto, colocated = pair
-    stream = threading.Thread(target=complete, args=(auto.url, "stream on", 200))
+    decoding = threading.Event()
+
+    def stream_on():
+        client = openai.OpenAI(base_url=auto.url + "/v1", api_key="none")
+        for _ in client.completions.create(model="tiny-llama", prompt="stream on", max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            decoding.set()
+
+    stream = threading.Thread(target=stream_on)
     stream.start()
     try:
+        assert decoding.wait(60)  # the prompt below arrives while this stream decodes
         prompt = "x" * 60  # 62 tokens: local, in chunks of 16 next to the decoding stream
         assert complete(auto.url, prompt).choices[0].text == complete(colocated.url, prompt).choices[0].text
     finally:

@@ -35,6 +35,19 @@ def test_byte_tokenizer_roundtrip():
     assert ids[0] == tok.bos_token_id and tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("overrides", [None, {"num_hidden_layers": 12}, {"tie_word_embeddings": True}])
+def test_the_engines_tiny_weights_are_the_bits_of_the_transformers_model(overrides):
+    from engine.models.llama import ModelSpec
+    from engine.tiny import build_tiny_model, tiny_weights
+
+    hf = build_tiny_model(overrides)
+    config, state, suppress = tiny_weights(overrides)
+    want = hf.state_dict()
+    assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
+    assert suppress == list(hf.generation_config.suppress_tokens)
+    assert ModelSpec.from_hf(config) == ModelSpec.from_hf(hf.config)
+
+
 def test_tiny_weights_identical_across_processes():
     out = [subprocess.run([sys.executable, "-c", WEIGHT_HASH], capture_output=True, text=True, check=True).stdout
            for _ in range(2)]

@@ -133,21 +133,29 @@ def slow_model(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("slow"), SLOW)
 
 
+STREAMED_PROMPTS = ["The quick brown fox " * 60, "hi", "tokens " * 200]
+
+
+def answers_of(model_dir: str, *args: str) -> list[dict]:
+    cluster = Cluster("--model", model_dir, *args).wait_ready()
+    try:
+        return [httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+            "model": model_dir.rsplit("/", 1)[1], "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json() for p in STREAMED_PROMPTS]
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated_answers(slow_model):
+    return answers_of(slow_model, "--colocated")
+
+
 @pytest.mark.parametrize("transport", STREAMING)
-def test_up_streams_kv_and_answers_exactly_as_without_streaming(slow_model, transport):
-    model = slow_model.rsplit("/", 1)[1]
-    prompts = ["The quick brown fox " * 60, "hi", "tokens " * 200]
-    answers = {}
-    for mode in ("stream", "off", "colocated"):
-        extra = ["--colocated"] if mode == "colocated" else ["--transport", transport]
-        extra += ["--no-kv-stream"] if mode == "off" else []
-        cluster = Cluster("--model", slow_model, *extra).wait_ready()
-        try:
-            answers[mode] = [httpx.post(cluster.url + "/v1/completions", timeout=120, json={
-                "model": model, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}).json() for p in prompts]
-        finally:
-            cluster.stop()
+def test_up_streams_kv_and_answers_exactly_as_without_streaming(slow_model, colocated_answers, transport):
+    answers = {"stream": answers_of(slow_model, "--transport", transport),
+               "off": answers_of(slow_model, "--transport", transport, "--no-kv-stream"),
+               "colocated": colocated_answers}
     for mode in ("stream", "off"):
         for got, want in zip(answers[mode], answers["colocated"]):
             assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]

@@ -117,14 +117,15 @@ def test_a_sequence_resumed_from_its_first_token_goes_on_as_the_whole_one():
     assert seq.output_ids == whole.output_ids
 
 
-def test_two_minutes_of_chaos_lose_no_request_before_its_first_byte(tmp_path):
+def test_a_minute_of_chaos_loses_no_request_before_its_first_byte(tmp_path):
+    # the ten-minute run is bench/results/chaos-10min.*; here a worker dies every 10 s
     out = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "bench", "chaos",
-                           "--duration", "120", "--kill-every", "20", "--streams", "8", "--out", str(out)],
+                           "--duration", "50", "--kill-every", "10", "--streams", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "chaos.json").read_text())
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    assert report["failed_before_first_byte"] == 0 and report["ok"] > 100
+    assert report["failed_before_first_byte"] == 0 and report["ok"] > 40
     assert sum(1 for k in report["kills"] if "pid" in k) >= 4
     assert report["leaked_blocks"] == 0 and all(b["healthy_at_end"] for b in report["kv_blocks"])
     assert max(g for g in report["rss_growth_pct"].values() if g is not None) < 5

@@ -58,3 +58,11 @@ def test_kv_options_reach_the_transport_and_up_forwards_them():
                                                "nccl_rank": 1, "nixl_progress_thread": False}
     up = _parser().parse_args(["up", "--transport", "nixl", *opts])
     assert engine_args(up)[-6:] == opts
+
+
+def test_the_router_never_imports_torch():
+    import subprocess
+    import sys
+    code = "import sys, deploy.cli, router.main, router.app; deploy.cli._parser(with_bench=False); print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
