@@ -15,9 +15,9 @@ from kvtransfer.tensors import layout_of, materialize
 
 WEIGHT_HASH = """
 import hashlib, torch
-from engine.tiny import build_tiny_model
+from engine.tiny import tiny_weights
 h = hashlib.sha256()
-for name, p in sorted(build_tiny_model().state_dict().items()):
+for name, p in sorted(tiny_weights()[1].items()):
     h.update(name.encode()); h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
 print(h.hexdigest())
 """

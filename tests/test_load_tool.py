@@ -15,7 +15,7 @@ def test_guidellm_runs_clean_against_pdserve_up(disagg, tmp_path):
     out = tmp_path / "guidellm.json"
     cmd = ["guidellm", "run", f"--backend=kind=openai_http,target={disagg.url},model=tiny-llama",
            f"--tokenizer=kind=hf_auto,model={tokenizer}", "--data=kind=synthetic_text,prompt_tokens=64,output_tokens=32",
-           "--profile=kind=concurrent,streams=4", "--constraint=kind=max_duration,seconds=12",
+           "--profile=kind=concurrent,streams=4", "--constraint=kind=max_duration,seconds=8",
            f"--output=kind=json,path={out}", "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

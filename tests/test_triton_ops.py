@@ -157,8 +157,8 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     from engine.generate import generate_many
     from engine.models.llama import use_kernels
 
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = ["hello", "a longer prompt for the tiny model " * 2, "x"]
     plain = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="off", threads=1))
     want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
     fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1, max_num_seqs=12))
@@ -166,7 +166,7 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     use_kernels(fast.model, triton_layers)
     fast.warm_up()  # compiles the decode variants mixed steps pick, then runs the warm-up workload
     got = [s.output_ids for _, s in generate_many(fast, prompts, [greedy] * 3)]
-    assert got == want and fast.runner.graphs.runs >= 9
+    assert got == want and fast.runner.graphs.runs >= 5  # every decode step through the graph's kernels
     from engine.sequence import Sequence  # one joins mid-run: mixed steps (decode rows through the kernels)
 
     seqs = [Sequence.create(f"m{i}", p, greedy, fast.tokenizer, fast.max_len) for i, p in enumerate(prompts)]
@@ -175,6 +175,8 @@ def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
         if step in (3, 5):
             fast.add(seqs[1 if step == 3 else 2])
         fast.step()
+        if step > 5 and all(s.finished for s in seqs):
+            break
     assert [s.output_ids for s in seqs] == want
 
 
@@ -383,8 +385,8 @@ def test_moe_engine_on_the_kernels_gives_the_same_tokens(tmp_path, family):
     from tests.test_paged_engine import write_family
 
     path = write_family(tmp_path, family)
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    prompts = ["hello", "a longer prompt for the tiny model " * 3, "x"]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = ["hello", "a longer prompt for the tiny model " * 2, "x"]
     plain = Engine(EngineConfig(model=path, device="cuda", dtype="float32", decode_graphs="off", threads=1))
     want = [s.output_ids for _, s in generate_many(plain, prompts, [greedy] * 3)]
     fast = Engine(EngineConfig(model=path, device="cuda", dtype="float32", threads=1, max_num_seqs=8))
