@@ -61,8 +61,16 @@ class WorkerLoop:
         if stages is not None:  # stage 0 of a pipeline: the others' processes and layers
             out.update(pp=len(stages.spans), pp_layers=[list(s) for s in stages.spans],
                        stage_pids=[p.pid for p in stages.procs.values()],
-                       stage_hosts=getattr(stages, "hosts", None))
+                       stage_hosts=getattr(stages, "hosts", None), pp_in_flight_max=self._most_in_flight(engine))
         return out
+
+    @staticmethod
+    def _most_in_flight(engine) -> int | None:
+        """The most micro-batches a pipeline has had in flight at once (torch: the driver's; mlx: its batches')."""
+        for holder in (getattr(engine, "stage", None), getattr(engine, "micro", None)):
+            if getattr(holder, "most_in_flight", None) is not None:
+                return holder.most_in_flight
+        return None
 
     def _on_message(self, identity: bytes, msg: dict) -> None:
         every = msg.get("every") if msg["op"] == "ping" else None

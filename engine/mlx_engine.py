@@ -39,6 +39,7 @@ from .parallel.group import SINGLE, TPGroup
 from .sampler import TokenChoice, choose
 from .scheduler import Batch
 from .sequence import Sequence
+from .mlx_batches import MlxBatches
 from .mlx_loader import _mx, load_mlx
 
 log = logging.getLogger(__name__)
@@ -103,16 +104,19 @@ class MlxEngine:
         self.on_schedule = None
         self.budget = cfg.max_batched_tokens or 2048
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.caches: dict[str, list] = {}
         self.mirrors: dict[str, Sequence] = {}  # a follower's copies of rank 0's sequences
-        self.batch = None
+        self.micro = MlxBatches(self, self.pipeline.size if self.pipeline is not None else 1)
         self._tell("mlx_config", hold_after_first=hold_after_first)
         log.info("mlx engine: %s (%s), context %d", self.name, self.mx_dtype, self.max_len)
 
     @property
     def kv_capacity_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.micro.running
 
     @property
     def has_work(self) -> bool:
@@ -218,13 +222,7 @@ class MlxEngine:
         return seq
 
     def _join(self, seq, caches) -> None:
-        batch = [self._batch_cache.merge([c]) for c in caches]
-        if self.batch is None:
-            self.batch = batch
-        else:
-            for mine, new in zip(self.batch, batch):
-                mine.extend(new)
-        self.running.append(seq)
+        self.micro.join(seq, caches)
 
     guides = property(engine_guides)  # masks applied by the torch sampler these scores go to
 
@@ -240,8 +238,9 @@ class MlxEngine:
         self._tell("mlx_step")
         out = StepOutput()
         if self.running:
-            self._decode(out)
+            self.micro.step(out)
         if self.waiting:
+            self.micro.drain(out)  # a prompt's forward goes through the stages alone
             seq = self.waiting[0]
             if self.on_schedule is not None:
                 batch = Batch()
@@ -277,33 +276,22 @@ class MlxEngine:
         if not self._finished(seq):
             self._join(seq, caches)
 
-    def _decode(self, out: StepOutput) -> None:
-        ids = self.mx.array([[s.output_ids[-1]] for s in self.running])
-        logits = self._forward(ids, self.batch, self.running)[:, -1, :]
-        for s in self.running:
-            s.num_computed += 1
-        choices = self._pick(logits, self.running)
-        out.batch_tokens += len(self.running)
-        running = list(self.running)
-        for seq, choice in zip(running, choices):
-            out.tokens.append((seq, seq.append(choice)))
-        self._chosen(running)
-        for seq in running:
-            if self._finished(seq):
-                self._drop(seq)
-
     def _forward(self, ids, caches, seqs):
         """The model's logits (lazy); in a pipeline (``--pp``) the stages' forward, its hops added to ``seqs``."""
         if self.pipeline is None:
             return self.model(ids, cache=caches)
         logits = self.pipeline.forward(ids, caches)
         if self.plan_in is None:
-            from .pipeline.driver import add_hops
-
-            for seq in seqs:
-                seq.pp_hops = seq.pp_hops or []
-                add_hops(seq.pp_hops, self.pipeline.last)
+            self.add_step_hops(seqs)
         return logits
+
+    def add_step_hops(self, seqs) -> None:
+        """(Rank 0 of a pipeline) The hops of the forward that just landed, added to each of its sequences."""
+        from .pipeline.driver import add_hops
+
+        for seq in seqs:
+            seq.pp_hops = seq.pp_hops or []
+            add_hops(seq.pp_hops, self.pipeline.last)
 
     def _pick(self, logits, seqs) -> list:
         """The next tokens: chosen here, or (a follower) rank 0's."""
@@ -339,21 +327,14 @@ class MlxEngine:
         self.caches.pop(seq.rid, None)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq in self.running:
-            keep = [i for i, s in enumerate(self.running) if s is not seq]
-            self.running = [self.running[i] for i in keep]
-            if keep:
-                index = self.mx.array(keep)
-                for cache in self.batch:
-                    cache.filter(index)
-            else:
-                self.batch = None
+        self.micro.drop(seq)
 
     def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list:
         """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),
         evaluated; transports take them as they are (mlx) or as views of their memory."""
         self._tell("mlx_gather", rid=seq.rid, skip=skip_tokens)
         mx, n = self.mx, len(seq.prompt_ids)
+        self.micro.drain()  # the gather below uses the ring
         heads = [(c.keys[0, :, skip_tokens:n, :], c.values[0, :, skip_tokens:n, :]) for c in self.caches[seq.rid]]
         if self.pipeline is not None:  # every rank's layers, in layer order
             heads = self.pipeline.gather(heads)

@@ -60,9 +60,10 @@ def started(clients: list[StreamClient]) -> list[StreamClient]:
     return clients
 
 
-def streams_the_engines_tokens(path: str, prompts: list[str], flags: list[str], **engine_kw) -> list:
-    """``pdserve up`` with ``flags`` on the checkpoint at ``path``: the prompts streamed at once (8 greedy tokens
-    each) equal one torch engine's (``engine_kw``: its config); returns the clients, the first with the cluster's
+def streams_the_engines_tokens(path: str, prompts: list[str], flags: list[str], max_tokens: int = 8,
+                               **engine_kw) -> list:
+    """``pdserve up`` with ``flags`` on the checkpoint at ``path``: the prompts streamed at once (``max_tokens``
+    greedy tokens each) equal one torch engine's (``engine_kw``: its config); returns the clients, the first with the cluster's
     ``health`` from the moment they ended."""
     from deploy.local import Cluster
     from engine import EngineConfig, SamplingParams
@@ -72,11 +73,11 @@ def streams_the_engines_tokens(path: str, prompts: list[str], flags: list[str], 
     engine = Engine(EngineConfig(model=path, threads=1, **engine_kw))
     want = [s.output_ids for _, s in generate_many(
         engine, [engine.tokenizer.encode(p) for p in prompts],
-        [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts])]
+        [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) for _ in prompts])]
     cluster = Cluster(*flags, "--model", path)
     try:
         cluster.wait_ready()
-        bodies = [{"model": path.rsplit("/", 1)[1], "prompt": p, "max_tokens": 8, "temperature": 0,
+        bodies = [{"model": path.rsplit("/", 1)[1], "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                    "ignore_eos": True} for p in prompts]
         clients = started([StreamClient(cluster.url, b) for b in bodies])
         for c in clients:

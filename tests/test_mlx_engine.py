@@ -46,7 +46,7 @@ def test_sequences_joining_mid_run_and_long_prompts_in_chunks(model):
     ps = prompts(5, seed=6)
     seqs, _ = staggered(mlx, ps, 8)
     assert [s.output_ids for s in seqs] == outputs(torch_engine, ps, 8)
-    assert not mlx.running and mlx.batch is None
+    assert not mlx.running and all(b.caches is None for b in mlx.micro.batches)
 
 
 @pytest.mark.parametrize("prefill_kind,decode_kind", [("mlx", "torch"), ("torch", "mlx")])
@@ -87,7 +87,7 @@ def test_bf16_kv_lands_in_an_fp32_mlx_engine_converted():
     assert kv[0][0].dtype == torch.bfloat16
     cont = Sequence.resume("d", seq.prompt_ids, seq.output_ids[0], seq.detok.emitted, seq.params, mlx.tokenizer, 1024)
     mlx.add_prefilled(cont, kv)
-    assert mlx.batch[0].keys.dtype == mlx.mx.float32
+    assert mlx.micro.batches[0].caches[0].keys.dtype == mlx.mx.float32
     while not cont.finished:
         mlx.step()
     assert len(cont.output_ids) == 4

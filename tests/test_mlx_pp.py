@@ -1,6 +1,6 @@
 """The MLX engine with pipeline stages (``--pp``: each rank of an ``mx.distributed`` ring holds a range of mlx-lm's
 layers, hidden states sent rank to rank): greedy tokens equal the torch engine's for Qwen3 over three stages
-(batched, joining mid-run, prompts in chunks) and the built-in model; every hop's wire time and bytes reach the
+(batched in three micro-batches in flight together, joining mid-run, prompts in chunks) and the built-in model; every hop's wire time and bytes reach the
 response; mlx pipelines hand their KV (gathered through rank 0) to mlx and torch pipelines of another split."""
 import importlib.util
 
@@ -17,9 +17,10 @@ from tests.test_tp_serving import reference, streams_of_the_reference  # noqa: E
 def test_colocated_mlx_pp3_streams_the_torch_engines_tokens(tmp_path):
     """A process can form one MLX group only, so the stages run under ``pdserve up`` (as users run them)."""
     path = write_family(tmp_path / "qwen3", "qwen3")  # three layers: one per stage
-    clients = cluster_streams_the_torch_tokens(path, 7, "--pp", "3")
+    clients = cluster_streams_the_torch_tokens(path, 7, "--pp", "3", max_tokens=24)
     worker = clients[0].health["workers"]["colocated"][0]
     assert (worker["pp"], worker["pp_layers"], len(worker["stage_pids"])) == (3, [[0, 1], [1, 2], [2, 3]], 2)
+    assert worker["pp_in_flight_max"] == 3  # decode kept a micro-batch in every stage
     hops = clients[0].pdserve["pp_hops"]
     assert [h["hop"] for h in hops] == ["0->1", "1->2", "2->0"]
     assert all(h["steps"] >= 8 and h["wire"] > 0 and h["bytes"] > 0 for h in hops)

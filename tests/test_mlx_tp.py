@@ -15,12 +15,12 @@ from tests.test_paged_engine import prompts, write_family  # noqa: E402
 from tests.test_tp_serving import reference, streams_of_the_reference  # noqa: E402, F401
 
 
-def cluster_streams_the_torch_tokens(path: str, seed: int, *flags) -> list:
+def cluster_streams_the_torch_tokens(path: str, seed: int, *flags, max_tokens: int = 8) -> list:
     """``pdserve up --colocated --engine mlx`` with ``flags``: four prompts at once (batched, joining, in chunks of
     16 tokens) stream the torch engine's greedy tokens."""
     ps = [bytes(p).decode("latin-1") for p in prompts(4, seed=seed)]
     return streams_the_engines_tokens(path, ps, ["--colocated", "--engine", "mlx", *flags, "--max-batched-tokens",
-                                                 "16"])
+                                                 "16"], max_tokens)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -13,10 +13,11 @@ to rank 0, which applies the LM head. A stage's output is evaluated before
 its send, and the send evaluated alone: that time is the hop's ``wire``
 phase (no copies: MLX sends its arrays' memory), and each follower reports
 its hop (``{kind: hop, step, hop, wire, bytes}``); rank 0 collects every
-hop of a step before it returns, so each sequence's ``pp_hops`` has every
-hop of every step it was in. One forward is in the pipeline at a time: the
-stages hold a model that one Mac cannot, they do not overlap micro-batches
-(the torch engine's pipeline does).
+hop of a forward when it lands, so each sequence's ``pp_hops`` has every
+hop of every step it was in. A forward is ``launch`` (this stage's part)
+then, on rank 0, ``land``: decode keeps one micro-batch in flight per stage
+(``engine.mlx_batches``), so the stages work on different micro-batches at
+once; a prompt's forward goes through alone.
 
 KV leaves and enters through rank 0: ``gather`` collects every rank's
 layers of a prompt (an all-gather of each rank's layers, padded to the
@@ -55,12 +56,21 @@ class MlxStages:
         self.hops: queue.Queue = queue.Queue()
         self.hop_totals: list[dict] = []  # per hop: phases summed over every step (bench)
         self.procs, self.report, self.last = getattr(group, "procs", {}), report, []
+        self.first_hops: dict[int, dict] = {}  # rank 0: its own hop of each forward not landed yet
+        self.early: dict[tuple, dict] = {}  # rank 0: (forward, rank) -> a hop reported before its forward landed
         if plan is not None:
             plan.by_kind["hop"] = self.hops.put
 
     def forward(self, ids, caches):
         """Logits on rank 0 (lazy), the evaluated stage output elsewhere; on rank 0 ``last`` holds the step's hops
         (per hop, in order: ``wire`` ms and ``bytes``)."""
+        tag = self.launch(ids, caches)
+        return self.land(tag, ids.shape) if self.rank == 0 else self.output
+
+    def launch(self, ids, caches) -> int:
+        """This stage's part of a forward: rank 0 embeds ``ids`` and runs its layers, the others take the hidden
+        states from the stage before; the output goes to the next stage (the last one's back to rank 0, where
+        ``land`` takes it). Returns the forward's tag (every rank counts the same forwards)."""
         mx, g = self.mx, self.group.group
         self.steps += 1
         inner = self.model.model
@@ -70,27 +80,33 @@ class MlxStages:
             x = mx.distributed.recv((*ids.shape, self.hidden), self.norm.weight.dtype, self.rank - 1, group=g)
             h = inner(None, cache=caches, input_embeddings=x)
         mx.eval(h)
+        self.output = h
         began = time.perf_counter()
         mx.eval(mx.distributed.send(h, (self.rank + 1) % self.size, group=g))
         hop = {"wire": (time.perf_counter() - began) * 1e3, "bytes": h.nbytes}
         if self.rank != 0:
             self.report(kind="hop", step=self.steps, rank=self.rank, **hop)
-            return h
-        out = mx.distributed.recv_like(h, self.size - 1, group=g)
+        else:
+            self.first_hops[self.steps] = hop
+        return self.steps
+
+    def land(self, tag: int, shape) -> object:
+        """(Rank 0) The logits of forward ``tag`` (forwards land in the order launched); ``last`` its hops."""
+        mx = self.mx
+        out = mx.distributed.recv((*shape, self.hidden), self.norm.weight.dtype, self.size - 1, group=self.group.group)
         mx.eval(out)
-        self.last = [hop] + self._reports(self.steps)
+        self.last = [self.first_hops.pop(tag)] + self._reports(tag)
         add_hops(self.hop_totals, self.last)
         head = getattr(self.model, "lm_head", None)
-        return head(out) if head is not None else inner.embed_tokens.as_linear(out)
+        return head(out) if head is not None else self.model.model.embed_tokens.as_linear(out)
 
     def _reports(self, step: int, timeout_s: float = 30.0) -> list[dict]:
-        """The other stages' hops of ``step`` (each reported right after its send, before rank 0's receive ended)."""
-        got = {}
-        while len(got) < self.size - 1:
+        """The other stages' hops of forward ``step`` (each reported right after its send; those of later
+        forwards kept for their turn)."""
+        while sum(1 for key in self.early if key[0] == step) < self.size - 1:
             msg = self.hops.get(timeout=timeout_s)
-            if msg["step"] == step:
-                got[msg["rank"]] = {"wire": msg["wire"], "bytes": msg["bytes"]}
-        return [got[r] for r in range(1, self.size)]
+            self.early[(msg["step"], msg["rank"])] = {"wire": msg["wire"], "bytes": msg["bytes"]}
+        return [self.early.pop((step, r)) for r in range(1, self.size)]
 
     def gather(self, layers: list) -> list:
         """(Every rank) Every rank's ``(k, v)`` layers, in layer order, on every rank."""
