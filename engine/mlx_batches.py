@@ -1,4 +1,5 @@
-"""The MLX engine's running sequences, in as many micro-batches as pipeline stages (one without a pipeline).
+"""The MLX engine's forwards: running sequences in as many micro-batches as pipeline stages (one without a
+pipeline), and prompt chunks.
 
 A sequence joins the micro-batch with the fewest sequences and stays there;
 each micro-batch has its own batched caches (mlx-lm's ``BatchKVCache``, one
@@ -12,16 +13,31 @@ arrive, and the landing takes the last stage's output back: so stage 1 works
 on one micro-batch while stage 0 works on the next, and with as many
 micro-batches as stages every stage works every step.
 
-The ring carries one conversation at a time and every stage's caches must be
-in step, so anything else that uses them (a prompt's forward, KV gathered
-or shared, a sequence joining or leaving a micro-batch in flight) first
-lands every micro-batch in flight (``drain``); tokens landed outside a step
-are handed out by the next one. Every rank runs this code on the same
-mirrored state, so all launch and land alike."""
+A prompt's chunks are flights too: each writes its own caches, layer by
+layer in stage order, so the next chunk can follow it into stage 0 at once
+(a long prompt fills the pipeline alone); its last chunk's landing gives the
+first token. Decode micro-batches and prompt chunks take turns at the last
+free place. Flights land in the order launched, which is the order of the
+messages on every link of the ring. Anything else that uses the ring or the
+caches (KV gathered for a prefill worker, a sequence joining or leaving a
+micro-batch in flight) first lands everything in flight (``drain``); tokens
+landed outside a step are handed out by the next one. Every rank runs this
+code on the same mirrored state, so all launch and land alike."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Chunk:
+    """A prompt chunk's forward (``MlxEngine.launch_chunk``)."""
+    seq: object
+    caches: list
+    tokens: int
+    last: bool  # its logits give the prompt's first token
+    tag: int | None = None
+    logits: object = None
 
 
 @dataclass
@@ -36,10 +52,12 @@ class MlxBatches:
     def __init__(self, engine, count: int):
         self.engine = engine
         self.batches = [MicroBatch() for _ in range(max(1, count))]
-        self.flights: deque[MicroBatch] = deque()
+        self.flights: deque[MicroBatch | Chunk] = deque()
         self.landed: list = []  # (seq, appended) landed by a drain outside a step
+        self.depth = max(1, count)  # forwards in flight at most: one per stage
         self.turn = 0
         self.tags = 0
+        self.chunk_first = False
         self.most_in_flight = 0
 
     @property
@@ -60,14 +78,12 @@ class MlxBatches:
 
     def drop(self, seq) -> bool:
         """Take ``seq`` out of its micro-batch (landing what is in flight if it is); False if it is in none."""
+        if any(f.seq is seq if isinstance(f, Chunk) else seq in f.seqs for f in self.flights):
+            self.drain()  # what it is in lands first (its prompt may finish and join a micro-batch)
+            self.landed = [(s, t) for s, t in self.landed if s is not seq]
         batch = next((b for b in self.batches if seq in b.seqs), None)
         if batch is None:
             return False
-        if batch.tag is not None:
-            self.drain()
-            self.landed = [(s, t) for s, t in self.landed if s is not seq]
-            if seq not in batch.seqs:  # finished as it landed
-                return True
         keep = [i for i, s in enumerate(batch.seqs) if s is not seq]
         batch.seqs = [batch.seqs[i] for i in keep]
         if keep:
@@ -79,14 +95,37 @@ class MlxBatches:
         return True
 
     def step(self, out) -> None:
-        """One decode step: launch the next idle micro-batch; land the oldest once nothing more can be launched."""
+        """Without a pipeline: a decode forward of the micro-batch, then a prompt chunk's. In one: launch the next
+        idle micro-batch and the next prompt chunk (taking turns at the last free place) while fewer than ``depth``
+        are in flight, then land the oldest while ``depth`` are, or all once nothing more can be launched."""
         out.tokens.extend(self.landed)
         self.landed = []
-        nxt = self._next_idle()
-        if nxt is not None:
-            self._launch(nxt)
-        if self.flights and self._next_idle() is None:
+        engine = self.engine
+        if engine.pipeline is None:
+            if self.batches[0].seqs:
+                self._launch(self.batches[0])
+                self._land(out)
+            chunk = engine.launch_chunk(out)
+            if chunk is not None:
+                self.flights.append(chunk)
+                self._land(out)
+            return
+        self.chunk_first = not self.chunk_first
+        for kind in ("chunk", "decode") if self.chunk_first else ("decode", "chunk"):
+            if len(self.flights) >= self.depth:
+                break
+            if kind == "decode" and (batch := self._next_idle()) is not None:
+                self._launch(batch)
+            elif kind == "chunk" and (chunk := engine.launch_chunk(out)) is not None:
+                self.flights.append(chunk)
+        self.most_in_flight = max(self.most_in_flight, len(self.flights))
+        while self.flights and (len(self.flights) >= self.depth or not self._can_launch()):
             self._land(out)
+
+    def _can_launch(self) -> bool:
+        waiting = self.engine.waiting
+        return any(b.seqs and b.tag is None for b in self.batches) or \
+            any(s.num_computed < s.num_tokens for s in waiting)
 
     def drain(self, out=None) -> None:
         """Land every micro-batch in flight (their tokens into ``out``, or kept for the next step)."""
@@ -120,19 +159,22 @@ class MlxBatches:
         for s in batch.seqs:
             s.num_computed += 1
         self.flights.append(batch)
-        self.most_in_flight = max(self.most_in_flight, len(self.flights))
 
     def _land(self, out) -> None:
-        engine, batch = self.engine, self.flights.popleft()
-        seqs = list(batch.seqs)
-        logits = batch.logits
+        engine, flight = self.engine, self.flights.popleft()
+        chunk = isinstance(flight, Chunk)
+        seqs = [flight.seq] if chunk else list(flight.seqs)
+        logits = flight.logits
         if engine.pipeline is not None:
             if engine.plan_in is None:
-                logits = engine.pipeline.land(batch.tag, (len(seqs), 1))
+                logits = engine.pipeline.land(flight.tag, (1, flight.tokens) if chunk else (len(seqs), 1))
                 engine.add_step_hops(seqs)
             else:
                 logits = engine.mx.array(0.0)  # a follower: rank 0 samples
-        batch.tag, batch.logits = None, None
+        flight.tag, flight.logits = None, None
+        if chunk:
+            engine.land_chunk(flight, logits, out)
+            return
         choices = engine._pick(logits[:, -1, :] if logits.ndim == 3 else logits, seqs)
         out.batch_tokens += len(seqs)
         for seq, choice in zip(seqs, choices):

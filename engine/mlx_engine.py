@@ -39,7 +39,7 @@ from .parallel.group import SINGLE, TPGroup
 from .sampler import TokenChoice, choose
 from .scheduler import Batch
 from .sequence import Sequence
-from .mlx_batches import MlxBatches
+from .mlx_batches import Chunk, MlxBatches
 from .mlx_loader import _mx, load_mlx
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class MlxEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.micro.flights)
 
     def keys(self, seq, tokens):
         return []
@@ -233,41 +233,51 @@ class MlxEngine:
         return scores
 
     def step(self) -> StepOutput:
-        """One decode step of the running batch, then a chunk of the oldest waiting prompt (which joins the batch
-        for the next step once it has its first token)."""
+        """A decode step of the running micro-batches and a chunk of the oldest waiting prompt (which joins a
+        micro-batch once it has its first token); in a pipeline they are launched and landed as ``mlx_batches``
+        says."""
         self._tell("mlx_step")
         out = StepOutput()
-        if self.running:
-            self.micro.step(out)
-        if self.waiting:
-            self.micro.drain(out)  # a prompt's forward goes through the stages alone
-            seq = self.waiting[0]
-            if self.on_schedule is not None:
-                batch = Batch()
-                batch.add(seq, min(seq.num_tokens - seq.num_computed, self.budget))
-                self.on_schedule(batch)
-            self._prefill(seq, out)
+        self.micro.step(out)
         return out
 
-    def _prefill(self, seq: Sequence, out: StepOutput) -> None:
-        mx = self.mx
+    def launch_chunk(self, out: StepOutput) -> Chunk | None:
+        """The next chunk of the oldest waiting prompt whose chunks are not all launched, started (lazily without a
+        pipeline, through this stage in one); a prompt too long for the KV budget is refused."""
+        seq = next((s for s in self.waiting if s.num_computed < s.num_tokens), None)
+        if seq is None:
+            return None
         if len(seq.prompt_ids) + 1 > self.num_blocks * self.block_size:
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             out.refused.append(seq)
-            return
-        caches = self.caches.setdefault(seq.rid, [self._cache() for _ in self.model.layers])
+            return None
         chunk = min(seq.num_tokens - seq.num_computed, self.budget)
+        if self.on_schedule is not None:
+            batch = Batch()
+            batch.add(seq, chunk)
+            self.on_schedule(batch)
+        caches = self.caches.setdefault(seq.rid, [self._cache() for _ in self.model.layers])
         seq.scheduled_at = seq.scheduled_at or time.perf_counter()
-        ids = mx.array([seq.tokens(seq.num_computed, seq.num_computed + chunk)])
-        logits = self._forward(ids, caches, [seq])[:, -1, :]
+        ids = self.mx.array([seq.tokens(seq.num_computed, seq.num_computed + chunk)])
         seq.num_computed += chunk
         out.scheduled.append(seq)
         out.batch_tokens += chunk
-        if seq.num_computed < seq.num_tokens:
-            mx.eval([logits] + [c.keys for c in caches])  # (in a pipeline the forward runs on every rank)
+        last = seq.num_computed >= seq.num_tokens
+        if self.pipeline is None:
+            return Chunk(seq, caches, chunk, last, logits=self.model(ids, cache=caches))
+        return Chunk(seq, caches, chunk, last, tag=self.pipeline.launch(ids, caches))
+
+    def land_chunk(self, chunk: Chunk, logits, out: StepOutput) -> None:
+        """A chunk's forward done: the prompt's first token after its last chunk (then it joins a micro-batch, or
+        waits with its KV on a prefill worker)."""
+        seq, caches = chunk.seq, chunk.caches
+        if not chunk.last:
+            if self.pipeline is None:
+                self.mx.eval([c.keys for c in caches])
             return
-        self.waiting.popleft()
-        choice = self._pick(logits, [seq])[0]
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        choice = self._pick(logits[:, -1, :] if logits.ndim == 3 else logits, [seq])[0]
         out.tokens.append((seq, seq.append(choice)))
         self._chosen([seq])
         if self.hold_after_first:
@@ -275,15 +285,6 @@ class MlxEngine:
         del self.caches[seq.rid]
         if not self._finished(seq):
             self._join(seq, caches)
-
-    def _forward(self, ids, caches, seqs):
-        """The model's logits (lazy); in a pipeline (``--pp``) the stages' forward, its hops added to ``seqs``."""
-        if self.pipeline is None:
-            return self.model(ids, cache=caches)
-        logits = self.pipeline.forward(ids, caches)
-        if self.plan_in is None:
-            self.add_step_hops(seqs)
-        return logits
 
     def add_step_hops(self, seqs) -> None:
         """(Rank 0 of a pipeline) The hops of the forward that just landed, added to each of its sequences."""
@@ -323,11 +324,11 @@ class MlxEngine:
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
+        self.micro.drop(seq)  # first: what it is in flight with lands
         self.mirrors.pop(seq.rid, None)
         self.caches.pop(seq.rid, None)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.micro.drop(seq)
 
     def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list:
         """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),

@@ -9,7 +9,7 @@ import httpx
 from tests.checkpoints import SLOW, write_checkpoint
 from tests.fleet import Fleet
 from tests.streams import StreamClient
-from tests.test_failures import LONG, SHORT, complete, decode_is_clean, eventually
+from tests.test_failures import LONG, complete, decode_is_clean, eventually
 
 # tiny-llama keeps 1 KiB of KV per token: one LONG request (~916 tokens) fits in 1.2M, two do not
 BUDGET = "1.2M"

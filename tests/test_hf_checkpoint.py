@@ -4,7 +4,6 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.generate import generate
 from engine.engine import Engine
-from engine.tiny import build_tiny_model
 from tests.checkpoints import write_checkpoint
 
 

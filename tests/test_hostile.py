@@ -1,7 +1,6 @@
 """Hostile input: malformed HTTP requests get 4xx with an OpenAI-style error body and the
 server keeps serving; garbage and stalls on the control and data ports drop only that
 connection; the frame and message decoders survive fuzzing."""
-import json
 import socket
 import struct
 import time

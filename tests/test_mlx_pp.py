@@ -26,6 +26,16 @@ def test_colocated_mlx_pp3_streams_the_torch_engines_tokens(tmp_path):
     assert all(h["steps"] >= 8 and h["wire"] > 0 and h["bytes"] > 0 for h in hops)
 
 
+def test_a_long_prompts_chunks_follow_each_other_into_the_stages(tmp_path):
+    from tests.streams import streams_the_engines_tokens
+
+    path = write_family(tmp_path / "qwen3", "qwen3")
+    prompt = "".join(chr(33 + i % 90) for i in range(110))  # 8 chunks of 16 tokens
+    clients = streams_the_engines_tokens(path, [prompt], ["--colocated", "--engine", "mlx", "--pp", "3",
+                                                          "--max-batched-tokens", "16"])
+    assert clients[0].health["workers"]["colocated"][0]["pp_in_flight_max"] == 3  # one sequence: its chunks
+
+
 @pytest.mark.parametrize("args", [
     ("--engine", "mlx", "--prefill-pp", "2", "--decode-pp", "3"),
     ("--prefill-engine", "mlx", "--prefill-pp", "2", "--decode-pp", "2"),

@@ -61,12 +61,6 @@ class MlxStages:
         if plan is not None:
             plan.by_kind["hop"] = self.hops.put
 
-    def forward(self, ids, caches):
-        """Logits on rank 0 (lazy), the evaluated stage output elsewhere; on rank 0 ``last`` holds the step's hops
-        (per hop, in order: ``wire`` ms and ``bytes``)."""
-        tag = self.launch(ids, caches)
-        return self.land(tag, ids.shape) if self.rank == 0 else self.output
-
     def launch(self, ids, caches) -> int:
         """This stage's part of a forward: rank 0 embeds ``ids`` and runs its layers, the others take the hidden
         states from the stage before; the output goes to the next stage (the last one's back to rank 0, where
@@ -80,7 +74,6 @@ class MlxStages:
             x = mx.distributed.recv((*ids.shape, self.hidden), self.norm.weight.dtype, self.rank - 1, group=g)
             h = inner(None, cache=caches, input_embeddings=x)
         mx.eval(h)
-        self.output = h
         began = time.perf_counter()
         mx.eval(mx.distributed.send(h, (self.rank + 1) % self.size, group=g))
         hop = {"wire": (time.perf_counter() - began) * 1e3, "bytes": h.nbytes}
