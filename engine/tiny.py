@@ -86,19 +86,14 @@ def _speakable(c) -> torch.Tensor:
 
 
 def build_tiny_model(overrides: dict | None = None, seed: int = TINY_SEED):
-    """The tiny model as ``transformers``' own ``LlamaForCausalLM`` (the reference the tests hold the engines to)."""
+    """The tiny model as ``transformers``' own ``LlamaForCausalLM`` (the reference the tests hold the engines to),
+    with ``tiny_weights`` (every name and shape must match: strict)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**TINY_CONFIG, **(overrides or {})})
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
-        speakable = _speakable(config)
-        model.lm_head.weight[~speakable] = 0.0
-    model.generation_config.suppress_tokens = (~speakable).nonzero().flatten().tolist()
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **(overrides or {})}))
+    _, state, suppress = tiny_weights(overrides, seed)
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    model.load_state_dict(state, strict=not model.config.tie_word_embeddings)
+    model.generation_config.suppress_tokens = suppress
     return model.eval()

@@ -36,22 +36,21 @@ def test_byte_tokenizer_roundtrip():
 
 
 @pytest.mark.parametrize("overrides", [None, {"num_hidden_layers": 12}, {"tie_word_embeddings": True}])
-def test_the_engines_tiny_weights_are_the_bits_of_the_transformers_model(overrides):
+def test_the_engines_tiny_weights_fit_the_transformers_model(overrides):
     from engine.models.llama import ModelSpec
     from engine.tiny import build_tiny_model, tiny_weights
 
-    hf = build_tiny_model(overrides)
+    hf = build_tiny_model(overrides)  # loads tiny_weights by name, strictly
     config, state, suppress = tiny_weights(overrides)
-    want = hf.state_dict()
-    assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
-    assert suppress == list(hf.generation_config.suppress_tokens)
+    assert all(torch.equal(p, state[k]) for k, p in hf.state_dict().items())
     assert ModelSpec.from_hf(config) == ModelSpec.from_hf(hf.config)
 
 
 def test_tiny_weights_identical_across_processes():
     out = [subprocess.run([sys.executable, "-c", WEIGHT_HASH], capture_output=True, text=True, check=True).stdout
            for _ in range(2)]
-    assert out[0] == out[1] and len(out[0].strip()) == 64
+    # the bits every reference output of the built-in model depends on (drawn in this order since it was built)
+    assert out[0] == out[1] and out[0].strip() == "c68c5bc26a70265d4d682bb4c85a93c0695c281914414d36c4d5bb3296012114"
 
 
 def test_detokenizer_holds_back_partial_utf8():
