@@ -24,6 +24,7 @@ each forward."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
@@ -106,7 +107,9 @@ class MlxEngine:
         self.waiting: deque[Sequence] = deque()
         self.caches: dict[str, list] = {}
         self.mirrors: dict[str, Sequence] = {}  # a follower's copies of rank 0's sequences
-        self.micro = MlxBatches(self, self.pipeline.size if self.pipeline is not None else 1)
+        # PDSERVE_MLX_MICRO_BATCHES=0: one forward in a pipeline at a time (the A/B of bench/results/mlx-pp-*)
+        overlap = self.pipeline is not None and os.environ.get("PDSERVE_MLX_MICRO_BATCHES", "1") != "0"
+        self.micro = MlxBatches(self, self.pipeline.size if overlap else 1)
         self._tell("mlx_config", hold_after_first=hold_after_first)
         log.info("mlx engine: %s (%s), context %d", self.name, self.mx_dtype, self.max_len)
 
