@@ -101,8 +101,13 @@ class Service:
         return ["prefill", "decode"] if self.disagg.mode == "always" else ["decode"]
 
     def ready(self) -> bool:
+        """A worker of every role a request needs is in the picks, and each other configured role has answered once
+        (at start-up ``auto`` would otherwise prefill long prompts locally until the prefill workers' first pong)."""
         roles = self._roles()
-        return all(self.groups.get(r) and self.groups[r].healthy() for r in roles)
+        needed = all(self.groups.get(r) and self.groups[r].healthy() for r in roles)
+        heard = all(any(c.last_pong > 0 for c in g.clients)
+                    for r, g in self.groups.items() if r not in roles and g.clients)
+        return needed and heard
 
     def check_model(self, model: str) -> None:
         known = self.models()
