@@ -107,7 +107,14 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
             t.start()
         for _ in threads:  # every stream is under way
             assert started.acquire(timeout=60)
-        busiest = max(healthy(url, "decode"), key=lambda w: w.get("outstanding", 0))  # the router's count, now
+        def holding() -> dict | None:  # the decode worker holding the most of the streams, by the router's count
+            workers = healthy(url, "decode")
+            best = max(workers, key=lambda w: w.get("outstanding", 0), default=None)
+            return best if best and best.get("outstanding", 0) > 0 else None
+
+        seen = []
+        assert eventually(lambda: seen.append(holding()) or seen[-1], 10)
+        busiest = seen[-1]
         victim = next(a for a in actors.values()
                       if a["name"].startswith("decode") and a.get("process") == busiest["pid"])
         killed_at = time.monotonic()
