@@ -56,7 +56,6 @@ class MlxBatches:
         self.landed: list = []  # (seq, appended) landed by a drain outside a step
         self.depth = max(1, count)  # forwards in flight at most: one per stage
         self.turn = 0
-        self.tags = 0
         self.chunk_first = False
         self.most_in_flight = 0
 
@@ -129,15 +128,13 @@ class MlxBatches:
 
     def drain(self, out=None) -> None:
         """Land every micro-batch in flight (their tokens into ``out``, or kept for the next step)."""
-        while self.flights:
-            if out is None:
-                from .engine import StepOutput
+        from .engine import StepOutput
 
-                held = StepOutput()
-                self._land(held)
-                self.landed.extend(held.tokens)
-            else:
-                self._land(out)
+        into = out if out is not None else StepOutput()
+        while self.flights:
+            self._land(into)
+        if out is None:
+            self.landed.extend(into.tokens)
 
     def _next_idle(self) -> MicroBatch | None:
         n = len(self.batches)
@@ -151,9 +148,8 @@ class MlxBatches:
     def _launch(self, batch: MicroBatch) -> None:
         engine = self.engine
         ids = engine.mx.array([[s.output_ids[-1]] for s in batch.seqs])
-        if engine.pipeline is None:
-            self.tags += 1
-            batch.tag, batch.logits = self.tags, engine.model(ids, cache=batch.caches)
+        if engine.pipeline is None:  # (tag 0: in flight, lands in this step)
+            batch.tag, batch.logits = 0, engine.model(ids, cache=batch.caches)
         else:
             batch.tag = engine.pipeline.launch(ids, batch.caches)
         for s in batch.seqs:
@@ -172,10 +168,11 @@ class MlxBatches:
             else:
                 logits = engine.mx.array(0.0)  # a follower: rank 0 samples
         flight.tag, flight.logits = None, None
+        logits = logits[:, -1, :] if logits.ndim == 3 else logits  # each row's last position
         if chunk:
             engine.land_chunk(flight, logits, out)
             return
-        choices = engine._pick(logits[:, -1, :] if logits.ndim == 3 else logits, seqs)
+        choices = engine._pick(logits, seqs)
         out.batch_tokens += len(seqs)
         for seq, choice in zip(seqs, choices):
             out.tokens.append((seq, seq.append(choice)))

@@ -271,7 +271,7 @@ class MlxEngine:
         return Chunk(seq, caches, chunk, last, tag=self.pipeline.launch(ids, caches))
 
     def land_chunk(self, chunk: Chunk, logits, out: StepOutput) -> None:
-        """A chunk's forward done: the prompt's first token after its last chunk (then it joins a micro-batch, or
+        """A chunk's forward done (``logits``: its last position's): the prompt's first token after its last chunk (then it joins a micro-batch, or
         waits with its KV on a prefill worker)."""
         seq, caches = chunk.seq, chunk.caches
         if not chunk.last:
@@ -280,7 +280,7 @@ class MlxEngine:
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
-        choice = self._pick(logits[:, -1, :] if logits.ndim == 3 else logits, [seq])[0]
+        choice = self._pick(logits, [seq])[0]
         out.tokens.append((seq, seq.append(choice)))
         self._chosen([seq])
         if self.hold_after_first:
