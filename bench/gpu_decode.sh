@@ -2,8 +2,8 @@
 # Decode-speed benchmarks on one GPU (issue 27; the device tool's nvidia-h200): kernels with a decode-attention
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
-#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; serve1p1d
-#   needs two GPUs)
+#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
+#   the few-row projection kernels and their engine A/B; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -35,6 +35,19 @@ for step in $steps; do
         done
       done
       kill -INT $up; wait $up ;;
+    fused)  # the few-row projection kernels (triton_gemv) checked, then timed against the launches they replace,
+            # with a sweep of their tiles whose picks the ab step uses
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_triton_ops.py --tb=short 2>&1 \
+        | grep -E "^(E |FAILED)|passed|failed" | tail -15
+      timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --tokens 1,8,16 --sweep \
+        --out "$OUT/kernels-fused-$TAG" 2>&1 | grep -A40 "^## Few-row" ;;
+    ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the few-row kernels, without PDL, with both
+      picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
+      for v in ${AB:-plain:PDSERVE_FEW_ROWS=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
+        env ${v#*:} PDSERVE_FEW_ROWS_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
+          --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
+          | grep -v " INFO " | tail -6
+      done ;;
     router)  # paced like engines (5 ms steps) below and above one core's capacity, then as fast as the worker can
       timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 5 --out "$OUT/router-128x5ms-$TAG" 2>&1 | tail -1
       timeout 100 $PY -m deploy.cli bench router --clients 8 --streams 64 --step-ms 5 --out "$OUT/router-512x5ms-$TAG" 2>&1 | tail -1

@@ -8,6 +8,8 @@ read + written per second), read bandwidth (a sum) and the dense matmul rate.
 * prefill attention over packed fresh prompts (the engine's path: FlashAttention varlen on CUDA);
 * the fused layer kernels (RMSNorm, residual add + RMSNorm, rotary + KV store, SiLU-times-up) per token count;
 * the step's GEMMs at the model's shapes (weights read once: a bandwidth fraction at small batch);
+* the few-row projections with their norm / SiLU-times-up fused (``engine.kernels.triton_gemv``, bf16 and FP8
+  weights) against the launches they replace (``bench.kernel_fused``; ``--sweep``: their tiles too);
 * whole decode steps of the engine (dummy weights of ``--model``, a named shape): the captured graph's replay and
   ``Engine.step`` (host work included), against (weights + K/V bytes) / measured bandwidth.
 
@@ -33,10 +35,12 @@ def add_arguments(p):
     p.add_argument("--step-cases", default="1x512,32x512,64x512,16x8192", help="whole decode steps, batch x context")
     p.add_argument("--step-count", type=int, default=20)
     p.add_argument("--buffer-mib", type=int, default=0, help="bytes of the bandwidth test (default 2048 CUDA, 256 CPU)")
-    p.add_argument("--sweep", action="store_true", help="time a grid of decode attention configurations")
+    p.add_argument("--sweep", action="store_true", help="time a grid of decode attention configurations (and of "
+                   "few-row projection tiles: their picks go to <out>-picks.json)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="decode attention over an "
                    "FP8 pool (quant.kv_fp8)")
-    p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,steps")
+    p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
+                   "steps (fused: the few-row projection kernels against the launches they replace)")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -97,7 +101,8 @@ def run(args) -> int:
     ops, layers = paged, None
     if device.type == "cuda":
         from engine.kernels import triton_attention as ops, triton_layers as layers
-    only = set(args.only.split(",")) if args.only else {"decode", "prefill", "layers", "gemms", "steps"}
+    only = set(args.only.split(",")) if args.only else {"decode", "prefill", "layers", "gemms", "fused",
+                                                                     "steps"}
     tokens = [int(t) for t in args.tokens.split(",")]
     lim = limits_now(device, dtype, args.buffer_mib or (2048 if device.type == "cuda" else 256))
     report = {"command": command_line("kernels"), "model": args.model, "device": str(device), "dtype": args.dtype,
@@ -123,6 +128,18 @@ def run(args) -> int:
     if "gemms" in only:
         report["gemms"] = fractions(kc.gemms(spec, tokens, dtype, device), lim)
         _say("gemms", report["gemms"])
+    if "fused" in only and device.type == "cuda":
+        from .kernel_fused import fused, write_picks
+
+        rows, picks = fused(spec, tokens, dtype, device, args.sweep)
+        report["fused_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
+        report["fused_sweep"] = [r for r in rows if "sweep" in r["name"]]
+        for r in report["fused_projections"]:
+            r["note"] = f"unfused {r['unfused_ms']:.4f} ms: {r['speedup']:.2f}x; {r['config']}"
+        _say("fused projections", report["fused_projections"])
+        if picks:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            write_picks(picks, args.out)
     if "steps" in only:
         from .kernel_steps import decode_steps
 
@@ -153,7 +170,9 @@ def table(report: dict) -> str:
     out = [f"Measured limits: copy {lim['copy_GBps']:.0f} GB/s (read + write), read {lim['read_GBps']:.0f} GB/s, "
            f"{report['dtype']} matmul {lim['matmul_TFLOPs']:.1f} TFLOP/s.", ""]
     sections = [("decode_attention", "Paged decode attention"), ("prefill_attention", "Prefill attention"),
-                ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"), ("decode_steps", "Whole decode steps")]
+                ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"),
+                ("fused_projections", "Few-row projections with their norm / SiLU fused (triton_gemv), weights from memory"),
+                ("decode_steps", "Whole decode steps")]
     for key, title in sections:
         if key not in report:
             continue

@@ -38,7 +38,9 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
             log.warning("triton is not importable (%s): decode runs without CUDA graphs", e)
             return None
     if layers is not None:
-        use_kernels(self.model, layers)
+        from .kernels import triton_gemv
+
+        use_kernels(self.model, layers, triton_gemv if triton_gemv.MAX_ROWS > 0 else None)
         fp8_kernels(self.model)
         from .kernels import triton_moe
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .triton_layers import rotate
+from .triton_pdl import ENABLED as PDL, launch_options
 
 TILE = 64
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,9 +64,12 @@ def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
 @triton.jit
 def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row, stride_slot,
                        k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK: tl.constexpr, FP8: tl.constexpr):
+                       BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # query heads, then KV heads (whose programs also move V)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     d = tl.arange(0, BLOCK)
     mask = d < HALF
     base = token * stride_row + head * 2 * HALF
@@ -99,7 +103,7 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     fp8, ks, vs = _fp8(k_cache, scales)
     _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
         qkv, q, k_cache, v_cache, cos, sin, slots, qkv.stride(0), kv_heads * dim, ks, vs, HEADS=heads,
-        KV_HEADS=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), FP8=fp8)
+        KV_HEADS=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), FP8=fp8, PDL=PDL, **launch_options())
     return q
 
 
@@ -108,10 +112,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, s
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
                    SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, HALF: tl.constexpr):
+                   UPCAST: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # q and the new token's K/V come from rope_store
+        tl.extra.cuda.gdc_wait()
     ctx = tl.load(lens_ptr + b)
     start = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     per = tl.cdiv(tl.cdiv(ctx - start, SPLITS), TILE) * TILE
@@ -148,6 +154,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, s
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     at = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + split
     tl.store(part_o + at[:, None] * BLOCK_D + d[None, :], acc * v_scale, mask=gmask[:, None])
     tl.store(part_ml + at * 2, m, mask=gmask)
@@ -156,9 +164,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, s
 
 @triton.jit
 def _combine_kernel(part_o, part_ml, out_ptr, stride_ob, stride_oh,
-                    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     at = (b * tl.num_programs(1) + h) * SPLITS + sp
@@ -248,8 +260,9 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         SPLITS=splits, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, D=dim,
         BLOCK_D=block_d, TILE=config.tile, PRECISION="ieee" if upcast else "tf32", UPCAST=upcast, HALF=fp8,
-        num_warps=config.warps, num_stages=config.stages)
+        PDL=PDL, num_warps=config.warps, num_stages=config.stages, **launch_options())
     out = torch.empty_like(q)
     _combine_kernel[(batch, heads)](part_o, part_ml, out, out.stride(0), out.stride(1), SPLITS=splits,
-                                    BLOCK_S=max(triton.next_power_of_2(splits), 2), D=dim, BLOCK_D=block_d)
+                                    BLOCK_S=max(triton.next_power_of_2(splits), 2), D=dim, BLOCK_D=block_d, PDL=PDL,
+                                    **launch_options())
     return out

@@ -1,0 +1,114 @@
+"""``pdserve bench kernels --only fused``: each decode projection of a few rows on ``triton_gemv`` against the
+launches it replaces, in the same run: q/k/v (add + RMSNorm, GEMM), o (GEMM), gate/up (add + RMSNorm, GEMM,
+SiLU-times-up) and down (GEMM), bf16 weights and FP8 ones (where FP8 before meant: the norm writing e4m3, the
+few-row FP8 GEMM, a quantization launch before o and down). Weights rotate through copies larger than the L2
+cache together, so every call reads them from memory as a decode step does. ``--sweep`` times a grid of tiles per
+projection and writes the best (``<out>-picks.json``; ``PDSERVE_FEW_ROWS_CONFIGS`` makes an engine use them)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .kernel_cases import timed
+
+L2_BYTES = 256 << 20  # comfortably more than any L2 (H100 50 MB, H200 60 MB)
+
+
+def _shapes(spec) -> dict:
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    return {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h, True, False),
+            "o": (h, spec.num_heads * d, False, False), "gate_up": (2 * inter, h, True, True),
+            "down": (h, inter, False, False)}  # (out, in, normed input, SiLU after)
+
+
+def _layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
+    from engine.quant.fp8_linear import Fp8Linear
+
+    copies = max(2, -(-L2_BYTES // (out_f * in_f * (1 if fp8 else 2))))
+    layers = []
+    for _ in range(copies):
+        lin = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype).requires_grad_(False)
+        torch.nn.init.normal_(lin.weight, std=in_f ** -0.5)
+        layers.append(Fp8Linear.of(lin) if fp8 else lin)
+    return layers
+
+
+def _unfused(name: str, fp8: bool, x, r, w, layer):
+    """The launches the fused kernel replaces (what the engine ran before)."""
+    from engine.kernels import triton_layers
+
+    normed = name in ("qkv", "gate_up")
+    if fp8:
+        h = triton_layers.rmsnorm_fp8(x, w, 1e-5, r)[0] if normed else x
+        y = layer(h)
+    else:
+        h = triton_layers.add_rmsnorm(x, r, w, 1e-5)[0] if normed else x
+        y = torch.nn.functional.linear(h, layer.weight)
+    return triton_layers.silu_mul(y) if name == "gate_up" else y
+
+
+def _fused(name: str, x, r, w, layer, config=None):
+    from engine.kernels import triton_gemv
+
+    rows = triton_gemv.defer(x, r, w, 1e-5)[0] if name in ("qkv", "gate_up") else x
+    return triton_gemv.linear(rows, layer, silu=name == "gate_up", config=config)
+
+
+def _time(fn, layers, device) -> float:
+    turn = iter(range(1 << 30))
+    return timed(lambda: fn(layers[next(turn) % len(layers)]), device, reps=len(layers) * 4 if len(layers) < 8
+                 else len(layers))
+
+
+def fused(spec, token_counts, dtype, device, sweep: bool = False) -> tuple[list, dict]:
+    """Rows ``{"name", "ms", "bytes", "of": the unfused time}`` per projection, rows and weight dtype; with
+    ``sweep``, the tiles tried (in the rows) and the best per projection ``{shape_key: config}``."""
+    from engine.kernels import triton_gemv
+
+    rows, picks = [], {}
+    for fp8 in (False, True):
+        for name, (out_f, in_f, normed, silu) in _shapes(spec).items():
+            layers = _layers(out_f, in_f, fp8, dtype, device)
+            n = out_f // 2 if silu else out_f
+            key = triton_gemv.shape_key(n, in_f, silu, fp8)
+            tag = f"{name}{' fp8' if fp8 else ''}"
+            weight_bytes = out_f * in_f * (1 if fp8 else 2)
+            w = torch.ones(in_f, dtype=dtype, device=device)
+            for m in token_counts:
+                x, r = (torch.randn(m, in_f, dtype=dtype, device=device) for _ in range(2))
+                before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
+                configs = _grid(fp8) if sweep and m == token_counts[0] else [None]
+                best = None
+                for c in configs:
+                    try:
+                        ms = _time(lambda layer: _fused(name, x, r, w, layer, c), layers, device)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU
+                        rows.append({"name": f"{tag} m{m} sweep", "config": c.__dict__, "error": str(e)[:120]})
+                        continue
+                    if c is not None:
+                        rows.append({"name": f"{tag} m{m} sweep", "config": c.__dict__, "ms": ms})
+                    if best is None or ms < best[0]:
+                        best = (ms, c)
+                if best[1] is not None:
+                    picks[key] = best[1].__dict__
+                ms = best[0]
+                rows.append({"name": f"{tag} m{m}", "ms": ms, "unfused_ms": before, "speedup": before / ms,
+                             "bytes": weight_bytes + m * (in_f + n) * 2,
+                             "config": (best[1] or triton_gemv.config_for(n, in_f, silu, fp8)).__dict__})
+            del layers
+            torch.cuda.empty_cache()
+    return rows, picks
+
+
+def _grid(fp8: bool) -> list:
+    from engine.kernels.triton_gemv import FewRowsConfig
+
+    widths = (32, 64, 128) if fp8 else (16, 32, 64)
+    return [FewRowsConfig(n, k, warps, stages) for n in widths for k in (256, 512) for warps in (4, 8)
+            for stages in (3, 4, 5) if not (n * k >= 64 * 512 and stages == 5)]
+
+
+def write_picks(picks: dict, prefix: str) -> None:
+    with open(f"{prefix}-picks.json", "w") as f:
+        json.dump(picks, f, indent=1)
