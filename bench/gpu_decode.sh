@@ -40,7 +40,8 @@ for step in $steps; do
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_triton_ops.py --tb=short 2>&1 \
         | grep -E "^(E |FAILED)|passed|failed" | tail -15
       timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --tokens 1,8,16 --sweep \
-        --out "$OUT/kernels-fused-$TAG" 2>&1 | grep -A40 "^## Few-row" ;;
+        --out "$OUT/kernels-fused-$TAG" > "$OUT/kernels-fused-$TAG.log" 2>&1; grep -A40 "^## Few-row" "$OUT/kernels-fused-$TAG.md" \
+        || tail -20 "$OUT/kernels-fused-$TAG.log" ;;
     ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the few-row kernels, without PDL, with both
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
       for v in ${AB:-plain:PDSERVE_FEW_ROWS=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do

@@ -153,5 +153,7 @@ def test_bf16_engine_on_the_few_row_kernels_matches_torch_on_the_gpu():
         out[name] = ([s.output_ids for _, s in seqs], logits[0][-1])
         if graphs == "auto":
             assert engine.runner.graphs.replays > 0 and engine.model.model.layers[0].mlp.few_rows is not None
-    assert torch.nn.functional.cosine_similarity(out["torch"][1], out["kernels"][1], dim=0) > 0.999
+    finite = torch.isfinite(out["torch"][1])  # the byte tokenizer's suppressed ids are -inf on both sides
+    assert torch.equal(finite, torch.isfinite(out["kernels"][1]))
+    assert torch.nn.functional.cosine_similarity(out["torch"][1][finite], out["kernels"][1][finite], dim=0) > 0.999
     assert out["torch"][0] == out["kernels"][0]

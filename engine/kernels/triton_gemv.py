@@ -68,6 +68,8 @@ def takes(x) -> bool:
     stays with torch: the tensor cores would multiply it in tf32; the interpreter, in tests, takes it)."""
     if isinstance(x, Normed):
         return True
+    if not isinstance(x, torch.Tensor):  # ``Quantized`` rows (more than a few, before an FP8 projection)
+        return False
     half = x.dtype in (torch.bfloat16, torch.float16)
     return (x.is_cuda and half or INTERPRETED and (half or x.dtype == torch.float32)) and x.dim() == 2 \
         and 0 < x.shape[0] <= MAX_ROWS
