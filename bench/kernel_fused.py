@@ -84,7 +84,7 @@ def fused(spec, token_counts, dtype, device, sweep: bool = False) -> tuple[list,
                     try:
                         ms = _time(lambda layer: _fused(name, x, r, w, layer, c), layers, device)
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU
-                        rows.append({"name": f"{tag} m{m} sweep", "config": c.__dict__, "error": str(e)[:120]})
+                        rows.append({"name": f"{tag} m{m} sweep", "config": c and c.__dict__, "error": str(e)[:120]})
                         continue
                     if c is not None:
                         rows.append({"name": f"{tag} m{m} sweep", "config": c.__dict__, "ms": ms})
@@ -105,8 +105,8 @@ def _grid(fp8: bool) -> list:
     from engine.kernels.triton_gemv import FewRowsConfig
 
     widths = (32, 64, 128) if fp8 else (16, 32, 64)
-    return [FewRowsConfig(n, k, warps, stages) for n in widths for k in (256, 512) for warps in (4, 8)
-            for stages in (3, 4, 5) if not (n * k >= 64 * 512 and stages == 5)]
+    return [FewRowsConfig(n, k, 4, stages) for n in widths for k in (256, 512) for stages in (2, 3, 4)
+            if n * k * (1 if fp8 else 2) <= 64 * 1024 or stages < 4]
 
 
 def write_picks(picks: dict, prefix: str) -> None:

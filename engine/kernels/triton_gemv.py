@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -186,15 +186,35 @@ def linear(x, layer, silu: bool = False, config: FewRowsConfig | None = None) ->
     out = torch.empty(rows.shape[0], n, dtype=dtype, device=rows.device)
     add = normed and x.residual is not None
     c = config or config_for(n, k, silu, fp8)
-    scale = layer.weight_scale if fp8 else layer.weight
-    bias = layer.bias if layer.bias is not None else layer.weight
-    _few_rows_kernel[(triton.cdiv(n, c.block_n),)](
-        rows, x.residual if add else rows, x.weight if normed else rows, x.total if add else out, layer.weight,
-        scale, bias, out, rows.shape[0], x.eps if normed else 0.0, N=n, K=k, ADD=add, NORM=normed, FP8=fp8,
-        SILU=silu, BIAS=layer.bias is not None, PDL=PDL, UPCAST=INTERPRETED, BLOCK_M=16, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, num_warps=c.warps, num_stages=c.stages, **launch_options())
+    args = (rows, x.residual if add else rows, x.weight if normed else rows, x.total if add else out, layer.weight,
+            layer.weight_scale if fp8 else layer.weight, layer.bias if layer.bias is not None else layer.weight, out,
+            rows.shape[0], x.eps if normed else 0.0)
+    flags = dict(N=n, K=k, ADD=add, NORM=normed, FP8=fp8, SILU=silu, BIAS=layer.bias is not None, PDL=PDL,
+                 UPCAST=INTERPRETED)
+    _launch(args, flags, c)
     group = getattr(layer, "group", None)
     return group.all_reduce(out) if group is not None else out
+
+
+def _launch(args: tuple, flags: dict, c: FewRowsConfig) -> None:
+    """Launch with tile ``c``, or the nearest that fits this GPU's shared memory (fewer stages, then shorter K
+    tiles: the norm's operands are pipelined too), remembered per kernel variant."""
+    key = (c, *flags.values())
+    c = _FITTED.get(key, c)
+    while True:
+        try:
+            _few_rows_kernel[(triton.cdiv(flags["N"], c.block_n),)](
+                *args, **flags, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps,
+                num_stages=c.stages, **launch_options())
+            return
+        except triton.runtime.errors.OutOfResources:
+            if c.stages <= 2 and c.block_k <= 64:
+                raise
+            c = replace(c, stages=c.stages - 1) if c.stages > 2 else replace(c, block_k=c.block_k // 2)
+            _FITTED[key] = c
+
+
+_FITTED: dict = {}
 
 
 def materialize(x) -> torch.Tensor:
