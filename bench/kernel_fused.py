@@ -105,7 +105,7 @@ def _grid(fp8: bool) -> list:
     from engine.kernels.triton_gemv import FewRowsConfig
 
     widths = (32, 64, 128) if fp8 else (16, 32, 64)
-    return [FewRowsConfig(n, k, 4, stages) for n in widths for k in (256, 512) for stages in (2, 3, 4)
+    return [FewRowsConfig(n, k, 4, stages) for n in widths for k in (256, 512) for stages in (3, 4)
             if n * k * (1 if fp8 else 2) <= 64 * 1024 or stages < 4]
 
 
