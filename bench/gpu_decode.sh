@@ -3,7 +3,7 @@
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
-#   the few-row projection kernels and their engine A/B; serve1p1d needs two GPUs)
+#   the batch-1 projection kernel and its engine A/B; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -35,17 +35,17 @@ for step in $steps; do
         done
       done
       kill -INT $up; wait $up ;;
-    fused)  # the few-row projection kernels (triton_gemv) checked, then timed against the launches they replace,
-            # with a sweep of their tiles whose picks the ab step uses
+    fused)  # the batch-1 projection kernel (triton_gemv) checked, then timed against the launches it replaces,
+            # with a sweep of its tiles whose picks the ab step uses
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_triton_ops.py --tb=short 2>&1 \
         | grep -E "^(E |FAILED)|passed|failed" | tail -15
-      timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --tokens 1,8,16 --sweep \
-        --out "$OUT/kernels-fused-$TAG" > "$OUT/kernels-fused-$TAG.log" 2>&1; grep -A40 "^## Few-row" "$OUT/kernels-fused-$TAG.md" \
+      timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep \
+        --out "$OUT/kernels-fused-$TAG" > "$OUT/kernels-fused-$TAG.log" 2>&1; grep -A20 "^## Batch-1" "$OUT/kernels-fused-$TAG.md" \
         || tail -20 "$OUT/kernels-fused-$TAG.log" ;;
-    ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the few-row kernels, without PDL, with both
+    ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the GEMV kernel, without PDL, with both
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
-      for v in ${AB:-plain:PDSERVE_FEW_ROWS=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
-        env ${v#*:} PDSERVE_FEW_ROWS_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
+      for v in ${AB:-plain:PDSERVE_GEMV=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
+        env ${v#*:} PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
           --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
           | grep -v " INFO " | tail -6
       done ;;

@@ -1,9 +1,10 @@
-"""``pdserve bench kernels --only fused``: each decode projection of a few rows on ``triton_gemv`` against the
-launches it replaces, in the same run: q/k/v (add + RMSNorm, GEMM), o (GEMM), gate/up (add + RMSNorm, GEMM,
-SiLU-times-up) and down (GEMM), bf16 weights and FP8 ones (where FP8 before meant: the norm writing e4m3, the
-few-row FP8 GEMM, a quantization launch before o and down). Weights rotate through copies larger than the L2
-cache together, so every call reads them from memory as a decode step does. ``--sweep`` times a grid of tiles per
-projection and writes the best (``<out>-picks.json``; ``PDSERVE_FEW_ROWS_CONFIGS`` makes an engine use them)."""
+"""``pdserve bench kernels --only fused``: each decode projection of one row (batch 1) on ``triton_gemv`` against
+the launches it replaces, in the same run: q/k/v (add + RMSNorm, GEMM), o (GEMM), gate/up (add + RMSNorm, GEMM,
+SiLU-times-up) and down (GEMM), bf16 weights and FP8 ones (where FP8 without it means: the norm writing e4m3,
+``triton_fp8``'s few-row FP8 GEMM, a quantization launch before o and down). Weights rotate through copies
+larger than the L2 cache together, so every call reads them from memory as a decode step does. ``--sweep`` times
+a grid of tiles per projection and writes the best (``<out>-picks.json``; ``PDSERVE_GEMV_CONFIGS`` makes an
+engine use them)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,12 @@ def _layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
         lin = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype).requires_grad_(False)
         torch.nn.init.normal_(lin.weight, std=in_f ** -0.5)
         layers.append(Fp8Linear.of(lin) if fp8 else lin)
+    if fp8:  # the engine's kernels for FP8 projections (``decode_path.fp8_kernels``)
+        from engine.kernels import triton_fp8, triton_quant
+
+        for layer in layers:
+            layer.quantize_activations = triton_quant.quantize_rows
+            layer.few_rows, layer.few_rows_max = triton_fp8.w8_matmul, triton_fp8.MAX_ROWS
     return layers
 
 
@@ -61,8 +68,8 @@ def _time(fn, layers, device) -> float:
                  else len(layers))
 
 
-def fused(spec, token_counts, dtype, device, sweep: bool = False) -> tuple[list, dict]:
-    """Rows ``{"name", "ms", "bytes", "of": the unfused time}`` per projection, rows and weight dtype; with
+def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
+    """Rows ``{"name", "ms", "bytes", "unfused_ms", "speedup"}`` per projection and weight dtype; with
     ``sweep``, the tiles tried (in the rows) and the best per projection ``{shape_key: config}``."""
     from engine.kernels import triton_gemv
 
@@ -75,10 +82,10 @@ def fused(spec, token_counts, dtype, device, sweep: bool = False) -> tuple[list,
             tag = f"{name}{' fp8' if fp8 else ''}"
             weight_bytes = out_f * in_f * (1 if fp8 else 2)
             w = torch.ones(in_f, dtype=dtype, device=device)
-            for m in token_counts:
+            for m in (1,):
                 x, r = (torch.randn(m, in_f, dtype=dtype, device=device) for _ in range(2))
                 before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
-                configs = _grid(fp8) if sweep and m == token_counts[0] else [None]
+                configs = _grid() if sweep else [None]
                 best = None
                 for c in configs:
                     try:
@@ -101,12 +108,12 @@ def fused(spec, token_counts, dtype, device, sweep: bool = False) -> tuple[list,
     return rows, picks
 
 
-def _grid(fp8: bool) -> list:
-    from engine.kernels.triton_gemv import FewRowsConfig
+def _grid() -> list:
+    """Tiles whose fp32 accumulators fit the registers (at most 64 a thread, two for gate/up)."""
+    from engine.kernels.triton_gemv import GemvConfig
 
-    widths = (32, 64, 128) if fp8 else (16, 32, 64)
-    return [FewRowsConfig(n, k, 4, stages) for n in widths for k in (256, 512) for stages in (3, 4)
-            if n * k * (1 if fp8 else 2) <= 64 * 1024 or stages < 4]
+    return [GemvConfig(n, k, warps, 3) for warps in (4, 8) for n in (4, 8, 16, 32) for k in (256, 512, 1024)
+            if n * k <= 2048 * warps]
 
 
 def write_picks(picks: dict, prefix: str) -> None:

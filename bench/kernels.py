@@ -8,7 +8,7 @@ read + written per second), read bandwidth (a sum) and the dense matmul rate.
 * prefill attention over packed fresh prompts (the engine's path: FlashAttention varlen on CUDA);
 * the fused layer kernels (RMSNorm, residual add + RMSNorm, rotary + KV store, SiLU-times-up) per token count;
 * the step's GEMMs at the model's shapes (weights read once: a bandwidth fraction at small batch);
-* the few-row projections with their norm / SiLU-times-up fused (``engine.kernels.triton_gemv``, bf16 and FP8
+* the batch-1 projections with their norm / SiLU-times-up fused (``engine.kernels.triton_gemv``, bf16 and FP8
   weights) against the launches they replace (``bench.kernel_fused``; ``--sweep``: their tiles too);
 * whole decode steps of the engine (dummy weights of ``--model``, a named shape): the captured graph's replay and
   ``Engine.step`` (host work included), against (weights + K/V bytes) / measured bandwidth.
@@ -36,11 +36,11 @@ def add_arguments(p):
     p.add_argument("--step-count", type=int, default=20)
     p.add_argument("--buffer-mib", type=int, default=0, help="bytes of the bandwidth test (default 2048 CUDA, 256 CPU)")
     p.add_argument("--sweep", action="store_true", help="time a grid of decode attention configurations (and of "
-                   "few-row projection tiles: their picks go to <out>-picks.json)")
+                   "the batch-1 projection kernel's tiles: picks go to <out>-picks.json)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="decode attention over an "
                    "FP8 pool (quant.kv_fp8)")
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
-                   "steps (fused: the few-row projection kernels against the launches they replace)")
+                   "steps (fused: the batch-1 projection kernel against the launches it replaces)")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -131,7 +131,7 @@ def run(args) -> int:
     if "fused" in only and device.type == "cuda":
         from .kernel_fused import fused, write_picks
 
-        rows, picks = fused(spec, tokens, dtype, device, args.sweep)
+        rows, picks = fused(spec, dtype, device, args.sweep)
         report["fused_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
         report["fused_sweep"] = [r for r in rows if "sweep" in r["name"]]
         for r in report["fused_projections"]:
@@ -171,7 +171,7 @@ def table(report: dict) -> str:
            f"{report['dtype']} matmul {lim['matmul_TFLOPs']:.1f} TFLOP/s.", ""]
     sections = [("decode_attention", "Paged decode attention"), ("prefill_attention", "Prefill attention"),
                 ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"),
-                ("fused_projections", "Few-row projections with their norm / SiLU fused (triton_gemv), weights from memory"),
+                ("fused_projections", "Batch-1 projections with their norm / SiLU fused (triton_gemv), weights from memory"),
                 ("decode_steps", "Whole decode steps")]
     for key, title in sections:
         if key not in report:

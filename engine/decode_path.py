@@ -40,7 +40,7 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     if layers is not None:
         from .kernels import triton_gemv
 
-        use_kernels(self.model, layers, triton_gemv if triton_gemv.MAX_ROWS > 0 else None)
+        use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
         fp8_kernels(self.model)
         from .kernels import triton_moe
 

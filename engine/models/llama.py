@@ -60,17 +60,17 @@ class ModelSpec:
             moe=MoESpec.from_hf(c, moe) if moe else None)
 
 
-def project(few_rows, linear: nn.Module, x) -> torch.Tensor:
-    """``linear(x)``, a few rows (or a deferred norm) on ``few_rows`` (``triton_gemv``) when the engine has it."""
-    if few_rows is not None and few_rows.takes(x):
-        return few_rows.linear(x, linear)
+def project(gemv, linear: nn.Module, x) -> torch.Tensor:
+    """``linear(x)``, one row (or a deferred norm) on ``gemv`` (``triton_gemv``) when the engine has it."""
+    if gemv is not None and gemv.takes(x):
+        return gemv.linear(x, linear)
     return linear(x)
 
 
 class RMSNorm(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
     quantized = False  # with kernels: the output quantized for the FP8 projection after it (``quant.fp8_linear``)
-    few_rows = None  # ``triton_gemv``: a few rows are normed by the projection after it (``Normed``)
+    gemv = None  # ``triton_gemv``: one row is normed by the projection after it (``Normed``)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -79,8 +79,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """The normed ``x``; with ``residual``: ``(normed x + residual, x + residual)`` (the sum in ``x``'s dtype)."""
-        if self.few_rows is not None and self.few_rows.takes(x):
-            return self.few_rows.defer(x, residual, self.weight, self.eps)
+        if self.gemv is not None and self.gemv.takes(x):
+            return self.gemv.defer(x, residual, self.weight, self.eps)
         if self.kernels is not None and self.quantized:
             return self.kernels.rmsnorm_fp8(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -97,7 +97,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    few_rows = None  # ``triton_gemv`` (see ``use_kernels``)
+    gemv = None  # ``triton_gemv`` (see ``use_kernels``)
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -119,26 +119,26 @@ class Attention(nn.Module):
         self.kv_scales = None  # (k_scale, v_scale) while the pool is FP8 (``use_fp8_kv``)
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
-        qkv = project(self.few_rows, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
+        qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
         n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                       self.kv_heads, self.kv_scales)
             out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
                                     scales=self.kv_scales)
-            return project(self.few_rows, self.o_proj, out.reshape(n, -1))
+            return project(self.gemv, self.o_proj, out.reshape(n, -1))
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
         out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales).reshape(n, -1)
-        return project(self.few_rows, self.o_proj, out)
+        return project(self.gemv, self.o_proj, out)
 
 
 class MLP(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
-    few_rows = None  # ``triton_gemv``: gate/up with SiLU-times-up in one launch for a few rows
+    gemv = None  # ``triton_gemv``: gate/up with SiLU-times-up in one launch for one row
 
     def __init__(self, s: ModelSpec, group: TPGroup = SINGLE):
         super().__init__()
@@ -152,8 +152,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(rows[0][0], part, width, s.hidden_size, group)
 
     def forward(self, x):
-        if self.few_rows is not None and self.few_rows.takes(x):
-            return project(self.few_rows, self.down_proj, self.few_rows.linear(x, self.gate_up_proj, silu=True))
+        if self.gemv is not None and self.gemv.takes(x):
+            return project(self.gemv, self.down_proj, self.gemv.linear(x, self.gate_up_proj, silu=True))
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
             return self.down_proj(self.kernels.silu_mul(gate_up))
@@ -277,17 +277,17 @@ def use_fp8_kv(model: nn.Module, on: bool) -> list:
     return scales
 
 
-def use_kernels(model: nn.Module, kernels, few_rows=None) -> None:
+def use_kernels(model: nn.Module, kernels, gemv=None) -> None:
     """Run every RMSNorm, MLP activation and the rotary embedding of ``model`` with ``kernels``
-    (``triton_layers``; None: the torch forms); with ``few_rows`` (``triton_gemv``) a few rows run each layer's
+    (``triton_layers``; None: the torch forms); with ``gemv`` (``triton_gemv``) one row (batch 1) runs each layer's
     projections with the norms before them and SiLU-times-up fused in."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, Rotary, MLP)):
             module.kernels = kernels
     for layer in model.owned_layers:
-        layer.self_attn.few_rows = layer.input_layernorm.few_rows = few_rows
+        layer.self_attn.gemv = layer.input_layernorm.gemv = gemv
         if isinstance(layer.ffn, MLP):
-            layer.ffn.few_rows = layer.post_attention_layernorm.few_rows = few_rows
+            layer.ffn.gemv = layer.post_attention_layernorm.gemv = gemv
 
 
 def _joined(*linears: nn.Linear) -> nn.Linear:
