@@ -7,7 +7,9 @@ FP8 weights, the activations' quantization, each about 2 us however small,
 and cuBLAS read the narrow projections (q/k/v, o) at 75-78% of the
 bandwidth. Here one program owns ``BLOCK_N`` output channels and walks all
 of K: the weight tile times the row, products summed in fp32 on the CUDA
-cores (a tensor-core product would pad the row to 16), with:
+cores (a tensor-core product would pad the row to 16), each weight tile
+loaded one step ahead of its use (the first before the kernel waits for its
+input: weights depend on nothing before), with:
 
 * prologue ``NORM``: the row is ``rmsnorm(x [+ residual])`` computed as it
   is read (a first pass over the row, from L2, finds its scale; program 0
@@ -110,6 +112,10 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
+    rows = w_ptr + n[:, None].to(tl.int64) * K
+    w_next = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)  # weights depend on
+    if SILU:  # nothing before: the first tiles are on their way while the kernel before ends and the row is normed
+        u_next = tl.load(rows + N * K + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the row is the kernel before's output
     rs = 1.0
@@ -132,17 +138,19 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         xs = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products summed along K once, after the loop
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):  # each tile loaded one step ahead of its use
         k = k0 + kk
-        kmask = k < K
-        v = _row(x_ptr, r_ptr, nw_ptr, k, kmask, rs, xs, ADD, NORM, FP8, dt).to(w_ptr.dtype.element_ty)
+        ahead = nmask[:, None] & (k + BLOCK_K < K)[None, :]
+        w = w_next
+        w_next = tl.load(rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+        if SILU:
+            u = u_next
+            u_next = tl.load(rows + N * K + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+        v = _row(x_ptr, r_ptr, nw_ptr, k, k < K, rs, xs, ADD, NORM, FP8, dt).to(w_ptr.dtype.element_ty)
         v = v.to(tl.float32)[None, :]  # FP8: the e4m3 value, exactly
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=wmask, other=0.0)
         acc += w.to(tl.float32) * v
         if SILU:
-            w = tl.load(w_ptr + (n[:, None] + N).to(tl.int64) * K + k[None, :], mask=wmask, other=0.0)
-            acc_up += w.to(tl.float32) * v
+            acc_up += u.to(tl.float32) * v
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
@@ -223,11 +231,17 @@ _PICKS: dict = {}
 
 def config_for(n: int, k: int, silu: bool, fp8: bool) -> GemvConfig:
     """The tile for an ``[n, k]`` projection (``n``: outputs after SiLU-times-up): a sweep's pick if one was
-    loaded (``PDSERVE_GEMV_CONFIGS``), else the default for its kind."""
+    loaded (``PDSERVE_GEMV_CONFIGS``), else by kind, as the H200 sweep of the Mistral-7B shapes picked them."""
     pick = _PICKS.get(shape_key(n, k, silu, fp8))
     if pick is not None:
         return pick
-    return GemvConfig(16, 512, 4, 3) if fp8 else GemvConfig(8, 512, 4, 3)
+    if silu:  # gate/up: two accumulators
+        return GemvConfig(16 if fp8 else 32, 256, 4, 3)
+    if fp8 and n <= k:  # o, down
+        return GemvConfig(8, 1024, 4, 3)
+    if n <= k:
+        return GemvConfig(4, 512, 8 if k > 2 * n else 4, 3)
+    return GemvConfig(16, 512, 8, 3)  # q/k/v
 
 
 def shape_key(n: int, k: int, silu: bool, fp8: bool) -> str:
