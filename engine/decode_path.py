@@ -54,8 +54,8 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
 
 
 def fp8_kernels(model) -> None:
-    """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches on
-    ``triton_fp8``, and the norms before q/k/v and gate/up writing e4m3 themselves."""
+    """FP8 projections on the CUDA kernels: the activation quantization in one launch, few-row batches (batch 1
+    too) on ``triton_fp8``, and the norms before q/k/v and gate/up writing e4m3 themselves."""
     from .kernels import triton_fp8, triton_quant
     from .quant.fp8_linear import Fp8Linear
 
@@ -66,3 +66,9 @@ def fp8_kernels(model) -> None:
     for layer in model.owned_layers:
         layer.input_layernorm.quantized = isinstance(layer.self_attn.qkv_proj, Fp8Linear)
         layer.post_attention_layernorm.quantized = isinstance(getattr(layer.ffn, "gate_up_proj", None), Fp8Linear)
+        # batch 1 too: widening e4m3 on the CUDA cores kept triton_gemv at 40-57% of the bandwidth against the
+        # tensor-core kernel's reads (H200, bench/results/kernels-fused-h200.md)
+        if layer.input_layernorm.quantized:
+            layer.input_layernorm.gemv = layer.self_attn.gemv = None
+        if layer.post_attention_layernorm.quantized:
+            layer.post_attention_layernorm.gemv = layer.ffn.gemv = None

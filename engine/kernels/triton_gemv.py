@@ -236,12 +236,12 @@ def config_for(n: int, k: int, silu: bool, fp8: bool) -> GemvConfig:
     if pick is not None:
         return pick
     if silu:  # gate/up: two accumulators
-        return GemvConfig(16 if fp8 else 32, 256, 4, 3)
+        return GemvConfig(8, 256, 4, 3)
     if fp8 and n <= k:  # o, down
-        return GemvConfig(8, 1024, 4, 3)
+        return GemvConfig(16, 512, 8, 3)
     if n <= k:
-        return GemvConfig(4, 512, 8 if k > 2 * n else 4, 3)
-    return GemvConfig(16, 512, 8, 3)  # q/k/v
+        return GemvConfig(8, 512, 8, 3) if k > 2 * n else GemvConfig(4, 512, 4, 3)  # down; o
+    return GemvConfig(16 if fp8 else 8, 256, 4, 3)  # q/k/v
 
 
 def shape_key(n: int, k: int, silu: bool, fp8: bool) -> str:
