@@ -78,34 +78,29 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
         for name, (out_f, in_f, normed, silu) in _shapes(spec).items():
             layers = _layers(out_f, in_f, fp8, dtype, device)
             n = out_f // 2 if silu else out_f
-            key = triton_gemv.shape_key(n, in_f, silu, fp8)
-            tag = f"{name}{' fp8' if fp8 else ''}"
-            weight_bytes = out_f * in_f * (1 if fp8 else 2)
+            tag = f"{name}{' fp8' if fp8 else ''} m1"
+            x, r = (torch.randn(1, in_f, dtype=dtype, device=device) for _ in range(2))
             w = torch.ones(in_f, dtype=dtype, device=device)
-            for m in (1,):
-                x, r = (torch.randn(m, in_f, dtype=dtype, device=device) for _ in range(2))
-                before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
-                configs = _grid() if sweep else [None]
-                best = None
-                for c in configs:
-                    try:
-                        ms = _time(lambda layer: _fused(name, x, r, w, layer, c), layers, device)
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU
-                        rows.append({"name": f"{tag} m{m} sweep", "config": c and c.__dict__, "error": str(e)[:120]})
-                        continue
-                    if c is not None:
-                        rows.append({"name": f"{tag} m{m} sweep", "config": c.__dict__, "ms": ms})
-                    if best is None or ms < best[0]:
-                        best = (ms, c)
-                if best[1] is not None:
-                    picks[key] = best[1].__dict__
-                ms = best[0]
-                rows.append({"name": f"{tag} m{m}", "ms": ms, "unfused_ms": before, "speedup": before / ms,
-                             "bytes": weight_bytes + m * (in_f + n) * 2,
-                             "config": (best[1] or triton_gemv.config_for(n, in_f, silu, fp8)).__dict__})
+            before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
+            tried = [(_try(lambda layer: _fused(name, x, r, w, layer, c), layers, device), c)
+                     for c in (_grid() if sweep else [None])]
+            rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried if c is not None]
+            ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
+            if best is not None:
+                picks[triton_gemv.shape_key(n, in_f, silu, fp8)] = best.__dict__
+            rows.append({"name": tag, "ms": ms, "unfused_ms": before, "speedup": before / ms,
+                         "bytes": out_f * in_f * (1 if fp8 else 2) + (in_f + n) * 2,
+                         "config": (best or triton_gemv.config_for(n, in_f, silu, fp8)).__dict__})
             del layers
             torch.cuda.empty_cache()
     return rows, picks
+
+
+def _try(fn, layers, device) -> dict:
+    try:
+        return {"ms": _time(fn, layers, device)}
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU
+        return {"error": str(e)[:120]}
 
 
 def _grid() -> list:

@@ -69,7 +69,6 @@ def test_a_deferred_norm_is_normed_as_the_norm_kernel_norms(residual):
     _close(got, lin(want_h))
     if residual:
         assert torch.equal(total, want_total)
-    torch.testing.assert_close(gemv.materialize(normed), want_h, atol=0, rtol=0)
 
 
 def test_gate_up_with_silu_is_the_mlp():

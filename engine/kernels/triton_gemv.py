@@ -213,19 +213,6 @@ def _launch(args: tuple, flags: dict, c: GemvConfig) -> None:
 _FITTED: dict = {}
 
 
-def materialize(x) -> torch.Tensor:
-    """A ``Normed`` as the tensor it stands for (the norm kernels; for a consumer without these kernels)."""
-    from .triton_layers import add_rmsnorm, rmsnorm
-
-    if not isinstance(x, Normed):
-        return x
-    if x.residual is None:
-        return rmsnorm(x.x, x.weight, x.eps)
-    out, total = add_rmsnorm(x.x, x.residual, x.weight, x.eps)
-    x.total.copy_(total)
-    return out
-
-
 _PICKS: dict = {}
 
 
