@@ -11,23 +11,21 @@ cores (a tensor-core product would pad the row to 16), each weight tile
 loaded one step ahead of its use (the first before the kernel waits for its
 input: weights depend on nothing before), with:
 
-* prologue ``NORM``: the row is ``rmsnorm(x [+ residual])``: an RMSNorm
-  hands ``Normed`` to the projection instead of launching (``defer``).
-  ``W (w * x) / rms(x)``: the products and the sum of squares are taken in
-  the same pass and the scale applied to the sums (the normed row is not
-  rounded to bf16 on the way, as the separate norm rounded it: within its
-  rounding, closer to exact); program 0 also writes the residual sum;
+* prologue ``NORM``: the row is ``rmsnorm(x [+ residual])`` computed as it
+  is read (a first pass over the row, from L2, finds its scale; program 0
+  also writes the sum for the residual stream): an RMSNorm hands ``Normed``
+  to the projection instead of launching (``defer``);
 * prologue ``FP8`` (e4m3 weights with per-channel scales): the row is
-  quantized as it is read (first passes find its RMS and max|x|): the
-  numbers of ``rmsnorm_fp8`` / ``quantize_rows`` + ``_scaled_mm`` (W8A8);
+  quantized as it is read (another pass finds max|x|): the numbers of
+  ``quantize_rows`` + ``_scaled_mm`` (W8A8), without their launch;
 * epilogue ``SILU``: the program reads gate rows ``n`` and up rows ``N + n``
   and writes ``silu(gate) * up``: the MLP is two launches;
 * programmatic dependent launch (``triton_pdl``, Hopper+), as the
   attention kernels between the projections: the gaps between launches are
   hidden.
 
-Every other value is rounded where the torch forms round (``MLP``,
-``Fp8Linear``), and the order of the sums differs from cuBLAS. Batches of
+Every value is rounded where the torch forms round (``RMSNorm``, ``MLP``,
+``Fp8Linear``); only the order of the sums differs from cuBLAS. Batches of
 more rows keep the separate launches (cuBLAS, or ``triton_fp8``'s few-row
 FP8 GEMM). Tiles: ``config_for`` (``pdserve bench kernels --only fused
 --sweep`` measures them; ``PDSERVE_GEMV_CONFIGS`` names a JSON of its picks
@@ -122,8 +120,7 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         tl.extra.cuda.gdc_wait()  # the row is the kernel before's output
     rs = 1.0
     xs = 1.0
-    ONE_PASS: tl.constexpr = NORM and not FP8
-    if NORM and not ONE_PASS:  # the row's RMS scale first (its quantization needs the normed row)
+    if NORM:  # the row's RMS scale; program 0 writes the residual sum on the way
         ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
@@ -141,7 +138,6 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         xs = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products summed along K once, after the loop
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # each tile loaded one step ahead of its use
         k = k0 + kk
         ahead = nmask[:, None] & (k + BLOCK_K < K)[None, :]
@@ -150,32 +146,21 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         if SILU:
             u = u_next
             u_next = tl.load(rows + N * K + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
-        if ONE_PASS:  # the sum of squares beside the products; program 0 writes the residual sum
-            t = _row(x_ptr, r_ptr, nw_ptr, k, k < K, rs, xs, ADD, False, False, dt)
-            if ADD:
-                if pid == 0:
-                    tl.store(sum_ptr + k, t.to(dt), mask=k < K)
-            ss += t * t
-            v = (tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32) * t)[None, :]
-        else:
-            v = _row(x_ptr, r_ptr, nw_ptr, k, k < K, rs, xs, ADD, NORM, FP8, dt).to(w_ptr.dtype.element_ty)
-            v = v.to(tl.float32)[None, :]  # FP8: the e4m3 value, exactly
+        v = _row(x_ptr, r_ptr, nw_ptr, k, k < K, rs, xs, ADD, NORM, FP8, dt).to(w_ptr.dtype.element_ty)
+        v = v.to(tl.float32)[None, :]  # FP8: the e4m3 value, exactly
         acc += w.to(tl.float32) * v
         if SILU:
             acc_up += u.to(tl.float32) * v
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    after = 1.0  # the RMS scale, when it was summed beside the products
-    if ONE_PASS:
-        after = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    y = tl.sum(acc, axis=1) * after
+    y = tl.sum(acc, axis=1)
     if FP8:
         y = y * tl.load(ws_ptr + n, mask=nmask, other=0.0) * xs
     y = y.to(dt).to(tl.float32)
     if BIAS:
         y = (y + tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     if SILU:  # rounded as the gate/up GEMM's output, then as ``triton_layers.silu_mul``
-        up = tl.sum(acc_up, axis=1) * after
+        up = tl.sum(acc_up, axis=1)
         if FP8:
             up = up * tl.load(ws_ptr + N + n, mask=nmask, other=0.0) * xs
         up = up.to(dt).to(tl.float32)
