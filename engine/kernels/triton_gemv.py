@@ -44,6 +44,7 @@ import triton.language as tl
 from .triton_pdl import ENABLED as PDL, launch_options
 
 ENABLED = os.environ.get("PDSERVE_GEMV", "1") != "0"
+EARLY = os.environ.get("PDSERVE_PDL_EARLY", "0") == "1"  # let the next kernel start at this one's start (A/B)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
 
@@ -105,9 +106,11 @@ def _row(x_ptr, r_ptr, nw_ptr, k, kmask, rs, xs, ADD: tl.constexpr, NORM: tl.con
 @triton.jit(do_not_specialize=["eps"])
 def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, eps,
                     N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
-                    SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
+    if PDL and EARLY:  # the next kernel may start (and fetch its first weights) once every program here has
+        tl.extra.cuda.gdc_launch_dependents()
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -151,7 +154,7 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         acc += w.to(tl.float32) * v
         if SILU:
             acc_up += u.to(tl.float32) * v
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if FP8:
@@ -186,7 +189,8 @@ def linear(x, layer, silu: bool = False, config: GemvConfig | None = None) -> to
     args = (rows, x.residual if add else rows, x.weight if normed else rows, x.total if add else out, layer.weight,
             layer.weight_scale if fp8 else layer.weight, layer.bias if layer.bias is not None else layer.weight, out,
             x.eps if normed else 0.0)
-    flags = dict(N=n, K=k, ADD=add, NORM=normed, FP8=fp8, SILU=silu, BIAS=layer.bias is not None, PDL=PDL)
+    flags = dict(N=n, K=k, ADD=add, NORM=normed, FP8=fp8, SILU=silu, BIAS=layer.bias is not None, PDL=PDL,
+                 EARLY=EARLY)
     _launch(args, flags, c)
     group = getattr(layer, "group", None)
     return group.all_reduce(out) if group is not None else out
