@@ -44,7 +44,7 @@ import triton.language as tl
 from .triton_pdl import ENABLED as PDL, launch_options
 
 ENABLED = os.environ.get("PDSERVE_GEMV", "1") != "0"
-EARLY = os.environ.get("PDSERVE_PDL_EARLY", "0") == "1"  # let the next kernel start at this one's start (A/B)
+EARLY = os.environ.get("PDSERVE_PDL_EARLY", "1") == "1"  # the next kernel may start as this one starts (A/B: 0)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
 
