@@ -40,7 +40,8 @@ def add_arguments(p):
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="decode attention over an "
                    "FP8 pool (quant.kv_fp8)")
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
-                   "steps (fused: the batch-1 projection kernel against the launches it replaces)")
+                   "steps (fused: the batch-1 projection kernel against the launches it replaces), or w8 (a sweep "
+                   "of triton_fp8's tiles at one row)")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -140,6 +141,15 @@ def run(args) -> int:
         if picks:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             write_picks(picks, args.out)
+    if "w8" in only and device.type == "cuda":
+        from .kernel_fused import w8_sweep
+
+        rows = [r for r in w8_sweep(spec, dtype, device) if "ms" in r]
+        report["w8_projections"] = fractions(best_per_case(rows) + [r for r in rows if r["current"]], lim)
+        for r in report["w8_projections"]:
+            r["note"] = f"{'current' if r['current'] else 'best'} {r['config']}"
+        report["w8_sweep"] = rows
+        _say("w8 projections", report["w8_projections"])
     if "steps" in only:
         from .kernel_steps import decode_steps
 
@@ -172,6 +182,7 @@ def table(report: dict) -> str:
     sections = [("decode_attention", "Paged decode attention"), ("prefill_attention", "Prefill attention"),
                 ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"),
                 ("fused_projections", "Batch-1 projections with their norm / SiLU fused (triton_gemv), weights from memory"),
+                ("w8_projections", "triton_fp8 at one row, weights from memory: the best tile and the current one"),
                 ("decode_steps", "Whole decode steps")]
     for key, title in sections:
         if key not in report:

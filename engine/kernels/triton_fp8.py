@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
+
 MAX_ROWS = int(os.environ.get("PDSERVE_FP8_GEMV_ROWS", "64"))  # 0: _scaled_mm for every batch (bench A/B)
 
 
@@ -35,7 +37,8 @@ class W8Config:
 
 @triton.jit(do_not_specialize=["M"])  # N, K specialized (multiples of 16): aligned, vectorized loads
 def _w8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -100,4 +103,5 @@ _SMALLER: dict = {}
 def _launch(x, weight, scale, x_scale, out, rows, n, k, block_m, c) -> None:
     _w8_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, scale, x_scale, out, rows, n, k, x.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=c.warps, num_stages=c.stages)
+        BLOCK_K=c.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", PDL=PDL, num_warps=c.warps,
+        num_stages=c.stages, **launch_options())

@@ -7,17 +7,20 @@ e4m3 (``rmsnorm_fp8``): the numbers of ``quantize_rows`` after it, without its
 launch. (SiLU-times-up does not: a whole row per program, as quantizing needs,
 took 7 us on an H200 at one row against 1.5 + 1.5 for its parallel kernel and
 the quantization launch; a down projection quantizing as it reads broke the
-kernel's pipelining.)"""
+kernel's pipelining.) Each launches with programmatic dependent launch where the GPU has it (``triton_pdl``)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
+
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     n = tl.arange(0, BLOCK)
     mask = n < N
     x = tl.load(x_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
@@ -31,14 +34,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty_like(x)
-    _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                       num_warps=8 if n >= 2048 else 4)
+    _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n), PDL=PDL,
+                                       num_warps=8 if n >= 2048 else 4, **launch_options())
     return out
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     n = tl.arange(0, BLOCK)
     mask = n < N
     dt = out_ptr.dtype.element_ty
@@ -58,7 +63,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     n = x.shape[-1]
     out, total = torch.empty_like(x), torch.empty_like(x)
     _add_rmsnorm_kernel[(x.numel() // n,)](x, residual, weight, out, total, eps, N=n,
-                                           BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4)
+                                           BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4,
+                                           PDL=PDL, **launch_options())
     return out, total
 
 
@@ -102,8 +108,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
     dt = out_ptr.dtype.element_ty
@@ -120,14 +127,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.numel() // (2 * n)
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, N=n, BLOCK=block, PDL=PDL, **launch_options())
     return out
 
 
 @triton.jit
 def _rmsnorm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                        ADD: tl.constexpr):
+                        ADD: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     n = tl.arange(0, BLOCK)
     mask = n < N
     dt = x_ptr.dtype.element_ty
@@ -164,6 +172,6 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     total = torch.empty_like(x) if residual is not None else x
     _rmsnorm_fp8_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, weight, q, s, total, eps,
                                  N=n, BLOCK=triton.next_power_of_2(n), ADD=residual is not None,
-                                 num_warps=8 if n >= 2048 else 4)
+                                 num_warps=8 if n >= 2048 else 4, PDL=PDL, **launch_options())
     out = Quantized(q, s, x.dtype)
     return (out, total) if residual is not None else out

@@ -30,3 +30,16 @@ ENABLED = _enabled()
 def launch_options() -> dict:
     """The launch keyword for a kernel that takes ``PDL=ENABLED`` (and waits when it is set)."""
     return {"launch_pdl": True} if ENABLED else {}
+
+
+import triton  # noqa: E402 - after the flag: this module is imported by the Triton kernel modules only
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """At a kernel's start: wait for the kernels before (their output is this one's input), then let the next one
+    launch (it waits in turn)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -9,12 +9,14 @@ import triton.language as tl
 
 from ..quant.fp8_linear import MIN_SCALE
 from ..quant.kv_fp8 import FP8, FP8_MAX
+from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, N: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-                          LOW: tl.constexpr):
+                          LOW: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     n = tl.arange(0, BLOCK)
     mask = n < N
     x = tl.load(x_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
@@ -31,6 +33,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(rows, n, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n)
-    _quantize_rows_kernel[(rows,)](x, out, scale, N=n, BLOCK=block, FMAX=FP8_MAX, LOW=MIN_SCALE,
-                                   num_warps=8 if block >= 4096 else 4)
+    _quantize_rows_kernel[(rows,)](x, out, scale, N=n, BLOCK=block, FMAX=FP8_MAX, LOW=MIN_SCALE, PDL=PDL,
+                                   num_warps=8 if block >= 4096 else 4, **launch_options())
     return out, scale
