@@ -63,10 +63,13 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 def config_for(rows: int, n: int, k: int) -> W8Config:
     """The tile for ``rows`` rows times an ``[n, k]`` weight (``pdserve bench fp8``, H200, Mistral-7B shapes: 1.3-2x
-    faster than bf16 ``F.linear`` at 1-64 rows, 1.4-2.5x than ``_scaled_mm``)."""
+    faster than bf16 ``F.linear`` at 1-64 rows, 1.4-2.5x than ``_scaled_mm``; up to 16 rows from ``pdserve bench
+    kernels --only w8``, whose weights come from memory, not L2: ``bench/results/kernels-w8-h200.md``)."""
     long_rows, wide = k >= 8192, n >= 16384  # down; gate_up
     if rows <= 16:
-        return W8Config(64, 512, 4, 5) if long_rows else W8Config(128, 256, 4, 3) if wide else W8Config()
+        if long_rows or wide:
+            return W8Config(64, 512, 4, 5) if long_rows else W8Config(64, 256, 4, 4)
+        return W8Config(64, 256, 4, 5) if n > k else W8Config(64, 512, 4, 4)  # q/k/v; o
     if rows <= 32:  # the activations' tiles grow with the rows: shorter K tiles keep the stages in shared memory
         return W8Config(64, 256, 4, 5) if long_rows else W8Config(64, 128, 4, 3) if wide else W8Config(64, 256)
     return W8Config(64, 128, 4, 3) if wide else W8Config()
