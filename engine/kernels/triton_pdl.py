@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, Hopper and newer) for the decode step's Triton kernels.
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode step's Triton kernels (attention, the
+one-row GEMV, norms, SiLU-times-up, the FP8 quantization and GEMM).
 
 A kernel launched with PDL may be scheduled while the kernel before it in
 the stream is still running; it waits (``griddepcontrol.wait``: until the
