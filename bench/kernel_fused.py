@@ -83,7 +83,7 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
             w = torch.ones(in_f, dtype=dtype, device=device)
             before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
             tried = [(_try(lambda layer: _fused(name, x, r, w, layer, c), layers, device), c)
-                     for c in (_grid() if sweep else [None])]
+                     for c in (_grid() if sweep and not fp8 else [None])]  # FP8 layers keep triton_fp8
             rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried if c is not None]
             ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
             if best is not None:
@@ -107,8 +107,8 @@ def _grid() -> list:
     """Tiles whose fp32 accumulators fit the registers (at most 64 a thread, two for gate/up)."""
     from engine.kernels.triton_gemv import GemvConfig
 
-    return [GemvConfig(n, k, warps, 3) for warps in (4, 8) for n in (4, 8, 16, 32) for k in (256, 512, 1024)
-            if n * k <= 2048 * warps]
+    return [GemvConfig(n, k, warps, 3) for warps in (4, 8) for n in (1, 2, 4, 8, 16, 32) for k in (256, 512, 1024)
+            if n * k <= 2048 * warps and n * k >= 32 * 4 * warps]
 
 
 def write_picks(picks: dict, prefix: str) -> None:
