@@ -174,18 +174,37 @@ def layer_kernels(layers, ops, spec, token_counts, dtype, device) -> list:
     return rows
 
 
+L2_BYTES = 256 << 20  # comfortably more than any L2 (H100 50 MB, H200 60 MB)
+
+
+def copies_past_l2(make, nbytes: int, device) -> list:
+    """As many ``make()`` results (``nbytes`` each) as it takes to hold more than any GPU's L2 cache (two on a CPU,
+    whose timings here are only the torch forms' smoke test)."""
+    return [make() for _ in range(max(2, -(-L2_BYTES // nbytes) if device.type == "cuda" else 2))]
+
+
+def timed_rotating(fn, items: list, device) -> float:
+    """``timed`` over calls ``fn(item)`` that take ``items`` in turn (weights larger than L2 together, so each call
+    reads its weight from memory, as a decode step does, not from L2 as a repeated call on one weight would)."""
+    turn = iter(range(1 << 30))
+    reps = len(items) * 4 if len(items) < 8 else len(items)
+    return timed(lambda: fn(items[next(turn) % len(items)]), device, reps=reps)
+
+
 def gemms(spec, batches, dtype, device, tp: int = 1) -> list:
-    """The decode step's matmuls at one rank's shapes (``x @ W.T``, weights in ``dtype``): bytes are the weights
-    read plus the activations; flops for comparison with the matmul rate."""
+    """The decode step's matmuls at one rank's shapes (``x @ W.T``, weights in ``dtype``, read from memory):
+    bytes are the weights read plus the activations; flops for comparison with the matmul rate."""
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     shapes = {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d // tp, h), "o": (h, spec.num_heads * d // tp),
               "gate_up": (2 * inter // tp, h), "down": (h, inter // tp), "lm_head": (spec.vocab_size // tp, h)}
     rows = []
     for name, (out_f, in_f) in shapes.items():
-        w = torch.randn(out_f, in_f, dtype=dtype, device=device) * 0.02
+        weights = copies_past_l2(lambda: torch.randn(out_f, in_f, dtype=dtype, device=device) * 0.02,
+                                 out_f * in_f * torch.finfo(dtype).bits // 8, device)
+        w = weights[0]
         for m in batches:
             x = torch.randn(m, in_f, dtype=dtype, device=device)
-            ms = timed(lambda: torch.nn.functional.linear(x, w), device)
+            ms = timed_rotating(lambda w: torch.nn.functional.linear(x, w), weights, device)
             rows.append({"name": f"{name} m{m}", "gemm": name, "m": m, "ms": ms,
                          "bytes": (w.numel() + m * (in_f + out_f)) * w.element_size(), "flops": 2 * m * in_f * out_f})
 

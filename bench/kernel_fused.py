@@ -11,9 +11,7 @@ import json
 
 import torch
 
-from .kernel_cases import timed
-
-L2_BYTES = 256 << 20  # comfortably more than any L2 (H100 50 MB, H200 60 MB)
+from .kernel_cases import copies_past_l2, timed_rotating
 
 
 def _shapes(spec) -> dict:
@@ -26,12 +24,12 @@ def _shapes(spec) -> dict:
 def _layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
     from engine.quant.fp8_linear import Fp8Linear
 
-    copies = max(2, -(-L2_BYTES // (out_f * in_f * (1 if fp8 else 2))))
-    layers = []
-    for _ in range(copies):
+    def make():
         lin = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype).requires_grad_(False)
         torch.nn.init.normal_(lin.weight, std=in_f ** -0.5)
-        layers.append(Fp8Linear.of(lin) if fp8 else lin)
+        return Fp8Linear.of(lin) if fp8 else lin
+
+    layers = copies_past_l2(make, out_f * in_f * (1 if fp8 else 2), device)
     if fp8:  # the engine's kernels for FP8 projections (``decode_path.fp8_kernels``)
         from engine.kernels import triton_fp8, triton_quant
 
@@ -62,12 +60,6 @@ def _fused(name: str, x, r, w, layer, config=None):
     return triton_gemv.linear(rows, layer, silu=name == "gate_up", config=config)
 
 
-def _time(fn, layers, device) -> float:
-    turn = iter(range(1 << 30))
-    return timed(lambda: fn(layers[next(turn) % len(layers)]), device, reps=len(layers) * 4 if len(layers) < 8
-                 else len(layers))
-
-
 def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
     """Rows ``{"name", "ms", "bytes", "unfused_ms", "speedup"}`` per projection and weight dtype; with
     ``sweep``, the tiles tried (in the rows) and the best per projection ``{shape_key: config}``."""
@@ -81,7 +73,7 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
             tag = f"{name}{' fp8' if fp8 else ''} m1"
             x, r = (torch.randn(1, in_f, dtype=dtype, device=device) for _ in range(2))
             w = torch.ones(in_f, dtype=dtype, device=device)
-            before = _time(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
+            before = timed_rotating(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
             tried = [(_try(lambda layer: _fused(name, x, r, w, layer, c), layers, device), c)
                      for c in (_grid() if sweep and not fp8 else [None])]  # FP8 layers keep triton_fp8
             rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried if c is not None]
@@ -98,7 +90,7 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
 
 def _try(fn, layers, device) -> dict:
     try:
-        return {"ms": _time(fn, layers, device)}
+        return {"ms": timed_rotating(fn, layers, device)}
     except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU
         return {"error": str(e)[:120]}
 

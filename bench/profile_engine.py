@@ -106,7 +106,6 @@ def prefill_profile(engine, rng, n: int, length: int) -> dict:
 
 
 def main(argv=None) -> int:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from bench.engine import decode_rate
