@@ -39,25 +39,24 @@ def _layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
     return layers
 
 
-def _unfused(name: str, fp8: bool, x, r, w, layer):
+def _unfused(normed: bool, silu: bool, fp8: bool, x, r, w, layer):
     """The launches the fused kernel replaces (what the engine ran before)."""
     from engine.kernels import triton_layers
 
-    normed = name in ("qkv", "gate_up")
     if fp8:
         h = triton_layers.rmsnorm_fp8(x, w, 1e-5, r)[0] if normed else x
         y = layer(h)
     else:
         h = triton_layers.add_rmsnorm(x, r, w, 1e-5)[0] if normed else x
         y = torch.nn.functional.linear(h, layer.weight)
-    return triton_layers.silu_mul(y) if name == "gate_up" else y
+    return triton_layers.silu_mul(y) if silu else y
 
 
-def _fused(name: str, x, r, w, layer, config=None):
+def _fused(normed: bool, silu: bool, x, r, w, layer, config=None):
     from engine.kernels import triton_gemv
 
-    rows = triton_gemv.defer(x, r, w, 1e-5)[0] if name in ("qkv", "gate_up") else x
-    return triton_gemv.linear(rows, layer, silu=name == "gate_up", config=config)
+    rows = triton_gemv.defer(x, r, w, 1e-5)[0] if normed else x
+    return triton_gemv.linear(rows, layer, silu=silu, config=config)
 
 
 def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
@@ -73,8 +72,8 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
             tag = f"{name}{' fp8' if fp8 else ''} m1"
             x, r = (torch.randn(1, in_f, dtype=dtype, device=device) for _ in range(2))
             w = torch.ones(in_f, dtype=dtype, device=device)
-            before = timed_rotating(lambda layer: _unfused(name, fp8, x, r, w, layer), layers, device)
-            tried = [(_try(lambda layer: _fused(name, x, r, w, layer, c), layers, device), c)
+            before = timed_rotating(lambda layer: _unfused(normed, silu, fp8, x, r, w, layer), layers, device)
+            tried = [(_try(lambda layer: _fused(normed, silu, x, r, w, layer, c), layers, device), c)
                      for c in (_grid() if sweep and not fp8 else [None])]  # FP8 layers keep triton_fp8
             rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried if c is not None]
             ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
