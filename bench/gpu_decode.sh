@@ -3,7 +3,8 @@
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
-#   the batch-1 projection kernel and its engine A/B; serve1p1d needs two GPUs)
+#   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
+#   use (AB="before:PDSERVE_FEWROW_CONFIGS= after:PDSERVE_AB=1"); serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -15,7 +16,8 @@ for step in $steps; do
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py ${TESTS:-tests/test_overlap.py} 2>&1 | tail -3 ;;
     kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
-    engine) timeout 300 $PY -m deploy.cli bench engine $model --batches 1,32,64 --prompt-len 512 --decode-steps 64 \
+    engine) fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] && export PDSERVE_FEWROW_CONFIGS=$fpicks
+      timeout 300 $PY -m deploy.cli bench engine $model --batches 1,32,64 --prompt-len 512 --decode-steps 64 \
               --requests 64 --max-num-seqs 64 --max-model-len 4096 --out "$OUT/engine-$TAG" 2>&1 | tail -12 ;;
     serve)
       $PY -m deploy.cli up --colocated $model --max-model-len 4096 --max-num-seqs 64 --port 8011 \
@@ -42,10 +44,18 @@ for step in $steps; do
       timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep \
         --out "$OUT/kernels-fused-$TAG" > "$OUT/kernels-fused-$TAG.log" 2>&1; grep -A20 "^## Batch-1" "$OUT/kernels-fused-$TAG.md" \
         || tail -20 "$OUT/kernels-fused-$TAG.log" ;;
+    fewrow)  # the few-row GEMM (triton_fewrow, bf16 at 16-64 rows, FP8 at 1-32) checked, then its tiles and K
+             # splits swept against cuBLAS / the FP8 tile held before; the ab step uses the picks
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_fewrow.py tests/test_triton_ops.py \
+        tests/test_fp8_weights.py --tb=short 2>&1 | grep -E "^(E |FAILED)|passed|failed" | tail -15
+      timeout 540 $PY -m deploy.cli bench kernels --model mistral-7b --only fewrow \
+        --out "$OUT/kernels-fewrow-$TAG" > "$OUT/kernels-fewrow-$TAG.log" 2>&1; grep -A30 "^## Few-row" \
+        "$OUT/kernels-fewrow-$TAG.md" || tail -20 "$OUT/kernels-fewrow-$TAG.log" ;;
     ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the GEMV kernel, without PDL, with both
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
+      fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] || fpicks=""
       for v in ${AB:-plain:PDSERVE_GEMV=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
-        env ${v#*:} PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
+        env PDSERVE_FEWROW_CONFIGS=$fpicks ${v#*:} PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
           --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
           | grep -v " INFO " | tail -6
       done ;;

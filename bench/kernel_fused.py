@@ -105,24 +105,3 @@ def _grid() -> list:
 def write_picks(picks: dict, prefix: str) -> None:
     with open(f"{prefix}-picks.json", "w") as f:
         json.dump(picks, f, indent=1)
-
-
-def w8_sweep(spec, dtype, device) -> list:
-    """``triton_fp8``'s few-row FP8 GEMM alone at one row, weights from memory, for a grid of tiles (its
-    ``config_for`` came from a sweep whose weights stayed in L2): rows ``{"name", "config", "ms", "current"}``."""
-    from engine.kernels import triton_fp8, triton_quant
-
-    rows = []
-    grid = [triton_fp8.W8Config(n, k, 4, s) for n in (16, 32, 64) for k in (256, 512) for s in (3, 4, 5)]
-    for name, (out_f, in_f, _, _) in _shapes(spec).items():
-        layers = _layers(out_f, in_f, True, dtype, device)
-        xq, xs = triton_quant.quantize_rows(torch.randn(1, in_f, dtype=dtype, device=device))
-        current = triton_fp8.config_for(1, out_f, in_f)
-        for c in [current, *grid]:
-            t = _try(lambda layer: triton_fp8.w8_matmul(xq, layer.weight, layer.weight_scale, c, x_scale=xs,
-                                                        out_dtype=dtype), layers, device)
-            rows.append({"name": f"w8 {name} m1", "config": c.__dict__, "current": c is current,
-                         "bytes": out_f * in_f, **t})
-        del layers
-        torch.cuda.empty_cache()
-    return rows

@@ -10,6 +10,8 @@ read + written per second), read bandwidth (a sum) and the dense matmul rate.
 * the step's GEMMs at the model's shapes (weights read once: a bandwidth fraction at small batch);
 * the batch-1 projections with their norm / SiLU-times-up fused (``engine.kernels.triton_gemv``, bf16 and FP8
   weights) against the launches they replace (``bench.kernel_fused``; ``--sweep``: their tiles too);
+* ``--only fewrow``: the few-row GEMM (``engine.kernels.triton_fewrow``, tiles and K splits) at 1-64 rows against
+  cuBLAS / the FP8 tile held before (``bench.kernel_fewrow``; picks to ``<out>-picks.json``);
 * whole decode steps of the engine (dummy weights of ``--model``, a named shape): the captured graph's replay and
   ``Engine.step`` (host work included), against (weights + K/V bytes) / measured bandwidth.
 
@@ -40,8 +42,8 @@ def add_arguments(p):
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="decode attention over an "
                    "FP8 pool (quant.kv_fp8)")
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
-                   "steps (fused: the batch-1 projection kernel against the launches it replaces), or w8 (a sweep "
-                   "of triton_fp8's tiles at one row)")
+                   "steps (fused: the batch-1 projection kernel against the launches it replaces), or fewrow (a sweep "
+                   "of triton_fewrow's tiles and K splits at 1-64 rows, bf16 and FP8; picks to <out>-picks.json)")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -141,15 +143,18 @@ def run(args) -> int:
         if picks:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             write_picks(picks, args.out)
-    if "w8" in only and device.type == "cuda":
-        from .kernel_fused import w8_sweep
+    if "fewrow" in only and device.type == "cuda":
+        from .kernel_fewrow import fewrow_sweep
+        from .kernel_fused import write_picks
 
-        rows = [r for r in w8_sweep(spec, dtype, device) if "ms" in r]
-        report["w8_projections"] = fractions(best_per_case(rows) + [r for r in rows if r["current"]], lim)
-        for r in report["w8_projections"]:
-            r["note"] = f"{'current' if r['current'] else 'best'} {r['config']}"
-        report["w8_sweep"] = rows
-        _say("w8 projections", report["w8_projections"])
+        rows, picks = fewrow_sweep(spec, dtype, device)
+        report["fewrow_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
+        for r in report["fewrow_projections"]:
+            r["note"] = f"{r['against']} {r['against_ms']:.4f} ms: {r['speedup']:.2f}x; {r['config']}"
+        report["fewrow_sweep"] = [r for r in rows if "sweep" in r["name"]]
+        _say("few-row projections", report["fewrow_projections"])
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        write_picks(picks, args.out)
     if "steps" in only:
         from .kernel_steps import decode_steps
 
@@ -183,6 +188,8 @@ def table(report: dict) -> str:
                 ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"),
                 ("fused_projections", "Batch-1 projections with their norm / SiLU fused (triton_gemv), weights from memory"),
                 ("w8_projections", "triton_fp8 at one row, weights from memory: the best tile and the current one"),
+                ("fewrow_projections", "Few-row projections on triton_fewrow (best tile and K split), weights from "
+                 "memory, against cuBLAS (bf16) or the FP8 tile held before"),
                 ("decode_steps", "Whole decode steps")]
     for key, title in sections:
         if key not in report:

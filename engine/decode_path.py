@@ -41,7 +41,13 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         from .kernels import triton_gemv
 
         use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
+        fewrow_kernels(self.model)
         fp8_kernels(self.model)
+        from .kernels import triton_prefetch
+
+        if triton_prefetch.ENABLED:
+            for layer in self.model.owned_layers:
+                layer.self_attn.prefetch = triton_prefetch
         from .kernels import triton_moe
 
         for module in self.model.modules():
@@ -51,6 +57,23 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     part = None if cfg.pp == 1 else "first" if self.model.ends else "rest"  # a pipeline stage's share of the step
     return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
                         part)
+
+
+def fewrow_kernels(model) -> None:
+    """bf16/fp16 projections of a few rows on ``triton_fewrow`` where it has a tile measured faster than cuBLAS
+    (``PDSERVE_FEWROW_ROWS=0``: never, the A/B)."""
+    from torch import nn
+
+    from .kernels import triton_fewrow
+
+    if triton_fewrow.MAX_ROWS <= 0:
+        return
+    for layer in model.owned_layers:
+        for parent in (layer.self_attn, layer.ffn):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(parent, name, None)
+                if isinstance(linear, nn.Linear):
+                    linear.fewrow = triton_fewrow
 
 
 def fp8_kernels(model) -> None:

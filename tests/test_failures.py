@@ -97,7 +97,6 @@ def test_prefill_killed_mid_prefill_is_retried_on_the_other(slow_model):
         assert eventually(lambda: f.worker_info("p1")["queued"] == 0 and victim.tokens == 0 and victim.ended_at is None, 2)
         time.sleep(0.3)
         assert victim.tokens == 0, "prefill finished before the kill; the prompt is too short for this machine"
-        killed_at = time.monotonic()
         f.signal("p1", signal.SIGKILL)
         victim.join(60)
         assert not victim.error and victim.finished and victim.tokens == 4, victim.error

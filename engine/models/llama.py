@@ -61,9 +61,13 @@ class ModelSpec:
 
 
 def project(gemv, linear: nn.Module, x) -> torch.Tensor:
-    """``linear(x)``, one row (or a deferred norm) on ``gemv`` (``triton_gemv``) when the engine has it."""
+    """``linear(x)``, one row (or a deferred norm) on ``gemv`` (``triton_gemv``) when the engine has it, a few rows
+    on the linear's ``fewrow`` kernel (``triton_fewrow``) where it has a tile for them."""
     if gemv is not None and gemv.takes(x):
         return gemv.linear(x, linear)
+    fewrow = getattr(linear, "fewrow", None)
+    if fewrow is not None and fewrow.takes(x, linear):
+        return fewrow.linear(x, linear)
     return linear(x)
 
 
@@ -98,6 +102,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     gemv = None  # ``triton_gemv`` (see ``use_kernels``)
+    prefetch = None  # ``triton_prefetch``: o's weight pulled into L2 while attention runs (few rows)
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -122,6 +127,8 @@ class Attention(nn.Module):
         qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
         n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
+            if self.prefetch is not None and self.prefetch.takes(n):
+                self.prefetch.l2(self.o_proj.weight)
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                       self.kv_heads, self.kv_scales)
             out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
@@ -154,9 +161,9 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gemv is not None and self.gemv.takes(x):
             return project(self.gemv, self.down_proj, self.gemv.linear(x, self.gate_up_proj, silu=True))
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(None, self.gate_up_proj, x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
+            return project(None, self.down_proj, self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 

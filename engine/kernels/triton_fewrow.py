@@ -1,0 +1,226 @@
+"""GEMM for a few rows (decode at batch 1-64) as a Triton kernel, FP8 or bf16/fp16 weights, split along K (CUDA).
+
+At a batch of a few tokens a projection reads its weight once and does
+little arithmetic with it: its time is the weight's bytes over the bandwidth
+the kernel can draw. cuBLAS picks tiles made for many rows, and a tile per
+output block leaves most SMs idle on a narrow projection (o and down have
+4,096 output channels: 64 programs of 64 on 132 SMs). Here:
+
+* "swap AB": one program owns ``BLOCK_N`` output channels; the weight tile is
+  the left operand of a tensor-core product (``BLOCK_N`` >= 64 fills an
+  H100/H200 warpgroup MMA) and the few rows the narrow right one
+  (``BLOCK_M`` >= 16, padded);
+* split-K: ``SPLIT_K`` programs share an output block, each walking its own
+  ``1/SPLIT_K`` of K, so a narrow projection runs ``SPLIT_K`` times as many
+  programs. Each writes its fp32 partial sums to a workspace and takes a
+  ticket (an atomic add on the block's counter, after a barrier: the
+  partials are written before it). The program that takes the last ticket
+  adds the partials in split order (the sums do not depend on which program
+  finishes last), writes the output and puts the counter back to zero for the
+  next launch: one launch, no memset. Counters live in one zeroed buffer per
+  device made outside graph capture (``counters``); a launch under capture
+  with none made yet runs unsplit;
+* FP8 (``SCALED``): e4m3 weights with per-channel scales times e4m3 rows with
+  per-row scales, ``y[t, o] = (xq[t] . wq[o]) * s_x[t] * s_w[o]``: the numbers
+  of ``_scaled_mm`` (W8A8). Else the rows and weights in bf16/fp16, fp32 sums;
+* ``BIAS``; programmatic dependent launch (``triton_pdl``).
+
+``triton_fp8.w8_matmul`` runs FP8 projections here; ``linear`` runs a
+bf16/fp16 ``nn.Linear`` (``takes``: rows and shapes where ``config_for`` holds
+a tile measured faster than cuBLAS; fp32 ones with IEEE products, for tests). ``pdserve bench kernels --only fewrow``
+times tiles with the weights read from memory."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up to this many rows (0: cuBLAS always)
+COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792)
+
+
+@dataclass(frozen=True)
+class FewRowConfig:
+    block_n: int = 64
+    block_k: int = 512
+    warps: int = 4
+    stages: int = 3
+    split_k: int = 1
+
+
+@triton.jit(do_not_specialize=["M"])  # N, K specialized (multiples of 16): aligned, vectorized loads
+def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_then_release(PDL)
+    block = tl.program_id(0)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # BLOCK_K chunks per split
+    k_lo = tl.program_id(1) * chunks * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + chunks * BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: output channels down, rows across
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_hi
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
+        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies no FP8 (nor bf16 right)
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        elif w.dtype == tl.float32:  # fp32 weights (tiny test models): no TF32 rounding
+            acc += tl.dot(w, xt, input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    out_at = out_ptr + m[None, :] * stride_om + n[:, None]
+    mask = mmask[None, :] & nmask[:, None]
+    if SPLIT_K == 1:
+        _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED, BIAS)
+    else:
+        part = part_ptr + m[None, :] * N + n[:, None]  # [SPLIT_K, M, N] fp32
+        tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials written before the ticket is taken
+        ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last of the block: the others' partials are visible (acquire)
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(total, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED, BIAS)
+            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED: tl.constexpr, BIAS: tl.constexpr):
+    if SCALED:
+        acc = acc * tl.load(s_ptr + n, mask=nmask, other=0.0)[:, None]
+        acc = acc * tl.load(xs_ptr + m, mask=mmask, other=0.0)[None, :]
+    if BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_at, acc.to(out_at.dtype.element_ty), mask=mask)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: torch.Tensor,
+           scales: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None) -> None:
+    """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` times ``weight`` ``[N, K]`` (+ ``bias``); FP8 operands with
+    ``scales`` = (the weight's per-channel ``[N]``/``[1, N]``, the rows' ``[rows, 1]``)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_m = max(16, triton.next_power_of_2(rows))
+    c = _FITTED.get((config, block_m), config)
+    c = replace(c, split_k=min(c.split_k, triton.cdiv(k, c.block_k)))  # every split at least one chunk
+    count = counters(x.device) if c.split_k > 1 else None
+    if count is None or triton.cdiv(n, c.block_n) > COUNTERS:
+        c = replace(c, split_k=1)
+    part = torch.empty(c.split_k, rows, n, dtype=torch.float32, device=x.device) if c.split_k > 1 else out
+    s, xs = scales if scales is not None else (weight, weight)
+    args = (x, weight, s, xs, bias if bias is not None else weight, out, part, count if count is not None else out,
+            rows, n, k, x.stride(0), out.stride(0))
+    flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None,
+                 UPCAST=INTERPRETED, PDL=PDL)
+    while True:
+        try:
+            _few_row_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
+                *args, **flags, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, num_warps=c.warps,
+                num_stages=c.stages, **launch_options())
+            return
+        except triton.runtime.errors.OutOfResources:  # less shared memory (Ada: 100 KB): fewer stages, shorter K
+            if c.stages <= 2 and c.block_k <= 64:
+                raise
+            c = replace(c, stages=c.stages - 1) if c.stages > 2 else replace(c, block_k=c.block_k // 2)
+            _FITTED[(config, block_m)] = c
+
+
+_FITTED: dict = {}
+_COUNTERS: dict = {}
+
+
+def counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-K counters (each launch leaves them zero), made on first use outside capture."""
+    have = _COUNTERS.get(device)
+    if have is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        have = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return have
+
+
+def takes(x, layer) -> bool:
+    """Whether ``linear`` runs ``layer`` on ``x``: a 2-D CUDA (or interpreter) tensor of at most ``MAX_ROWS`` rows in
+    the weight's bf16/fp16, at a shape ``config_for`` has a tile for."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not (x.is_cuda or INTERPRETED):
+        return False
+    w = layer.weight
+    return x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+        and 1 <= x.shape[0] <= MAX_ROWS and config_for(x.shape[0], *w.shape, kind_of(w.dtype)) is not None
+
+
+def kind_of(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "bf16"  # fp16 takes bf16's tiles
+
+
+def linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """``layer(x)`` for an ``nn.Linear`` (a row-parallel shard all-reduces after), on the few-row kernel."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n, k = layer.weight.shape
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    matmul(x, layer.weight, config_for(x.shape[0], n, k, kind_of(x.dtype)), out, bias=layer.bias)
+    group = getattr(layer, "group", None)
+    return group.all_reduce(out) if group is not None else out
+
+
+_PICKS: dict = {}
+
+
+def pick(kind: str, rows: int, n: int, k: int):
+    """A sweep's tile for ``kind`` (``bf16`` or ``fp8`` weights) at ``rows`` rows, ``None`` where it found cuBLAS
+    faster, or ``...`` where it measured nothing."""
+    return _PICKS.get(pick_key(kind, rows, n, k), ...)
+
+
+def pick_key(kind: str, rows: int, n: int, k: int) -> str:
+    return f"{kind}-{max(16, triton.next_power_of_2(rows))}x{n}x{k}"
+
+
+def config_for(rows: int, n: int, k: int, kind: str = "bf16") -> FewRowConfig | None:
+    """The tile for ``rows`` rows times a ``kind`` (bf16 or fp16; fp32) ``[n, k]`` weight, or None where cuBLAS was
+    measured faster or nothing was measured (a sweep's picks if loaded: ``PDSERVE_FEWROW_CONFIGS``)."""
+    chosen = pick(kind, rows, n, k)
+    if chosen is not ...:
+        return chosen
+    if INTERPRETED:
+        return FewRowConfig(32, 64, 4, 2, 2)
+    return _measured(rows, n, k) if kind == "bf16" else None
+
+
+def _measured(rows: int, n: int, k: int) -> FewRowConfig | None:
+    """What the H200 sweep of the Mistral-7B shapes found faster than cuBLAS (by 2-17%, weights from memory:
+    ``bench/results/kernels-fewrow-h200.md``): down (K in two halves) at up to 64 rows, q/k/v and o at up to 32;
+    cuBLAS for gate/up (it reads that one at 90%) and for q/k/v and o at 64 rows."""
+    if rows > 64 or n >= 4 * k:
+        return None
+    if k > n:
+        return FewRowConfig(64, 256 if rows <= 32 else 128, 4, 4, 2)
+    if rows > 32:
+        return None
+    return FewRowConfig(64, 128, 4, 4) if n > k else FewRowConfig(64, 256, 4, 4)
+
+
+def load_picks(path: str | None = os.environ.get("PDSERVE_FEWROW_CONFIGS")) -> None:
+    """Tiles picked by a sweep (``pdserve bench kernels --only fewrow``): ``{pick_key: {block_n, block_k, warps,
+    stages, split_k} or null}``."""
+    if path:
+        import json
+
+        with open(path) as f:
+            _PICKS.update({key: FewRowConfig(**c) if c else None for key, c in json.load(f).items()})
+
+
+load_picks()

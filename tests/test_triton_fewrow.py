@@ -1,0 +1,133 @@
+"""The few-row GEMM kernel (``engine.kernels.triton_fewrow``: decode at batch 1-64, split along K) against
+``nn.Linear`` / the W8A8 numbers, on a GPU or under Triton's interpreter (set when there is no GPU; CI runs them
+so)."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
+    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fewrow():
+    from engine.kernels import triton_fewrow
+
+    return triton_fewrow
+
+
+def _linear(out_f: int, in_f: int, g, bias: bool = False, dtype=torch.bfloat16) -> torch.nn.Linear:
+    lin = torch.nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=g) * in_f ** -0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(out_f, generator=g))
+    return lin.to(DEVICE, dtype).requires_grad_(False)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows,split_k,bias", [(1, 1, False), (3, 2, True), (16, 3, False), (20, 4, False)])
+def test_rows_match_the_linear_layer(rows, split_k, bias):
+    """Any split (one that does not divide K's chunks too: 3 splits of 5) gives ``nn.Linear``'s output."""
+    fr = _fewrow()
+    g = torch.Generator().manual_seed(rows)
+    lin = _linear(96, 320, g, bias)  # 320 = 5 chunks of 64; 96 outputs: a partial block of 64
+    x = torch.randn(rows, 320, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.empty(rows, 96, dtype=torch.bfloat16, device=DEVICE)
+    fr.matmul(x, lin.weight, fr.FewRowConfig(64, 64, 4, 2, split_k), out, bias=lin.bias)
+    _close(out, lin(x))
+
+
+def test_split_sums_do_not_depend_on_which_split_ends_last_and_counters_reset():
+    """The partials are added in split order by whichever program ends last: launches repeat bit for bit, and
+    each leaves the block counters at zero for the next."""
+    fr = _fewrow()
+    g = torch.Generator().manual_seed(1)
+    lin = _linear(128, 512, g)
+    x = torch.randn(5, 512, generator=g).to(DEVICE, torch.bfloat16)
+    config = fr.FewRowConfig(32, 64, 4, 2, 4)
+    outs = []
+    for _ in range(3):
+        outs.append(torch.empty(5, 128, dtype=torch.bfloat16, device=DEVICE))
+        fr.matmul(x, lin.weight, config, outs[-1])
+        assert not fr.counters(x.device).any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    one = torch.empty_like(outs[0])
+    fr.matmul(x, lin.weight, fr.FewRowConfig(32, 64, 4, 2, 1), one)
+    _close(outs[0], one)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fp8_weights_give_the_w8a8_numbers(split_k):
+    from engine.kernels import triton_fp8
+    from engine.quant.fp8_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    lin = _linear(64, 256, g)
+    wq, ws = quantize_rows(lin.weight)
+    x = torch.randn(4, 256, generator=g).to(DEVICE, torch.bfloat16)
+    xq, xs = quantize_rows(x)
+    got = triton_fp8.w8_matmul(xq, wq, ws.reshape(1, -1), triton_fp8.W8Config(64, 64, 4, 2, split_k), x_scale=xs,
+                               out_dtype=torch.bfloat16)
+    want = (xq.float() * xs) @ (wq.float() * ws.reshape(-1, 1)).t()
+    _close(got, want)
+
+
+def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
+    fr = _fewrow()
+    g = torch.Generator().manual_seed(2)
+    lin = _linear(64, 128, g)
+    x = torch.randn(8, 128, generator=g).to(DEVICE, torch.bfloat16)
+    assert fr.takes(x, lin) == (DEVICE == "cuda" and fr.config_for(8, 64, 128) is not None
+                                or bool(os.environ.get("TRITON_INTERPRET")))
+    assert not fr.takes(x.float(), lin)  # not the weight's dtype
+    assert not fr.takes(torch.randn(fr.MAX_ROWS + 1, 128).to(DEVICE, torch.bfloat16), lin)
+    assert not fr.takes(x[None], lin)
+    if fr.takes(x, lin):
+        _close(fr.linear(x, lin), lin(x))
+
+
+def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
+    """Decode steps of three sequences of the tiny model (fp32: bf16's rounding flips its near-tied tokens) with
+    every projection on the kernel (split along K): the greedy tokens of the same engine on the torch matmuls."""
+    from engine import EngineConfig, SamplingParams
+    from engine.decode_path import fewrow_kernels
+    from engine.engine import Engine
+    from engine.generate import generate_many
+    from engine.kernels import triton_attention, triton_layers
+    from engine.models.llama import use_kernels
+
+    fr = _fewrow()
+    monkeypatch.setattr(fr, "config_for", lambda *a: fr.FewRowConfig(32, 64, 4, 2, 2))  # (no fp32 tiles measured)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = ["hello", "a longer prompt for the tiny model", "third"]
+
+    def run(with_kernel: bool) -> list:
+        engine = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1,
+                                     max_num_seqs=4))
+        engine.runner.graphs.ops = triton_attention
+        use_kernels(engine.model, triton_layers)
+        if with_kernel:
+            fewrow_kernels(engine.model)
+        return [r[1].output_ids for r in generate_many(engine, prompts, [greedy] * 3)]
+
+    want = run(False)
+    calls = []
+    real = fr.linear
+    try:
+        fr.linear = lambda x, layer: calls.append(x.shape[0]) or real(x, layer)
+        got = run(True)
+    finally:
+        fr.linear = real
+    assert got == want
+    assert sum(1 for rows in calls if rows in (3, 4)) >= 4 * 4 * 4  # per decode step (padded to 4 rows) and layer:
+    # q/k/v, o, gate/up, down
