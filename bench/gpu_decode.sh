@@ -4,7 +4,7 @@
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
-#   use (AB="before:PDSERVE_FEWROW_CONFIGS= after:PDSERVE_AB=1"); serve1p1d needs two GPUs)
+#   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -55,7 +55,7 @@ for step in $steps; do
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
       fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] || fpicks=""
       for v in ${AB:-plain:PDSERVE_GEMV=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
-        env PDSERVE_FEWROW_CONFIGS=$fpicks ${v#*:} PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
+        env PDSERVE_FEWROW_CONFIGS=$fpicks $(echo ${v#*:} | tr , " ") PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
           --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
           | grep -v " INFO " | tail -6
       done ;;

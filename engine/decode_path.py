@@ -43,11 +43,6 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
         fewrow_kernels(self.model)
         fp8_kernels(self.model)
-        from .kernels import triton_prefetch
-
-        if triton_prefetch.ENABLED:
-            for layer in self.model.owned_layers:
-                layer.self_attn.prefetch = triton_prefetch
         from .kernels import triton_moe
 
         for module in self.model.modules():

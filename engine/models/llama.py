@@ -102,7 +102,6 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     gemv = None  # ``triton_gemv`` (see ``use_kernels``)
-    prefetch = None  # ``triton_prefetch``: o's weight pulled into L2 while attention runs (few rows)
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -127,8 +126,6 @@ class Attention(nn.Module):
         qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
         n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
-            if self.prefetch is not None and self.prefetch.takes(n):
-                self.prefetch.l2(self.o_proj.weight)
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                       self.kv_heads, self.kv_scales)
             out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
