@@ -1,8 +1,7 @@
 """``pdserve bench kernels --only fewrow``: the few-row GEMM kernel (``engine.kernels.triton_fewrow``) over a grid
 of tiles and K splits, per decode projection (q/k/v, o, gate/up, down) and row count, with its weights read from
 memory (copies rotating past L2, as a decode step reads them): bf16 weights at 16/32/64 rows against cuBLAS
-(``F.linear``) in the same run, FP8 ones at 1/16/32 rows against the tile ``triton_fp8`` holds now; q/k/v with
-the add + RMSNorm before it fused (``Normed``) against the norm's own launch. The best per
+(``F.linear``) in the same run, FP8 ones at 1/16/32 rows against the tile ``triton_fp8`` holds now. The best per
 case goes to ``<out>-picks.json`` (``PDSERVE_FEWROW_CONFIGS`` makes an engine use them; a bf16 case where cuBLAS
 won is picked as null: cuBLAS)."""
 from __future__ import annotations
@@ -33,7 +32,7 @@ def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
     rows, picks = [], {}
     for fp8 in (False, True):
         kind = "fp8" if fp8 else "bf16"
-        for name, (out_f, in_f, normed, _) in _shapes(spec).items():
+        for name, (out_f, in_f, _, _) in _shapes(spec).items():
             layers = _layers(out_f, in_f, fp8, dtype, device)
             for m in FP8_ROWS if fp8 else BF16_ROWS:
                 x = torch.randn(m, in_f, dtype=dtype, device=device)
@@ -59,23 +58,6 @@ def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
                 rows.append({"name": tag, "ms": ms, "against_ms": against_ms, "against": against,
                              "speedup": against_ms / ms, "config": best.__dict__,
                              "bytes": out_f * in_f * (1 if fp8 else 2) + m * (in_f + out_f) * 2})
-                if normed and not fp8 and m <= 32:
-                    rows.append(_with_norm(tag, x, layers, best, out, device))
             del layers
             torch.cuda.empty_cache()
     return rows, picks
-
-
-def _with_norm(tag: str, x, layers: list, config, out, device) -> dict:
-    """The residual add + RMSNorm before the projection fused into it (``Normed``) against its own launch
-    (``triton_layers.add_rmsnorm``) then the same tile."""
-    from engine.kernels import triton_fewrow, triton_layers
-
-    r = torch.randn_like(x)
-    w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    before = timed_rotating(lambda layer: triton_fewrow.matmul(
-        triton_layers.add_rmsnorm(x, r, w, 1e-5)[0], layer.weight, config, out), layers, device)
-    ms = timed_rotating(lambda layer: triton_fewrow.matmul(
-        triton_fewrow.defer(x, r, w, 1e-5)[0], layer.weight, config, out), layers, device)
-    return {"name": f"{tag} + norm", "ms": ms, "against_ms": before, "against": "add_rmsnorm, then the kernel",
-            "speedup": before / ms, "config": config.__dict__, "bytes": layers[0].weight.numel() * 2}

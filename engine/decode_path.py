@@ -55,8 +55,8 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
 
 
 def fewrow_kernels(model) -> None:
-    """bf16/fp16 projections of a few rows on ``triton_fewrow`` where it has a tile measured faster than cuBLAS, the
-    RMSNorm before one fused into it (``PDSERVE_FEWROW_ROWS=0``: never, the A/B)."""
+    """bf16/fp16 projections of a few rows on ``triton_fewrow`` where it has a tile measured faster than cuBLAS
+    (``PDSERVE_FEWROW_ROWS=0``: never, the A/B)."""
     from torch import nn
 
     from .kernels import triton_fewrow
@@ -69,11 +69,6 @@ def fewrow_kernels(model) -> None:
                 linear = getattr(parent, name, None)
                 if isinstance(linear, nn.Linear):
                     linear.fewrow = triton_fewrow
-        for norm, parent, name in ((layer.input_layernorm, layer.self_attn, "qkv_proj"),
-                                   (layer.post_attention_layernorm, layer.ffn, "gate_up_proj")):
-            linear = getattr(parent, name, None)
-            if isinstance(linear, nn.Linear):  # the norm before it is computed as it reads the rows (a tuple: not
-                norm.fewrow = (triton_fewrow, linear)  # a submodule)
 
 
 def fp8_kernels(model) -> None:

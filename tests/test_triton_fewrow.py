@@ -82,28 +82,6 @@ def test_fp8_weights_give_the_w8a8_numbers(split_k):
     _close(got, want)
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_a_deferred_norm_is_normed_as_the_norm_then_the_linear(residual):
-    """An RMSNorm (+ residual add) handed over as ``Normed``: the output of the norm kernel then ``nn.Linear``
-    within bf16 rounding (the scale is applied to the sums), the residual stream's sum bit for bit."""
-    from engine.kernels import triton_layers
-
-    fr = _fewrow()
-    g = torch.Generator().manual_seed(11)
-    lin = _linear(160, 192, g)  # 3 chunks of 64; 160 outputs: 3 blocks of 64, the last partial
-    x, r = (torch.randn(6, 192, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(192, generator=g)).to(DEVICE, torch.bfloat16)
-    deferred = fr.defer(x, r if residual else None, w, 1e-5)
-    normed, total = deferred if residual else (deferred, None)
-    assert fr.takes(normed, lin)
-    out = torch.empty(6, 160, dtype=torch.bfloat16, device=DEVICE)
-    fr.matmul(normed, lin.weight, fr.FewRowConfig(64, 64, 4, 2, 4), out)  # split asked for: runs unsplit
-    want = triton_layers.add_rmsnorm(x, r, w, 1e-5) if residual else (triton_layers.rmsnorm(x, w, 1e-5), None)
-    _close(out, lin(want[0]))
-    if residual:  # as the norm kernel writes it (the interpreter rounds to bf16 as it does)
-        assert torch.equal(total, want[1])
-
-
 def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
     fr = _fewrow()
     g = torch.Generator().manual_seed(2)
@@ -120,8 +98,7 @@ def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
 
 def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
     """Decode steps of three sequences of the tiny model (fp32: bf16's rounding flips its near-tied tokens) with
-    every projection on the kernel (split along K), the norms before q/k/v and gate/up fused into it: the greedy
-    tokens of the same engine on the torch matmuls."""
+    every projection on the kernel (split along K): the greedy tokens of the same engine on the torch matmuls."""
     from engine import EngineConfig, SamplingParams
     from engine.decode_path import fewrow_kernels
     from engine.engine import Engine
@@ -147,13 +124,10 @@ def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
     calls = []
     real = fr.linear
     try:
-        fr.linear = lambda x, layer: calls.append(getattr(x, "x", x).shape[0]) or real(x, layer)
-        real_defer, deferred = fr.defer, []
-        fr.defer = lambda *a: deferred.append(1) or real_defer(*a)
+        fr.linear = lambda x, layer: calls.append(x.shape[0]) or real(x, layer)
         got = run(True)
     finally:
-        fr.linear, fr.defer = real, real_defer
-    normed = len(deferred)  # the norm before q/k/v and gate/up, per decode step and layer
+        fr.linear = real
     assert got == want
-    assert sum(1 for rows in calls if rows in (3, 4)) >= 4 * 4 * 4 and normed >= 4 * 4  # per decode step (padded to 4 rows) and layer:
+    assert sum(1 for rows in calls if rows in (3, 4)) >= 4 * 4 * 4  # per decode step (padded to 4 rows) and layer:
     # q/k/v, o, gate/up, down

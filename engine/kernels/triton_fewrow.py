@@ -38,12 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gemv import Normed, defer  # noqa: F401 - an RMSNorm defers to this kernel through ``defer``
 from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up to this many rows (0: cuBLAS always)
-NORM_ROWS = int(os.environ.get("PDSERVE_FEWROW_NORM_ROWS", "32"))  # the norm before q/k/v fused up to these rows
 COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792)
 
 
@@ -56,11 +54,11 @@ class FewRowConfig:
     split_k: int = 1
 
 
-@triton.jit(do_not_specialize=["M", "eps"])  # N, K specialized (multiples of 16): aligned, vectorized loads
-def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, g_ptr, sum_ptr, eps,
-                    M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr,
-                    NORM: tl.constexpr, ADD: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])  # N, K specialized (multiples of 16): aligned, vectorized loads
+def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                    PDL: tl.constexpr):
     wait_then_release(PDL)
     block = tl.program_id(0)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,32 +69,18 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
     k_lo = tl.program_id(1) * chunks * BLOCK_K
     k_hi = tl.minimum(K, k_lo + chunks * BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: output channels down, rows across
-    squares = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nmask[:, None] & kmask[None, :],
                     other=0.0)
-        at = m[None, :] * stride_xm + k[:, None]
-        xmask = mmask[None, :] & kmask[:, None]
-        xt = tl.load(x_ptr + at, mask=xmask, other=0.0)
-        if NORM:  # rows of x (+ residual): squares summed for the RMS scale, times the norm's weight
-            xf = xt.to(tl.float32)
-            if ADD:
-                xt = (xf + tl.load(r_ptr + at, mask=xmask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-                xf = xt.to(tl.float32)
-                if block == 0:  # the residual stream's sum, written once
-                    tl.store(sum_ptr + at, xt, mask=xmask)
-            squares += tl.sum(xf * xf, axis=0)
-            xt = (xf * tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
+        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
         if UPCAST:  # the interpreter multiplies no FP8 (nor bf16 right)
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         elif w.dtype == tl.float32:  # fp32 weights (tiny test models): no TF32 rounding
             acc += tl.dot(w, xt, input_precision="ieee")
         else:
             acc += tl.dot(w, xt)
-    if NORM:  # the scale applies to the sums: (x * w) . W = rstd * ((x * w) . W) row by row
-        acc = acc * tl.rsqrt(squares / K + eps)[None, :]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     mask = mmask[None, :] & nmask[:, None]
     if SPLIT_K == 1:
@@ -124,29 +108,23 @@ def _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED:
     tl.store(out_at, acc.to(out_at.dtype.element_ty), mask=mask)
 
 
-def matmul(x, weight: torch.Tensor, config: FewRowConfig, out: torch.Tensor,
+def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: torch.Tensor,
            scales: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` times ``weight`` ``[N, K]`` (+ ``bias``); FP8 operands with
-    ``scales`` = (the weight's per-channel ``[N]``/``[1, N]``, the rows' ``[rows, 1]``). ``x`` may be ``Normed``
-    (an RMSNorm deferred to here, bf16/fp16/fp32 weights: run unsplit)."""
-    norm = x if isinstance(x, Normed) else None
-    x = norm.x if norm is not None else x
+    ``scales`` = (the weight's per-channel ``[N]``/``[1, N]``, the rows' ``[rows, 1]``)."""
     rows, k = x.shape
     n = weight.shape[0]
     block_m = max(16, triton.next_power_of_2(rows))
     c = _FITTED.get((config, block_m), config)
-    c = replace(c, split_k=1 if norm is not None else min(c.split_k, triton.cdiv(k, c.block_k)))  # every split
-    # at least one chunk; a norm's scale needs the whole row
+    c = replace(c, split_k=min(c.split_k, triton.cdiv(k, c.block_k)))  # every split at least one chunk
     count = counters(x.device) if c.split_k > 1 else None
     if count is None or triton.cdiv(n, c.block_n) > COUNTERS:
         c = replace(c, split_k=1)
     part = torch.empty(c.split_k, rows, n, dtype=torch.float32, device=x.device) if c.split_k > 1 else out
     s, xs = scales if scales is not None else (weight, weight)
-    add = norm is not None and norm.residual is not None
     args = (x, weight, s, xs, bias if bias is not None else weight, out, part, count if count is not None else out,
-            norm.residual if add else x, norm.weight if norm is not None else x, norm.total if add else x,
-            norm.eps if norm is not None else 0.0, rows, n, k, x.stride(0), out.stride(0))
-    flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None, NORM=norm is not None, ADD=add,
+            rows, n, k, x.stride(0), out.stride(0))
+    flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None,
                  UPCAST=INTERPRETED, PDL=PDL)
     while True:
         try:
@@ -175,36 +153,25 @@ def counters(device: torch.device) -> torch.Tensor | None:
 
 def takes(x, layer) -> bool:
     """Whether ``linear`` runs ``layer`` on ``x``: a 2-D CUDA (or interpreter) tensor of at most ``MAX_ROWS`` rows in
-    the weight's bf16/fp16 (fp32: tests), or those rows' deferred norm (``Normed``), at a shape ``config_for`` has a
-    tile for."""
-    rows = x.x if isinstance(x, Normed) else x
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or not (rows.is_cuda or INTERPRETED):
+    the weight's bf16/fp16, at a shape ``config_for`` has a tile for."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not (x.is_cuda or INTERPRETED):
         return False
     w = layer.weight
-    return rows.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-        and 1 <= rows.shape[0] <= MAX_ROWS and config_for(rows.shape[0], *w.shape, kind_of(w.dtype)) is not None
-
-
-def defers(x: torch.Tensor, layer) -> bool:
-    """Whether an RMSNorm of ``x`` hands ``Normed`` to ``layer`` (the projection after it) instead of launching:
-    ``layer`` runs on this kernel at these rows and the H200 sweep found the fused norm faster
-    (``NORM_ROWS``)."""
-    return x.dim() == 2 and 1 < x.shape[0] <= NORM_ROWS and takes(x, layer)
+    return x.dtype == w.dtype and w.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+        and 1 <= x.shape[0] <= MAX_ROWS and config_for(x.shape[0], *w.shape, kind_of(w.dtype)) is not None
 
 
 def kind_of(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "bf16"  # fp16 takes bf16's tiles
 
 
-def linear(x, layer) -> torch.Tensor:
-    """``layer(x)`` for an ``nn.Linear`` (a row-parallel shard all-reduces after), on the few-row kernel; ``x``: rows
-    or their deferred norm (``Normed``)."""
-    rows = x.x if isinstance(x, Normed) else x
-    if not isinstance(x, Normed) and x.stride(1) != 1:
-        x = rows = x.contiguous()
+def linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """``layer(x)`` for an ``nn.Linear`` (a row-parallel shard all-reduces after), on the few-row kernel."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
     n, k = layer.weight.shape
-    out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
-    matmul(x, layer.weight, config_for(rows.shape[0], n, k, kind_of(rows.dtype)), out, bias=layer.bias)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    matmul(x, layer.weight, config_for(x.shape[0], n, k, kind_of(x.dtype)), out, bias=layer.bias)
     group = getattr(layer, "group", None)
     return group.all_reduce(out) if group is not None else out
 

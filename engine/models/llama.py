@@ -75,7 +75,6 @@ class RMSNorm(nn.Module):
     kernels = None  # ``triton_layers`` (see ``use_kernels``)
     quantized = False  # with kernels: the output quantized for the FP8 projection after it (``quant.fp8_linear``)
     gemv = None  # ``triton_gemv``: one row is normed by the projection after it (``Normed``)
-    fewrow = None  # (``triton_fewrow``, the projection after it): a few rows normed by that projection likewise
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -86,8 +85,6 @@ class RMSNorm(nn.Module):
         """The normed ``x``; with ``residual``: ``(normed x + residual, x + residual)`` (the sum in ``x``'s dtype)."""
         if self.gemv is not None and self.gemv.takes(x):
             return self.gemv.defer(x, residual, self.weight, self.eps)
-        if self.fewrow is not None and self.fewrow[0].defers(x, self.fewrow[1]):
-            return self.fewrow[0].defer(x, residual, self.weight, self.eps)
         if self.kernels is not None and self.quantized:
             return self.kernels.rmsnorm_fp8(x, self.weight, self.eps, residual)
         if residual is not None:
