@@ -15,13 +15,16 @@ BF16_ROWS, FP8_ROWS = (16, 32, 64), (1, 16, 32)
 
 
 def _grid(fp8: bool, rows: int) -> list:
-    from engine.kernels.triton_fewrow import FewRowConfig
+    """Tiles of 64 output channels (a warpgroup's MMA) whose stages fit the H200's shared memory: K tiles,
+    stages (more bytes in flight per SM), warps and K splits (more programs on the SMs)."""
+    from engine.kernels.triton_fewrow import FewRowConfig as C
 
-    ks = (256, 512) if fp8 else (128, 256)
+    if fp8:
+        return [C(64, k, 4, stages, split) for k in (256, 512) for stages in (4, 5, 6) for split in (1, 2, 4)]
     if rows >= 64:
-        ks = (128,) if not fp8 else (128, 256)
-    return [FewRowConfig(64, k, 4, stages, split) for k in ks
-            for stages, split in ((3, 1), (3, 2), (3, 4), (4, 1), (4, 2), (4, 3), (4, 4))]
+        return [C(64, 128, 4, stages, split) for stages in (3, 4) for split in (1, 2, 3, 4)]
+    return [C(64, 128, warps, stages, split) for warps in (4, 8) for stages in (3, 4, 5, 6) for split in (1, 2)] + \
+        [C(64, 256, 4, stages, split) for stages in (3, 4) for split in (1, 2, 4)]
 
 
 def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
