@@ -26,7 +26,7 @@ for step in $steps; do
       for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
       # first: the first wave after start-up; second: new prompts (seed 1); repeat: the first's prompts again,
       # whose prefixes are cached by then (what a second run of the same command measures)
-      for c in 32 1 64; do
+      for c in ${CONCURRENCY:-32 1 64}; do
         n=$(( c == 1 ? 16 : 4 * c ))
         for wave in first:0 second:1 repeat:0; do
           touch /tmp/wave-mark

@@ -31,17 +31,19 @@ def config_for(rows: int, n: int, k: int) -> W8Config:
     """The tile for ``rows`` rows times an ``[n, k]`` weight (``pdserve bench fp8``, H200, Mistral-7B shapes: 1.3-2x
     faster than bf16 ``F.linear`` at 1-64 rows, 1.4-2.5x than ``_scaled_mm``; up to 16 rows from ``pdserve bench
     kernels --only w8``/``fewrow``, whose weights come from memory, not L2: ``bench/results/kernels-w8-h200.md``,
-    ``kernels-fewrow-h200.md``)."""
+    ``kernels-fewrow-h200.md``, ``kernels-fewrow-deep-h200.md``)."""
     chosen = pick("fp8", rows, n, k)  # a sweep's (``PDSERVE_FEWROW_CONFIGS``)
     if isinstance(chosen, W8Config):
         return chosen
     long_rows, wide = k >= 8192, n >= 16384  # down; gate_up
     if rows <= 32:  # bench/results/kernels-fewrow-h200.md
-        if long_rows:
-            return W8Config(64, 512, 4, 4, 2)  # down: K in two halves
+        if long_rows:  # down: K in two halves
+            return W8Config(64, 512, 4, 4, 2) if rows <= 16 else W8Config(64, 256, 4, 5, 2)
         if wide:
             return W8Config(64, 256, 4, 4)
-        return W8Config(64, 256, 4, 5 if rows <= 16 else 4) if n > k else W8Config(64, 512, 4, 4)  # q/k/v; o
+        if n > k:  # q/k/v
+            return W8Config(64, 256, 4, 5)
+        return W8Config(64, 512, 4, 4) if rows <= 16 else W8Config(64, 256, 4, 5, 2)  # o
     return W8Config(64, 128, 4, 3) if wide else W8Config()
 
 
