@@ -69,6 +69,31 @@ def fewrow_kernels(model) -> None:
                 linear = getattr(parent, name, None)
                 if isinstance(linear, nn.Linear):
                     linear.fewrow = triton_fewrow
+    if triton_fewrow.NORM_ROWS > 0:
+        split_norms(model)
+
+
+def split_norms(model) -> None:
+    """The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, split into those
+    projections' epilogues at a few rows (``triton_fewrow_norm``): in layers whose four projections are plain
+    bf16/fp16 linears that do not all-reduce (``PDSERVE_FEWROW_NORM_ROWS=0``: never)."""
+    from torch import nn
+
+    from .kernels import triton_fewrow_norm
+
+    def plain(linear) -> bool:
+        return isinstance(linear, nn.Linear) and getattr(getattr(linear, "group", None), "size", 1) == 1
+
+    layers = list(model.owned_layers)
+    four = [[getattr(layer.self_attn, "qkv_proj", None), getattr(layer.self_attn, "o_proj", None),
+             getattr(layer.ffn, "gate_up_proj", None), getattr(layer.ffn, "down_proj", None)] for layer in layers]
+    fits = [all(plain(linear) for linear in linears) for linears in four]
+    for i, linears in enumerate(four):
+        if fits[i]:
+            for linear in linears:
+                linear.fewrow = triton_fewrow_norm
+            linears[1].norm_follows = True  # o: the post-attention norm launches it
+            linears[3].norm_follows = i + 1 < len(layers) and fits[i + 1]  # down: the next layer's input norm
 
 
 def fp8_kernels(model) -> None:

@@ -82,6 +82,32 @@ def test_fp8_weights_give_the_w8a8_numbers(split_k):
     _close(got, want)
 
 
+@pytest.mark.parametrize("rows", [2, 7])
+def test_a_norm_split_around_two_projections_is_the_norm_between_them(rows):
+    """o -> add + RMSNorm -> gate/up with the norm in o's and gate/up's epilogues (``triton_fewrow_norm``): the
+    output of the separate launches within bf16 rounding, the residual stream's sum bit for bit as the norm kernel
+    writes it after the same o, and the per-row squares back to zero for the next norm."""
+    from engine.kernels import triton_fewrow_norm as split, triton_layers
+
+    fr = _fewrow()
+    g = torch.Generator().manual_seed(rows)
+    o, up = _linear(192, 128, g), _linear(256, 192, g)  # 192 = 3 blocks of 64 columns for the squares' atomics
+    o.norm_follows = True
+    x, r = torch.randn(rows, 128, generator=g).to(DEVICE, torch.bfloat16), torch.randn(rows, 192, generator=g)
+    r = r.to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(192, generator=g)).to(DEVICE, torch.bfloat16)
+    pending = split.linear(x, o)
+    assert isinstance(pending, split.Pending)
+    prenormed, total = pending.norm_after(r, w, 1e-5)
+    got = split.linear(prenormed, up)
+    normed, want_total = triton_layers.add_rmsnorm(pending.resolve(), r, w, 1e-5)  # o on the kernel, unsplit
+    _close(got, up(normed))
+    assert torch.equal(total, want_total)
+    assert not fr._SQUARES[x.device].any() and not fr.counters(x.device).any()
+    assert pending.norm_after(None, w, 1e-5) is None  # no residual: the norm resolves it and runs itself
+    _close(pending.resolve(), o(x))
+
+
 def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
     fr = _fewrow()
     g = torch.Generator().manual_seed(2)
@@ -98,12 +124,14 @@ def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
 
 def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
     """Decode steps of three sequences of the tiny model (fp32: bf16's rounding flips its near-tied tokens) with
-    every projection on the kernel (split along K): the greedy tokens of the same engine on the torch matmuls."""
+    every projection on the kernel (split along K), the norms between them split into their epilogues: the greedy
+    tokens of the same engine on the torch matmuls."""
     from engine import EngineConfig, SamplingParams
     from engine.decode_path import fewrow_kernels
     from engine.engine import Engine
     from engine.generate import generate_many
     from engine.kernels import triton_attention, triton_layers
+    from engine.kernels import triton_fewrow_norm as split
     from engine.models.llama import use_kernels
 
     fr = _fewrow()
@@ -122,12 +150,14 @@ def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
 
     want = run(False)
     calls = []
-    real = fr.linear
+    real, real_after = fr.linear, split.Pending.norm_after
     try:
         fr.linear = lambda x, layer: calls.append(x.shape[0]) or real(x, layer)
+        split.Pending.norm_after = lambda *a: calls.append("norm") or real_after(*a)
         got = run(True)
     finally:
-        fr.linear = real
+        fr.linear, split.Pending.norm_after = real, real_after
     assert got == want
-    assert sum(1 for rows in calls if rows in (3, 4)) >= 4 * 4 * 4  # per decode step (padded to 4 rows) and layer:
-    # q/k/v, o, gate/up, down
+    # per decode step (padded to 4 rows) and layer: o and gate/up around the norm between them, down and the next
+    # layer's q/k/v around the next; the first layer's q/k/v and the last one's down on their own
+    assert calls.count("norm") >= 4 * (2 * 2 - 1) and sum(1 for rows in calls if rows in (3, 4)) >= 4 * 2

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,7 +43,9 @@ from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up to this many rows (0: cuBLAS always)
-COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792)
+NORM_ROWS = int(os.environ.get("PDSERVE_FEWROW_NORM_ROWS", "32"))  # the norms split around it up to these (0: never)
+COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792), and one more slot:
+GRID_SLOT = COUNTERS - 1  # a launch's own ticket (the last program of a norm's consumer zeroes the squares)
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,11 @@ class FewRowConfig:
     split_k: int = 1
 
 
-@triton.jit(do_not_specialize=["M"])  # N, K specialized (multiples of 16): aligned, vectorized loads
-def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr,
-                    PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "eps"])  # N, K specialized (multiples of 16): aligned, vectorized loads
+def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, g_ptr, sum_ptr, sq_ptr,
+                    eps, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr,
+                    PREP: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     block = tl.program_id(0)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +86,15 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
             acc += tl.dot(w, xt)
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     mask = mmask[None, :] & nmask[:, None]
+    norm = (r_ptr, g_ptr, sum_ptr, sq_ptr, eps, K, stride_om)
     if SPLIT_K == 1:
-        _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED, BIAS)
+        _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, norm, SCALED, BIAS, PREP, ROW_SCALE)
+        if ROW_SCALE:  # the last program to have read the squares zeroes them for the next norm's
+            tl.debug_barrier()
+            ticket = tl.atomic_add(count_ptr + GRID_SLOT, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.num_programs(0) - 1:
+                tl.store(sq_ptr + m, tl.zeros([BLOCK_M], tl.float32), mask=mmask)
+                tl.atomic_xchg(count_ptr + GRID_SLOT, 0, sem="relaxed", scope="gpu")
     else:
         part = part_ptr + m[None, :] * N + n[:, None]  # [SPLIT_K, M, N] fp32
         tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
@@ -94,38 +104,74 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
             total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish(total, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED, BIAS)
+            _finish(total, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, norm, SCALED, BIAS, PREP,
+                    ROW_SCALE)
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, SCALED: tl.constexpr, BIAS: tl.constexpr):
+def _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, norm, SCALED: tl.constexpr,
+            BIAS: tl.constexpr, PREP: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The output block: scales, the RMS scale of a prepared norm (``ROW_SCALE``), bias; or (``PREP``) the sum
+    with the residual, that sum times the norm's weight and the sum's squares added up per row."""
+    r_ptr, g_ptr, sum_ptr, sq_ptr, eps, K, stride = norm
+    dt = out_at.dtype.element_ty
     if SCALED:
         acc = acc * tl.load(s_ptr + n, mask=nmask, other=0.0)[:, None]
         acc = acc * tl.load(xs_ptr + m, mask=mmask, other=0.0)[None, :]
+    if ROW_SCALE:  # rows came as sum * weight: 1 / RMS(sum) applies to the products' sums
+        acc = acc * tl.rsqrt(tl.load(sq_ptr + m, mask=mmask, other=0.0) / K + eps)[None, :]
     if BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_at, acc.to(out_at.dtype.element_ty), mask=mask)
+    if PREP:  # rounded as the GEMM's output, then as the sum with the residual (``add_rmsnorm``)
+        at = m[None, :] * stride + n[:, None]
+        total = (acc.to(dt).to(tl.float32) + tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + at, total, mask=mask)
+        total = total.to(tl.float32)
+        acc = total * tl.load(g_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.atomic_add(sq_ptr + m, tl.sum(total * total, axis=0), mask=mmask, sem="relaxed", scope="gpu")
+    tl.store(out_at, acc.to(dt), mask=mask)
+
+
+class NormPart(NamedTuple):
+    """An RMSNorm split around the kernel: ``prep`` (on the projection before the norm): write ``total`` = output +
+    ``residual``, output ``total * weight`` and add the squares of ``total`` per row into ``squares``; else (on the
+    projection after it): the rows are ``total * weight``, scale by 1 / RMS from ``squares``, then zero those."""
+    prep: bool
+    squares: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    total: torch.Tensor | None = None
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: torch.Tensor,
-           scales: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None) -> None:
+           scales: tuple[torch.Tensor, torch.Tensor] | None = None, bias: torch.Tensor | None = None,
+           norm: NormPart | None = None) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` times ``weight`` ``[N, K]`` (+ ``bias``); FP8 operands with
-    ``scales`` = (the weight's per-channel ``[N]``/``[1, N]``, the rows' ``[rows, 1]``)."""
+    ``scales`` = (the weight's per-channel ``[N]``/``[1, N]``, the rows' ``[rows, 1]``); ``norm``: a part of the
+    RMSNorm between two projections (``out``, ``residual`` and ``total`` contiguous)."""
     rows, k = x.shape
     n = weight.shape[0]
     block_m = max(16, triton.next_power_of_2(rows))
     c = _FITTED.get((config, block_m), config)
     c = replace(c, split_k=min(c.split_k, triton.cdiv(k, c.block_k)))  # every split at least one chunk
-    count = counters(x.device) if c.split_k > 1 else None
-    if count is None or triton.cdiv(n, c.block_n) > COUNTERS:
+    if norm is not None and not norm.prep:
+        c = replace(c, split_k=1)  # the RMS scale applies once, to whole sums
+    count = counters(x.device) if c.split_k > 1 or norm is not None else None
+    if count is None or triton.cdiv(n, c.block_n) >= GRID_SLOT:
         c = replace(c, split_k=1)
+    if norm is not None and count is None:
+        raise RuntimeError("a norm split around the kernel needs the counters made before graph capture")
     part = torch.empty(c.split_k, rows, n, dtype=torch.float32, device=x.device) if c.split_k > 1 else out
     s, xs = scales if scales is not None else (weight, weight)
+    prep = norm is not None and norm.prep
+    norm_args = (norm.residual if prep else x, norm.weight if prep else x, norm.total if prep else x,
+                 norm.squares, norm.eps) if norm is not None else (x, x, x, x, 0.0)
     args = (x, weight, s, xs, bias if bias is not None else weight, out, part, count if count is not None else out,
-            rows, n, k, x.stride(0), out.stride(0))
-    flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None,
-                 UPCAST=INTERPRETED, PDL=PDL)
+            *norm_args, rows, n, k, x.stride(0), out.stride(0))
+    flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None, PREP=prep,
+                 ROW_SCALE=norm is not None and not prep, UPCAST=INTERPRETED, PDL=PDL)
     while True:
         try:
             _few_row_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
@@ -148,7 +194,11 @@ def counters(device: torch.device) -> torch.Tensor | None:
     have = _COUNTERS.get(device)
     if have is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         have = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        _SQUARES[device] = torch.zeros(max(MAX_ROWS, 1), dtype=torch.float32, device=device)
     return have
+
+
+_SQUARES: dict = {}  # per device: the rows' sums of squares between a norm's two parts (zero between norms)
 
 
 def takes(x, layer) -> bool:
