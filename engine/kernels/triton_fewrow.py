@@ -46,6 +46,7 @@ MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up t
 NORM_ROWS = int(os.environ.get("PDSERVE_FEWROW_NORM_ROWS", "32"))  # the norms split around it up to these (0: never)
 COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792), and one more slot:
 GRID_SLOT = COUNTERS - 1  # a launch's own ticket (the last program of a norm's consumer zeroes the squares)
+_GRID_SLOT = tl.constexpr(GRID_SLOT)
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,10 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
         _finish(acc, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, norm, SCALED, BIAS, PREP, ROW_SCALE)
         if ROW_SCALE:  # the last program to have read the squares zeroes them for the next norm's
             tl.debug_barrier()
-            ticket = tl.atomic_add(count_ptr + GRID_SLOT, 1, sem="acq_rel", scope="gpu")
+            ticket = tl.atomic_add(count_ptr + _GRID_SLOT, 1, sem="acq_rel", scope="gpu")
             if ticket == tl.num_programs(0) - 1:
                 tl.store(sq_ptr + m, tl.zeros([BLOCK_M], tl.float32), mask=mmask)
-                tl.atomic_xchg(count_ptr + GRID_SLOT, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(count_ptr + _GRID_SLOT, 0, sem="relaxed", scope="gpu")
     else:
         part = part_ptr + m[None, :] * N + n[:, None]  # [SPLIT_K, M, N] fp32
         tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
