@@ -161,3 +161,30 @@ def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
     # per decode step (padded to 4 rows) and layer: o and gate/up around the norm between them, down and the next
     # layer's q/k/v around the next; the first layer's q/k/v and the last one's down on their own
     assert calls.count("norm") >= 4 * (2 * 2 - 1) and sum(1 for rows in calls if rows in (3, 4)) >= 4 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 decode graphs over the kernels run on CUDA")
+def test_bf16_batch_decode_graphs_on_the_kernel_match_cublas_on_the_gpu(monkeypatch):
+    """The tiny model in bf16, three sequences decoding together in CUDA graphs: projections on the kernel with the
+    norms split around them against the same engine on cuBLAS: the same tokens until the first near-tie (bf16
+    sums in another order may flip one; at least the first three), their logprobs within bf16 noise."""
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+
+    prompts = ["hello", "a longer prompt for the tiny model " * 3, "third one"]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    out = {}
+    for name in ("kernel", "cublas"):
+        monkeypatch.setattr(_fewrow(), "MAX_ROWS", 64 if name == "kernel" else 0)  # read as the graphs are made
+        engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", threads=1, max_num_seqs=4, decode_graphs="auto"))
+        attn = engine.model.model.layers[0].self_attn
+        assert (getattr(attn.qkv_proj, "fewrow", None) is not None) == (name == "kernel")
+        engine.warm_up()
+        out[name] = [(s.output_ids, [lp for _, lp, _ in s.pending_logprobs])
+                     for _, s in generate_many(engine, prompts, [greedy] * 3)]
+        assert engine.runner.graphs.replays > 0
+    for (ids, lps), (want_ids, want_lps) in zip(out["kernel"], out["cublas"]):
+        same = next((i for i, (a, b) in enumerate(zip(ids, want_ids)) if a != b), len(ids))
+        assert same >= 3
+        torch.testing.assert_close(torch.tensor(lps[:same]), torch.tensor(want_lps[:same]), atol=0.05, rtol=0.02)
