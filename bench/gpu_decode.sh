@@ -23,7 +23,8 @@ for step in $steps; do
       $PY -m deploy.cli up --colocated $model --max-model-len 4096 --max-num-seqs 64 --port 8011 \
         --ready-timeout 300 > "$OUT/up.log" 2>&1 &
       up=$!
-      for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break
+        kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up.log"; break; }; sleep 1; done
       # first: the first wave after start-up; second: new prompts (seed 1); repeat: the first's prompts again,
       # whose prefixes are cached by then (what a second run of the same command measures)
       for c in ${CONCURRENCY:-32 1 64}; do
@@ -67,7 +68,8 @@ for step in $steps; do
       $PY -m deploy.cli up --transport nccl $model --max-model-len 4096 --max-num-seqs 64 --port 8012 \
         --ready-timeout 300 > "$OUT/up-1p1d.log" 2>&1 &
       up=$!
-      for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break
+        kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d.log"; break; }; sleep 1; done
       for wave in first:0 second:1; do
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
           --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-1p1d-nccl-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
