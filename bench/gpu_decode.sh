@@ -56,7 +56,7 @@ for step in $steps; do
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
       fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] || fpicks=""
       for v in ${AB:-plain:PDSERVE_GEMV=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
-        env PDSERVE_FEWROW_CONFIGS=$fpicks $(echo ${v#*:} | tr , " ") PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches 1,32 \
+        env PDSERVE_FEWROW_CONFIGS=$fpicks $(echo ${v#*:} | tr , " ") PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches ${AB_BATCHES:-1,32,64} \
           --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
           | grep -v " INFO " | tail -6
       done ;;
