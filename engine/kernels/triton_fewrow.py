@@ -23,12 +23,15 @@ output block leaves most SMs idle on a narrow projection (o and down have
 * FP8 (``SCALED``): e4m3 weights with per-channel scales times e4m3 rows with
   per-row scales, ``y[t, o] = (xq[t] . wq[o]) * s_x[t] * s_w[o]``: the numbers
   of ``_scaled_mm`` (W8A8). Else the rows and weights in bf16/fp16, fp32 sums;
-* ``BIAS``; programmatic dependent launch (``triton_pdl``).
+* ``BIAS``; programmatic dependent launch (``triton_pdl``);
+* ``PREP`` / ``ROW_SCALE``: the two halves of an RMSNorm split around two
+  projections (``NormPart``; ``triton_fewrow_norm`` says how).
 
 ``triton_fp8.w8_matmul`` runs FP8 projections here; ``linear`` runs a
 bf16/fp16 ``nn.Linear`` (``takes``: rows and shapes where ``config_for`` holds
-a tile measured faster than cuBLAS; fp32 ones with IEEE products, for tests). ``pdserve bench kernels --only fewrow``
-times tiles with the weights read from memory."""
+a tile measured faster than cuBLAS; fp32 ones with IEEE products, for tests).
+``pdserve bench kernels --only fewrow`` times tiles with the weights read from
+memory."""
 from __future__ import annotations
 
 import os
