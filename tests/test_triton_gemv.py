@@ -1,19 +1,14 @@
 """The one-row projection kernel (``engine.kernels.triton_gemv``, batch-1 decode) against the launches it replaces: the norm (with the
 residual add), the GEMM, SiLU-times-up and the FP8 activations' quantization, on a GPU or under Triton's
 interpreter (set when there is no GPU; CI runs them so)."""
-import importlib.util
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_env import DEVICE, needs_triton  # first: it sets the interpreter up where there is no GPU
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_triton
 DTYPE = torch.bfloat16
 
 

@@ -2,21 +2,15 @@
 bit on the stores and within rounding on attention: on a GPU, or on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, set here when there is no GPU; the test extras install triton, so CI runs them).
 Skipped where triton is not installed; ``bench/gpu_decode.sh test`` runs them on a GPU."""
-import importlib.util
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the kernels under Triton's interpreter (read when they are defined: set first)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_env import DEVICE, needs_triton  # first: it sets the interpreter up where there is no GPU
 
 from engine.kernels import paged
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_triton
 CASES = [(3, 8, 2, 16, 16, 0), (2, 4, 4, 12, 8, 0), (3, 8, 2, 16, 4, 5), (2, 32, 8, 128, 16, 0), (1, 32, 8, 128, 16, 40),
          (1, 4, 1, 32, 16, 0)]
 
