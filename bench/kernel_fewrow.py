@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .kernel_cases import timed_rotating
-from .kernel_fused import _layers, _shapes, _try
+from .kernel_fused import rotating_layers, projection_shapes, timed_or_error
 
 BF16_ROWS, FP8_ROWS = (16, 32, 64), (1, 16, 32)
 
@@ -35,8 +35,8 @@ def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
     rows, picks = [], {}
     for fp8 in (False, True):
         kind = "fp8" if fp8 else "bf16"
-        for name, (out_f, in_f, _, _) in _shapes(spec).items():
-            layers = _layers(out_f, in_f, fp8, dtype, device)
+        for name, (out_f, in_f, _, _) in projection_shapes(spec).items():
+            layers = rotating_layers(out_f, in_f, fp8, dtype, device)
             for m in FP8_ROWS if fp8 else BF16_ROWS:
                 x = torch.randn(m, in_f, dtype=dtype, device=device)
                 if fp8:
@@ -53,7 +53,7 @@ def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
                     out = torch.empty(m, out_f, dtype=dtype, device=device)
                     run = lambda layer, c: triton_fewrow.matmul(x, layer.weight, c, out)  # noqa: E731
                 tag = f"{kind} {name} m{m}"
-                tried = [(_try(lambda layer: run(layer, c), layers, device), c) for c in _grid(fp8, m)]
+                tried = [(timed_or_error(lambda layer: run(layer, c), layers, device), c) for c in _grid(fp8, m)]
                 rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried]
                 ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
                 faster = ms < against_ms * 0.98

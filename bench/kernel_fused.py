@@ -14,14 +14,14 @@ import torch
 from .kernel_cases import copies_past_l2, timed_rotating
 
 
-def _shapes(spec) -> dict:
+def projection_shapes(spec) -> dict:
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     return {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h, True, False),
             "o": (h, spec.num_heads * d, False, False), "gate_up": (2 * inter, h, True, True),
             "down": (h, inter, False, False)}  # (out, in, normed input, SiLU after)
 
 
-def _layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
+def rotating_layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
     from engine.quant.fp8_linear import Fp8Linear
 
     def make():
@@ -66,14 +66,14 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
 
     rows, picks = [], {}
     for fp8 in (False, True):
-        for name, (out_f, in_f, normed, silu) in _shapes(spec).items():
-            layers = _layers(out_f, in_f, fp8, dtype, device)
+        for name, (out_f, in_f, normed, silu) in projection_shapes(spec).items():
+            layers = rotating_layers(out_f, in_f, fp8, dtype, device)
             n = out_f // 2 if silu else out_f
             tag = f"{name}{' fp8' if fp8 else ''} m1"
             x, r = (torch.randn(1, in_f, dtype=dtype, device=device) for _ in range(2))
             w = torch.ones(in_f, dtype=dtype, device=device)
             before = timed_rotating(lambda layer: _unfused(normed, silu, fp8, x, r, w, layer), layers, device)
-            tried = [(_try(lambda layer: _fused(normed, silu, x, r, w, layer, c), layers, device), c)
+            tried = [(timed_or_error(lambda layer: _fused(normed, silu, x, r, w, layer, c), layers, device), c)
                      for c in (_grid() if sweep and not fp8 else [None])]  # FP8 layers keep triton_fp8
             rows += [{"name": f"{tag} sweep", "config": c.__dict__, **t} for t, c in tried if c is not None]
             ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
@@ -87,7 +87,7 @@ def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
     return rows, picks
 
 
-def _try(fn, layers, device) -> dict:
+def timed_or_error(fn, layers, device) -> dict:
     try:
         return {"ms": timed_rotating(fn, layers, device)}
     except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU

@@ -187,7 +187,6 @@ def table(report: dict) -> str:
     sections = [("decode_attention", "Paged decode attention"), ("prefill_attention", "Prefill attention"),
                 ("layer_kernels", "Fused layer kernels"), ("gemms", "GEMMs"),
                 ("fused_projections", "Batch-1 projections with their norm / SiLU fused (triton_gemv), weights from memory"),
-                ("w8_projections", "triton_fp8 at one row, weights from memory: the best tile and the current one"),
                 ("fewrow_projections", "Few-row projections on triton_fewrow (best tile and K split), weights from "
                  "memory, against cuBLAS (bf16) or the FP8 tile held before"),
                 ("decode_steps", "Whole decode steps")]
