@@ -183,3 +183,14 @@ def test_bf16_batch_decode_graphs_on_the_kernel_match_cublas_on_the_gpu(monkeypa
         same = next((i for i, (a, b) in enumerate(zip(ids, want_ids)) if a != b), len(ids))
         assert same >= 3
         torch.testing.assert_close(torch.tensor(lps[:same]), torch.tensor(want_lps[:same]), atol=0.05, rtol=0.02)
+
+
+def test_a_tile_that_does_not_fit_steps_down_to_two_stages_of_64():
+    from engine.kernels.tiles import smaller
+
+    fr = _fewrow()
+    tile, seen = fr.FewRowConfig(64, 256, 4, 4, 2), []
+    while tile is not None:
+        seen.append((tile.stages, tile.block_k))
+        tile = smaller(tile)
+    assert seen == [(4, 256), (3, 256), (2, 256), (2, 128), (2, 64)]

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -183,9 +184,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: tor
                 num_stages=c.stages, **launch_options())
             return
         except triton.runtime.errors.OutOfResources:  # less shared memory (Ada: 100 KB): fewer stages, shorter K
-            if c.stages <= 2 and c.block_k <= 64:
+            c = smaller(c)
+            if c is None:
                 raise
-            c = replace(c, stages=c.stages - 1) if c.stages > 2 else replace(c, block_k=c.block_k // 2)
             _FITTED[(config, block_m)] = c
 
 

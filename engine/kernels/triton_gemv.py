@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options
 
 ENABLED = os.environ.get("PDSERVE_GEMV", "1") != "0"
@@ -208,9 +209,9 @@ def _launch(args: tuple, flags: dict, c: GemvConfig) -> None:
                 num_stages=c.stages, **launch_options())
             return
         except triton.runtime.errors.OutOfResources:
-            if c.stages <= 2 and c.block_k <= 64:
+            c = smaller(c)
+            if c is None:
                 raise
-            c = replace(c, stages=c.stages - 1) if c.stages > 2 else replace(c, block_k=c.block_k // 2)
             _FITTED[key] = c
 
 
