@@ -72,7 +72,7 @@ if ENABLED:
     @triton.jit
     def _loads(ptr, words, sink, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(ptr + i, mask=i < words, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+        v = tl.load(ptr + i, mask=i < words, other=0, eviction_policy="evict_last")
         tl.store(sink, tl.sum(v, axis=0))  # a value no one reads: it keeps the loads
 
 
