@@ -4,8 +4,7 @@
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
-#   use; prefetch: o's weight pulled into L2 beside attention; AB="name:VAR=1,VAR2=0 ..." names the variants of
-#   ab; serve1p1d needs two GPUs)
+#   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -53,13 +52,6 @@ for step in $steps; do
       timeout 540 $PY -m deploy.cli bench kernels --model mistral-7b --only fewrow \
         --out "$OUT/kernels-fewrow-$TAG" > "$OUT/kernels-fewrow-$TAG.log" 2>&1; grep -A30 "^## Few-row" \
         "$OUT/kernels-fewrow-$TAG.md" || tail -20 "$OUT/kernels-fewrow-$TAG.log" ;;
-    prefetch)  # o's weight pulled into L2 on a side stream during attention (triton_prefetch): checked (and the
-               # few-row kernel's GPU-only engine test), then o timed after a window with and without the pull
-      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_prefetch.py tests/test_triton_fewrow.py \
-        --tb=short 2>&1 | grep -E "^(E |FAILED)|passed|failed" | tail -15
-      timeout 300 $PY -m deploy.cli bench kernels --model mistral-7b --only prefetch \
-        --out "$OUT/kernels-prefetch-$TAG" > "$OUT/kernels-prefetch-$TAG.log" 2>&1; grep -A20 "^## o's" \
-        "$OUT/kernels-prefetch-$TAG.md" || tail -20 "$OUT/kernels-prefetch-$TAG.log" ;;
     ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the GEMV kernel, without PDL, with both
       picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
       fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] || fpicks=""

@@ -43,8 +43,7 @@ def add_arguments(p):
                    "FP8 pool (quant.kv_fp8)")
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
                    "steps (fused: the batch-1 projection kernel against the launches it replaces), or fewrow (a sweep "
-                   "of triton_fewrow's tiles and K splits at 1-64 rows, bf16 and FP8; picks to <out>-picks.json), or prefetch "
-                   "(o at batch 1 after its weight is pulled into L2 beside a window standing in for attention)")
+                   "of triton_fewrow's tiles and K splits at 1-64 rows, bf16 and FP8; picks to <out>-picks.json)")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -156,11 +155,6 @@ def run(args) -> int:
         _say("few-row projections", report["fewrow_projections"])
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         write_picks(picks, args.out)
-    if "prefetch" in only and device.type == "cuda":
-        from .kernel_prefetch import prefetch_cases
-
-        report["prefetch"] = prefetch_cases(spec, dtype, device)
-        _say("o after a pull into L2", report["prefetch"])
     if "steps" in only:
         from .kernel_steps import decode_steps
 
@@ -195,8 +189,6 @@ def table(report: dict) -> str:
                 ("fused_projections", "Batch-1 projections with their norm / SiLU fused (triton_gemv), weights from memory"),
                 ("fewrow_projections", "Few-row projections on triton_fewrow (best tile and K split), weights from "
                  "memory, against cuBLAS (bf16) or the FP8 tile held before"),
-                ("prefetch", "o's weight pulled into L2 on a side stream during a window standing in for attention "
-                 "(batch 1, weights from memory)"),
                 ("decode_steps", "Whole decode steps")]
     for key, title in sections:
         if key not in report:

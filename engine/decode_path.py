@@ -43,7 +43,6 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
         fewrow_kernels(self.model)
         fp8_kernels(self.model)
-        prefetch_kernels(self.model, self.device)
         from .kernels import triton_moe
 
         for module in self.model.modules():
@@ -53,18 +52,6 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     part = None if cfg.pp == 1 else "first" if self.model.ends else "rest"  # a pipeline stage's share of the step
     return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
                         part)
-
-
-def prefetch_kernels(model, device) -> None:
-    """o's weight pulled into L2 beside attention in steps of a few rows (``triton_prefetch``;
-    ``PDSERVE_PREFETCH=0``: never)."""
-    from .kernels import triton_prefetch
-
-    if not triton_prefetch.ENABLED:
-        return
-    triton_prefetch.side_stream(device)  # made here, outside any capture
-    for layer in model.owned_layers:
-        layer.self_attn.prefetch = triton_prefetch
 
 
 def fewrow_kernels(model) -> None:

@@ -108,7 +108,6 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     gemv = None  # ``triton_gemv`` (see ``use_kernels``)
-    prefetch = None  # ``triton_prefetch``: o's weight pulled into L2 on a side stream while attention runs
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -133,13 +132,10 @@ class Attention(nn.Module):
         qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
         n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
-            side = self.prefetch.start(self.o_proj.weight) if self.prefetch and self.prefetch.takes(n) else None
             q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                       self.kv_heads, self.kv_scales)
             out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
                                     scales=self.kv_scales)
-            if side is not None:
-                self.prefetch.join(side)
             return project(self.gemv, self.o_proj, out.reshape(n, -1))
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
