@@ -8,7 +8,9 @@ Waves as ``bench/gpu_decode.sh serve`` runs them: ``first`` (the prompts of seed
 one that finishes is replaced by the next prompt before the following step. Per wave: output tok/s, TTFT (from
 ``add`` to the step that returned the first token), the steps by kind (decode only / decode with prompt tokens /
 prompts only) with their count, mean ms and prompt tokens, and the prompt tokens taken from the cache.
-``--profile WAVE``: a torch profile of that wave's steps (top kernels by device time)."""
+``--profile WAVE``: a torch profile of that wave's steps (top kernels by device time). ``--step-prefill-tokens
+A,B,..``: the waves again under each cap on the prompt tokens of a step that also decodes (``none``: no cap), new
+prompts each time (seeds offset by 100 per cap)."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +65,13 @@ def wave(engine, seqs: list, concurrency: int) -> dict:
                       for k, v in kinds.items()}}
 
 
+def summary(run: dict) -> str:
+    steps = "; ".join(f"{k} {v['count']} x {v['mean_ms']:.1f} ms ({v['prompt_tokens']} prompt tokens)"
+                      for k, v in run["steps"].items())
+    return (f"{run['wave']} cap {run['step_prefill_tokens']}: {run['output_tok_s']:.0f} tok/s, TTFT p50 "
+            f"{run['ttft_ms_p50']:.0f} ms p90 {run['ttft_ms_p90']:.0f}, cached {run['cached_prompt_tokens']}; {steps}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_waves")
     ap.add_argument("--model", default="tiny-llama")
@@ -77,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--waves", default="first:0,second:1,repeat:0")
     ap.add_argument("--profile", default="", help="a wave to profile (torch profiler, top kernels by device time)")
+    ap.add_argument("--step-prefill-tokens", default="none", help="caps to sweep, e.g. none,2048,1024")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from engine import EngineConfig
@@ -85,21 +95,23 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
     engine.warm_up()
-    report = {"command": "python -m bench.engine_waves " + " ".join(argv or []), "waves": {}}
-    for item in args.waves.split(","):
-        name, seed = item.split(":")
-        seqs = _sequences(engine, int(seed), args.requests, args.prompt_len, args.max_tokens)
-        if name == args.profile:
-            from torch.profiler import ProfilerActivity, profile
+    report = {"command": "python -m bench.engine_waves " + " ".join(argv or []), "runs": []}
+    for n, cap in enumerate(args.step_prefill_tokens.split(",")):
+        engine.prefill_budget.fixed = None if cap == "none" else int(cap)
+        engine.scheduler.prefill_cap = engine.prefill_budget.tokens()
+        for item in args.waves.split(","):
+            name, seed = item.split(":")
+            seqs = _sequences(engine, int(seed) + 100 * n, args.requests, args.prompt_len, args.max_tokens)
+            if name == args.profile and n == 0:
+                from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    result = wave(engine, seqs, args.concurrency)
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+            else:
                 result = wave(engine, seqs, args.concurrency)
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-        else:
-            result = wave(engine, seqs, args.concurrency)
-        report["waves"][name] = result
-        print(name, json.dumps(result), flush=True)
+            report["runs"].append({"wave": name, "step_prefill_tokens": cap, **result})
+            print(summary(report["runs"][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

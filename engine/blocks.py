@@ -7,7 +7,8 @@ Prefix cache (``caching``): a full block registered under its chained hash
 (``prefix_hash``) stays cached when its last user lets go, and is handed out
 again to a sequence whose prompt starts with the same tokens (``match`` +
 ``take``). Cached blocks nobody uses count as free; when no truly free block
-is left the least recently used one is evicted. ``drain_events`` returns the
+is left the least recently used one is evicted, and of one sequence's blocks
+the last first (its head stays matchable longest). ``drain_events`` returns the
 keys stored and evicted since the last call (workers report them to routers).
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
@@ -87,8 +88,10 @@ class BlockManager:
         self.refs[block] += 1
 
     def release(self, table: list[int]) -> None:
+        """Let go of ``table``'s blocks, last first: of one sequence's cached blocks the tail becomes evictable
+        before the head (a prefix is matched from its first block: an evicted head would strand the rest)."""
         with self.lock:
-            for block in table:
+            for block in reversed(table):
                 self.refs[block] -= 1
                 if self.refs[block] == 0:
                     if self.key_of[block] is not None:

@@ -104,5 +104,23 @@ def test_block_manager_hands_out_free_blocks_before_evicting_cached_ones():
     bm.grow(other, 4)  # two truly free blocks first
     assert bm.num_cached == 2 and bm.match(keys) == [0, 1]
     more = []
-    bm.grow(more, 2)  # then the least recently released cached block
-    assert bm.match(keys) == [] and bm.drain_events() == ([keys[1]], [keys[0]])
+    bm.grow(more, 2)  # then a cached block: the sequence's last one, so its first still matches
+    assert bm.match(keys) == [0] and bm.drain_events() == ([keys[0]], [keys[1]])
+    bm.grow(more, 4)
+    assert bm.match(keys) == []
+
+
+def test_under_pressure_every_cached_prompt_keeps_its_head_matchable():
+    """Two prompts of four blocks cached, then two blocks taken: the older prompt's last two go, it keeps half its
+    hit (evicted head first, it would keep none and its other blocks would sit unmatchable)."""
+    bm = BlockManager(8, 2, caching=True)
+    prompts = [block_hashes(list(range(s, s + 8)), 2, "m") for s in (10, 50)]
+    for keys in prompts:
+        table = []
+        bm.grow(table, 8)
+        for block, key in zip(table, keys):
+            bm.register(block, key)
+        bm.release(table)
+    taken = []
+    bm.grow(taken, 4)
+    assert [len(bm.match(keys)) for keys in prompts] == [2, 4]
