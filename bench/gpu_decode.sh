@@ -25,11 +25,13 @@ for step in $steps; do
       up=$!
       for i in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break
         kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up.log"; break; }; sleep 1; done
-      # first: the first wave after start-up; second: new prompts (seed 1); repeat: the first's prompts again,
-      # whose prefixes are cached by then (what a second run of the same command measures)
+      # first: the first wave after start-up; second: new prompts; repeat: the first's prompts again, cached where
+      # the pool still holds them (what a second run of the same command measures). Seeds differ per concurrency:
+      # the same seed makes the same prompts, and a later level's "fresh" waves would hit an earlier level's cache
+      # (session 21 found c64's 4,419 / 4,695 tok/s were such: 3,291 / 3,190 when fresh)
       for c in ${CONCURRENCY:-32 1 64}; do
         n=$(( c == 1 ? 16 : 4 * c ))
-        for wave in first:0 second:1 repeat:0; do
+        for wave in first:$((c * 10)) second:$((c * 10 + 1)) repeat:$((c * 10)); do
           touch /tmp/wave-mark
           echo "c$c ${wave%:*}: Triton kernels compiled so far: $(ls ~/.triton/cache 2>/dev/null | wc -l)"
           timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency $c --prompt-len 512 \
