@@ -105,6 +105,47 @@ def prefill_profile(engine, rng, n: int, length: int) -> dict:
     return result
 
 
+def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
+    """A step of ``rows`` decoding sequences plus one fresh prompt of ``tokens`` (what a closed loop's steady state
+    runs), timed against the decode step alone, then its torch profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine import _seqs
+
+    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
+    running = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(rows)], [4096] * rows)
+    for s in running:
+        engine.add(s)
+    while any(len(s.output_ids) < 2 for s in running):
+        engine.step()
+
+    def once(with_prompt: bool):
+        if with_prompt:
+            for s in _seqs(engine, [[rng.randrange(3, vocab) for _ in range(tokens)]], [1]):
+                engine.add(s)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = engine.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3, out.batch_tokens
+
+    for _ in range(3):
+        once(True), once(False)
+    mixed = sorted(once(True) for _ in range(5))[2]
+    decode = sorted(once(False) for _ in range(5))[2]
+    result = {"decode_rows": rows, "prompt_tokens": tokens, "mixed_step_ms": mixed[0], "mixed_step_tokens": mixed[1],
+              "decode_step_ms": decode[0], "decode_step_tokens": decode[1]}
+    print(result, flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once(True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    for s in running:
+        engine.free(s)
+    return result
+
+
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--graph-times", default="", help="batch sizes to break down into graph replay, kernel and host")
     ap.add_argument("--prefill", default="", help="N:LEN: profile one step over N fresh prompts of LEN tokens, then stop")
+    ap.add_argument("--mixed", default="", help="ROWS:TOKENS,...: profile a step of ROWS decodes plus a fresh prompt of "
+                    "TOKENS, then stop")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
@@ -131,6 +174,10 @@ def main(argv=None) -> int:
     import random
 
     rng = random.Random(0)
+    if args.mixed:
+        for case in args.mixed.split(","):
+            mixed_profile(engine, rng, *(int(x) for x in case.split(":")))
+        return 0
     if args.prefill:
         n, length = (int(x) for x in args.prefill.split(":"))
         prefill_profile(engine, rng, n, length)
