@@ -114,7 +114,7 @@ def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
     from bench.engine import _seqs
 
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
-    running = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(rows)], [4096] * rows)
+    running = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(rows)], [2048] * rows)
     for s in running:
         engine.add(s)
     while any(len(s.output_ids) < 2 for s in running):
