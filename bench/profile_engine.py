@@ -137,10 +137,15 @@ def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
     result = {"decode_rows": rows, "prompt_tokens": tokens, "mixed_step_ms": mixed[0], "mixed_step_tokens": mixed[1],
               "decode_step_ms": decode[0], "decode_step_tokens": decode[1]}
     print(result, flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         once(True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print("where the small copies and elementwise launches come from (count per call site):")
+    for e in sorted(prof.key_averages(group_by_stack_n=4), key=lambda e: -e.count):
+        if e.key in ("aten::copy_", "aten::add", "aten::mul", "aten::cat", "aten::contiguous", "aten::to",
+                     "aten::index_copy_", "aten::index", "aten::fill_", "aten::zero_") and e.count >= 16:
+            print(f"  {e.key} x{e.count}: " + " <- ".join(f.split("/")[-1] for f in e.stack[:4]))
     for s in running:
         engine.free(s)
     return result
