@@ -177,13 +177,16 @@ def write_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
     kv_fp8.put(v_cache.view(-1, heads, dim), slots, kv_fp8.store(v_cache, v, vs))
 
 
-def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, scales=None) -> torch.Tensor:
+def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, scales=None, stored: bool = False):
     """``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[tokens, kv_heads, dim]`` -> ``[tokens, heads, dim]``;
-    ``scales``: ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``), else None."""
+    ``scales``: ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``), else None; ``stored``: the new K/V are
+    in their slots already (``rope_store``)."""
     if meta.paged is not None:
-        meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
+        if not stored:
+            meta.paged.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
         return meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, scale, meta.window, scales=scales)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
+    if not stored:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, scales)
     if meta.mixed:
         n = meta.mixed
         out = torch.empty_like(q)

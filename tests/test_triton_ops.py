@@ -142,6 +142,15 @@ def test_rope_store_matches_the_torch_form(shape, dtype):
     for a, b in zip(pools[1], pools[0]):
         torch.testing.assert_close(a.float(), b.float(), **tol)
     assert pools[1][1].view(-1, kv_heads, dim)[40].equal(qkv[2, (heads + kv_heads) * dim:].view(kv_heads, dim))
+    # keep: the same queries and pool, and the new keys and values as computed (a padding row's too)
+    kept = [[torch.zeros_like(p) for p in pool] for pool in pools]
+    want = paged.rope_store(qkv, *args, *kept[0], slots, heads, kv_heads, keep=True)
+    got = triton_attention.rope_store(qkv, *args, *kept[1], slots, heads, kv_heads, keep=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    for a, b in zip(kept[1] + kept[0], pools[1] + pools[0]):
+        assert a.equal(b)
+    assert got[2].equal(qkv[:, (heads + kv_heads) * dim:].view(4, kv_heads, dim))
 
 
 def test_tiny_engine_on_the_kernels_gives_the_same_tokens():

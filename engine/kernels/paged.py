@@ -25,9 +25,10 @@ def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
         kv_fp8.put(cache.view(-1, heads, dim), index, new)
 
 
-def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None) -> torch.Tensor:
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None, keep: bool = False):
     """Rotary on the new tokens' q and k (``cos``/``sin`` ``[tokens, dim]``, rounded as ``models.rope.Rotary``),
-    the keys and values into their ``slots``; returns the queries ``[tokens, heads, dim]``."""
+    the keys and values into their ``slots``; returns the queries ``[tokens, heads, dim]`` (``keep``: ``(q, k,
+    v)``, the new keys and values as computed too)."""
     dim = k_cache.shape[-1]
     n = qkv.shape[0]
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -36,7 +37,7 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     half = dim // 2
     q, k = (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin for x in (q, k))
     store_kv(k_cache, v_cache, k, v, slots, scales)
-    return q
+    return (q, k, v.contiguous()) if keep else q
 
 
 def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0, scales=None) -> torch.Tensor:

@@ -62,9 +62,10 @@ def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row, stride_slot,
-                       k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row,
+                       stride_slot, k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, KEEP: tl.constexpr,
+                       PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # query heads, then KV heads (whose programs also move V)
     if PDL:
@@ -79,32 +80,43 @@ def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slots_p
         tl.store(q_ptr + out + d, r1, mask=mask)
         tl.store(q_ptr + out + HALF + d, r2, mask=mask)
     else:
+        kvh = head - HEADS
+        v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
+        v1 = tl.load(qkv_ptr + v_at + d, mask=mask)
+        v2 = tl.load(qkv_ptr + v_at + HALF + d, mask=mask)
+        if KEEP:  # the new keys and values as computed, packed, for attention over the new tokens
+            kept = (token * KV_HEADS + kvh) * 2 * HALF
+            tl.store(k_ptr + kept + d, r1, mask=mask)
+            tl.store(k_ptr + kept + HALF + d, r2, mask=mask)
+            tl.store(v_ptr + kept + d, v1, mask=mask)
+            tl.store(v_ptr + kept + HALF + d, v2, mask=mask)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         if slot >= 0:
-            kvh = head - HEADS
             at = slot * stride_slot + kvh * 2 * HALF
             dt = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + at + d, _quantized(r1, k_scale, FP8).to(dt), mask=mask)
             tl.store(kc_ptr + at + HALF + d, _quantized(r2, k_scale, FP8).to(dt), mask=mask)
-            v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
-            v1 = _quantized(tl.load(qkv_ptr + v_at + d, mask=mask), v_scale, FP8)
-            v2 = _quantized(tl.load(qkv_ptr + v_at + HALF + d, mask=mask), v_scale, FP8)
-            tl.store(vc_ptr + at + d, v1.to(dt), mask=mask)
-            tl.store(vc_ptr + at + HALF + d, v2.to(dt), mask=mask)
+            tl.store(vc_ptr + at + d, _quantized(v1, v_scale, FP8).to(dt), mask=mask)
+            tl.store(vc_ptr + at + HALF + d, _quantized(v2, v_scale, FP8).to(dt), mask=mask)
 
 
-def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None) -> torch.Tensor:
+def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, scales=None, keep: bool = False):
     """``qkv`` ``[tokens, (heads + 2 kv_heads) * dim]`` -> the rotated queries ``[tokens, heads, dim]``; the
-    rotated keys and the values go straight to their ``slots`` of the pool (none for a negative slot)."""
+    rotated keys and the values go straight to their ``slots`` of the pool (none for a negative slot).
+    ``keep``: ``(q, k, v)``, the new keys and values also returned packed ``[tokens, kv_heads, dim]`` as
+    computed (before an FP8 pool's scaling), for attention over the new tokens (a prompt chunk)."""
     dim = k_cache.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype, device=qkv.device)
+    k, v = (torch.empty(qkv.shape[0], kv_heads, dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2)) \
+        if keep else (q, q)
     half = dim // 2
     fp8, ks, vs = _fp8(k_cache, scales)
     _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
-        qkv, q, k_cache, v_cache, cos, sin, slots, qkv.stride(0), kv_heads * dim, ks, vs, HEADS=heads,
-        KV_HEADS=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), FP8=fp8, PDL=PDL, **launch_options())
-    return q
+        qkv, q, k_cache, v_cache, k, v, cos, sin, slots, qkv.stride(0), kv_heads * dim, ks, vs, HEADS=heads,
+        KV_HEADS=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), FP8=fp8, KEEP=keep, PDL=PDL,
+        **launch_options())
+    return (q, k, v) if keep else q
 
 
 @triton.jit(do_not_specialize=["scale", "v_scale", "window", "stride_qb", "stride_qh", "stride_tb"])  # one variant for any

@@ -108,6 +108,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     gemv = None  # ``triton_gemv`` (see ``use_kernels``)
+    prompt_ops = None  # ``triton_attention``: prompt chunks rotate and store K/V in one launch (``rope_store``)
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -136,6 +137,11 @@ class Attention(nn.Module):
                                       self.kv_heads, self.kv_scales)
             out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
                                     scales=self.kv_scales)
+            return project(self.gemv, self.o_proj, out.reshape(n, -1))
+        if self.prompt_ops is not None and meta.cos is not None and not self.s.qk_norm:
+            q, k, v = self.prompt_ops.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping,
+                                                 self.heads, self.kv_heads, self.kv_scales, keep=True)
+            out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales, stored=True)
             return project(self.gemv, self.o_proj, out.reshape(n, -1))
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
