@@ -19,7 +19,7 @@ def model(request, tmp_path_factory):
 
 
 def _outputs(path, fused: bool, calls: list) -> list:
-    engine = engine_for(path, max_batched_tokens=24, prefix_caching=True)
+    engine = engine_for(path, max_batched_tokens=24, prefix_caching=True, device="cpu")  # the torch form: CPU
     counted = types.SimpleNamespace(rope_store=lambda *a, **kw: calls.append(len(a[0])) or paged.rope_store(*a, **kw))
     if fused:
         for layer in engine.model.owned_layers:
