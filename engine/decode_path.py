@@ -53,8 +53,18 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
                 module.kernels = triton_moe
     max_blocks = -(-self.max_len // self.block_size) + 1
     part = None if cfg.pp == 1 else "first" if self.model.ends else "rest"  # a pipeline stage's share of the step
-    return DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
-                        part)
+    graphs = DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
+                          part)
+    if capture:
+        from .prompt_graphs import MAX_TOKENS, PromptGraphs, supported
+
+        why = supported(self.model, cfg)
+        if why is None:
+            most = min(cfg.max_batched_tokens or MAX_TOKENS, self.max_len)
+            graphs.prompts = PromptGraphs(self.model, self.pool, self.device, most, True, graphs.mempool)
+        else:
+            log.info("prompts run eagerly, no prompt CUDA graphs: %s", why)
+    return graphs
 
 
 def fewrow_kernels(model) -> None:

@@ -55,6 +55,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = self.replays = 0
+        self.mempool = None  # the captures' memory pool (``prompt_graphs`` captures into it too)
+        self.prompts = None  # ``prompt_graphs.PromptGraphs``: fresh prompts' first chunks, where captured
         if capture:
             self._capture()
 
@@ -89,6 +91,7 @@ class DecodeGraphs:
             mempool = graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize(self.device)
+        self.mempool = mempool
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - start)
 
     def fits(self, n: int) -> bool:

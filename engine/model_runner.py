@@ -101,6 +101,8 @@ class ModelRunner:
         if len(decode) == len(rows) and self.graphs.fits(len(decode)):
             return self._run_graph(rows, feed), {}
         self._no_feed(rows)
+        if not decode and on_layer is None and self._prompt_graph_takes(rows):
+            return self._run_prompt_graph(rows[0]), {}
         if not decode:
             return self._run_eager(rows, on_layer)
         if not MIXED and self.graphs.fits(len(decode)):
@@ -172,6 +174,20 @@ class ModelRunner:
     def decodes(row: StepRow) -> bool:
         """One new token that samples and needs no prompt scores: what the captured decode step computes."""
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
+
+    def _prompt_graph_takes(self, rows: list[StepRow]) -> bool:
+        """One prompt from position 0 (nothing cached), sampling, no prompt scores: ``prompt_graphs`` runs it."""
+        prompts = getattr(self.graphs, "prompts", None)
+        return (prompts is not None and len(rows) == 1 and rows[0].start == 0 and rows[0].samples
+                and not rows[0].prompt_scores and prompts.takes(len(rows[0].ids)))
+
+    def _run_prompt_graph(self, row: StepRow) -> torch.Tensor:
+        bs = self.pool.block_size
+        logits = self.graphs.prompts.run(row.ids, [token_slot(row.table, p, bs) for p in range(len(row.ids))])
+        logits = logits.clone()
+        if self.suppress is not None:
+            logits[:, self.suppress] = float("-inf")
+        return logits
 
     def _run_graph(self, rows: list[StepRow], feed: torch.Tensor | None = None) -> torch.Tensor:
         bs = self.pool.block_size

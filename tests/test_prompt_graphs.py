@@ -1,0 +1,94 @@
+"""A fresh prompt's first chunk through ``engine.prompt_graphs`` (padded to a token bucket, the padding a second
+sequence that writes no K/V): here its CPU form, the same padded forward without capture. The same tokens and
+logprobs (1e-4) as the eager step, for prompts under, at and over a bucket, with and without a sliding window;
+cached prefixes, prompt logprobs and steps of several rows stay eager; the padding writes nothing to the pool."""
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.generate import generate_many
+from engine.kernels import paged
+from engine.prompt_graphs import PromptGraphs, token_buckets
+from tests.test_paged_engine import GREEDY, engine_for, write_family
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def model(request, tmp_path_factory):
+    overrides = {"sliding_window": 12} if request.param == "mistral" else None
+    return write_family(tmp_path_factory.mktemp(request.param), request.param, overrides)
+
+
+def _engine(path, graphs: bool, caching: bool = True):
+    engine = engine_for(path, device="cpu", decode_graphs="eager", prefix_caching=caching)
+    for layer in engine.model.owned_layers:
+        layer.self_attn.prompt_ops = paged  # the fused prompt path (what CUDA engines run through Triton)
+    if graphs:
+        engine.runner.graphs.prompts = PromptGraphs(engine.model, engine.pool, engine.device, 64, capture=False)
+    return engine
+
+
+def _run(engine, prompts, **params):
+    out = generate_many(engine, prompts, [SamplingParams(max_tokens=5, **GREEDY, **params)] * len(prompts))
+    return [(s.output_ids, [e[1] for e in s.pending_logprobs]) for _, s in out]
+
+
+def test_token_buckets():
+    assert token_buckets(64) == [16, 32, 64] and token_buckets(100) == [16, 32, 64, 128]
+
+
+def test_fresh_prompts_through_the_padded_forward_match_the_eager_step(model):
+    prompts = [[5], list(range(3, 18)), list(range(3, 19)), list(range(20, 60)), list(range(3, 100))]
+    eager, padded = _engine(model, False, caching=False), _engine(model, True, caching=False)
+    for prompt in prompts:  # one at a time: single-row prompt steps
+        want, got = _run(eager, [prompt]), _run(padded, [prompt])
+        assert got[0][0] == want[0][0]
+        torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(want[0][1]), atol=1e-4, rtol=0)
+    # one token is a decode row (the decode path); 97 tokens are over the top bucket (eager)
+    assert padded.runner.graphs.prompts.runs == 3
+
+
+def test_cached_prefixes_prompt_logprobs_and_batches_stay_eager(model):
+    engine = _engine(model, True)
+    prompts = engine.runner.graphs.prompts
+    _run(engine, [list(range(3, 40))])
+    assert prompts.runs == 1
+    _run(engine, [list(range(3, 40)) + [7, 8]])  # its first 32 tokens are cached: starts at 32
+    _run(engine, [list(range(50, 60))], prompt_logprobs=0)
+    _run(engine, [list(range(50, 60)), list(range(70, 75))])
+    assert prompts.runs == 1
+
+
+def test_the_padding_writes_nothing_to_the_pool(model):
+    engine = _engine(model, True)
+    pool = [t for pair in engine.pool.layers for t in pair]
+    before = [t.clone() for t in pool]
+    _run(engine, [list(range(3, 6))])  # 3 tokens padded to 16
+    slots = {tuple(s) for a, b in zip(pool, before) for s in (a != b).flatten(2).any(2).nonzero().tolist()}
+    assert len(slots) == 7  # the prompt's 3 tokens and the 4 decoded ones fed back; none of the 13 padding rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prompt CUDA graphs need a GPU")
+def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
+    """The built-in tiny model in bf16: prompts under the top bucket replay a graph; tokens and logprobs as the
+    eager step's until a near-tie (the padded GEMMs may round the last bit otherwise)."""
+    from engine import EngineConfig
+    from engine.engine import Engine
+
+    prompts = ["hi there", "a longer prompt for the tiny model " * 4, "x" * 300]
+    out = {}
+    for graphs in ("1", "0"):
+        monkeypatch.setenv("PDSERVE_PROMPT_GRAPHS", graphs)
+        engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", threads=1, max_num_seqs=4))
+        prompt_graphs = engine.runner.graphs.prompts
+        assert (prompt_graphs is not None) == (graphs == "1")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+        out[graphs] = [generate_many(engine, [p], [params])[0][1] for p in prompts]
+        if prompt_graphs is not None:
+            assert prompt_graphs.replays == len(prompts)
+    for got, want in zip(out["1"], out["0"]):
+        same = next((i for i, (a, b) in enumerate(zip(got.output_ids, want.output_ids)) if a != b), 6)
+        torch.testing.assert_close(torch.tensor([e[1] for e in got.pending_logprobs[:same]]),
+                                   torch.tensor([e[1] for e in want.pending_logprobs[:same]]), atol=0.05, rtol=0.02)
+        if same < 6:
+            runner_up = dict(got.pending_logprobs[same][2])
+            assert want.output_ids[same] in runner_up
