@@ -4,8 +4,9 @@ An eager forward launches some 25 kernels a layer; for a prompt of a few
 hundred tokens the host takes longer to launch them than the GPU to run
 them (a 512-token prompt on an H200: 12 ms of GPU work, 22-40 ms of step
 depending on the host). So the engine also captures the forward of one
-prompt chunk of ``T`` tokens for ``T`` in ``token_buckets`` (16, 32, ... up
-to ``PDSERVE_PROMPT_GRAPH_TOKENS``, default 2048), and a step whose only row
+prompt chunk of ``T`` tokens for ``T`` in ``token_buckets`` (eight sizes per
+doubling from 16 up to ``PDSERVE_PROMPT_GRAPH_TOKENS``, default 1024: above
+it a prompt keeps the GPU busy launched eagerly), and a step whose only row
 is a prompt starting at position 0 (nothing of it cached), that samples and
 wants no prompt logprobs, replays the smallest graph with more than its
 ``n`` tokens instead:
@@ -35,17 +36,18 @@ import torch
 from .attention import AttnMeta, varlen_kernel
 
 log = logging.getLogger(__name__)
-MAX_TOKENS = int(os.environ.get("PDSERVE_PROMPT_GRAPH_TOKENS", "2048"))
+MAX_TOKENS = int(os.environ.get("PDSERVE_PROMPT_GRAPH_TOKENS", "1024"))
 
 
 def token_buckets(most: int) -> list[int]:
-    """16, 32, 64, ... up to the first that holds ``most`` tokens."""
+    """Sizes from 16 up to the first that holds ``most`` tokens, eight per doubling (16, 32, ..., 128, 144, 160,
+    ..., 256, 288, ...): a prompt pads by at most an eighth plus one step."""
     out, size = [], 16
     while True:
         out.append(size)
         if size >= most:
             return out
-        size *= 2
+        size += max(16, (1 << (size.bit_length() - 1)) // 8)
 
 
 def supported(model, cfg) -> str | None:

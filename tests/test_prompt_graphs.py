@@ -33,7 +33,8 @@ def _run(engine, prompts, **params):
 
 
 def test_token_buckets():
-    assert token_buckets(64) == [16, 32, 64] and token_buckets(100) == [16, 32, 64, 128]
+    assert token_buckets(64) == [16, 32, 48, 64] and token_buckets(100) == [16, 32, 48, 64, 80, 96, 112]
+    assert token_buckets(600)[-5:] == [448, 480, 512, 576, 640] and len(token_buckets(1024)) == 32
 
 
 def test_fresh_prompts_through_the_padded_forward_match_the_eager_step(model):
