@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import statistics
 import time
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
     engine.warm_up()
-    report = {"command": "python -m bench.engine_waves " + " ".join(argv or []), "runs": []}
+    report = {"command": "python -m bench.engine_waves " + " ".join(sys.argv[1:] if argv is None else argv), "runs": []}
     for n, cap in enumerate(args.step_prefill_tokens.split(",")):
         engine.prefill_budget.fixed = None if cap == "none" else int(cap)
         engine.scheduler.prefill_cap = engine.prefill_budget.tokens()
