@@ -4,7 +4,8 @@
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
-#   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; serve1p1d needs two GPUs)
+#   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
+#   serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -38,6 +39,18 @@ for step in $steps; do
             --max-tokens 64 --requests $n --seed ${wave#*:} --out "$OUT/serve-c$c-${wave%:*}-$TAG" 2>&1 | grep "^requests"
           find ~/.triton/cache -newer /tmp/wave-mark -name "*.json" 2>/dev/null | xargs -r -n1 basename | sed 's/^/  compiled during the wave: /'
         done
+      done
+      kill -INT $up; wait $up ;;
+    chat)  # multi-turn chat through pdserve up: each turn's history is in the prefix cache (TTFT of a cached prefix)
+      $PY -m deploy.cli up --colocated $model --max-model-len 8192 --max-num-seqs 64 --port 8013 \
+        --ready-timeout 300 > "$OUT/up-chat.log" 2>&1 &
+      up=$!
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8013/health > /dev/null && break
+        kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-chat.log"; break; }; sleep 1; done
+      for c in ${CONVERSATIONS:-1 4}; do
+        timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8013 --conversations $c --turns 8 \
+          --system-len 2000 --max-tokens 32 --seed $c --out "$OUT/serve-chat-c$c-$TAG" 2>&1 | grep "^requests"
+        grep -A1 "ttft" "$OUT/serve-chat-c$c-$TAG.md" | head -2
       done
       kill -INT $up; wait $up ;;
     fused)  # the batch-1 projection kernel (triton_gemv) checked, then timed against the launches it replaces,

@@ -105,9 +105,10 @@ def prefill_profile(engine, rng, n: int, length: int) -> dict:
     return result
 
 
-def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
-    """A step of ``rows`` decoding sequences plus one fresh prompt of ``tokens`` (what a closed loop's steady state
-    runs), timed against the decode step alone, then its torch profile."""
+def mixed_profile(engine, rng, rows: int, tokens: int, cached: int = 0) -> dict:
+    """A step of ``rows`` decoding sequences plus one prompt of ``tokens`` new tokens (what a closed loop's steady
+    state runs) after ``cached`` tokens already in the prefix cache (a chat turn), timed against the decode step
+    alone, then its torch profile."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,9 +121,16 @@ def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
     while any(len(s.output_ids) < 2 for s in running):
         engine.step()
 
+    prefix = [rng.randrange(3, vocab) for _ in range(cached)]
+    if cached:  # into the prefix cache
+        first = _seqs(engine, [prefix], [1])[0]
+        engine.add(first)
+        while not first.finished:
+            engine.step()
+
     def once(with_prompt: bool):
         if with_prompt:
-            for s in _seqs(engine, [[rng.randrange(3, vocab) for _ in range(tokens)]], [1]):
+            for s in _seqs(engine, [prefix + [rng.randrange(3, vocab) for _ in range(tokens)]], [1]):
                 engine.add(s)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -134,7 +142,7 @@ def mixed_profile(engine, rng, rows: int, tokens: int) -> dict:
         once(True), once(False)
     mixed = sorted(once(True) for _ in range(5))[2]
     decode = sorted(once(False) for _ in range(5))[2]
-    result = {"decode_rows": rows, "prompt_tokens": tokens, "mixed_step_ms": mixed[0], "mixed_step_tokens": mixed[1],
+    result = {"decode_rows": rows, "prompt_tokens": tokens, "cached_tokens": cached, "mixed_step_ms": mixed[0], "mixed_step_tokens": mixed[1],
               "decode_step_ms": decode[0], "decode_step_tokens": decode[1]}
     print(result, flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
@@ -164,8 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--graph-times", default="", help="batch sizes to break down into graph replay, kernel and host")
     ap.add_argument("--prefill", default="", help="N:LEN: profile one step over N fresh prompts of LEN tokens, then stop")
-    ap.add_argument("--mixed", default="", help="ROWS:TOKENS,...: profile a step of ROWS decodes plus a fresh prompt of "
-                    "TOKENS, then stop")
+    ap.add_argument("--mixed", default="", help="ROWS:TOKENS[:CACHED],...: profile a step of ROWS decodes plus a prompt of "
+                    "TOKENS new tokens (after CACHED in the prefix cache), then stop")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)

@@ -56,12 +56,13 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     graphs = DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
                           part)
     if capture:
-        from .prompt_graphs import MAX_TOKENS, PromptGraphs, supported
+        from .prompt_graphs import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
 
         why = supported(self.model, cfg)
         if why is None:
             most = min(cfg.max_batched_tokens or MAX_TOKENS, self.max_len)
-            graphs.prompts = PromptGraphs(self.model, self.pool, self.device, most, True, graphs.mempool)
+            context = min(self.max_len, MAX_CONTEXT) if cfg.prefix_caching else 0
+            graphs.prompts = PromptGraphs(self.model, self.pool, self.device, most, True, graphs.mempool, context)
         else:
             log.info("prompts run eagerly, no prompt CUDA graphs: %s", why)
     return graphs

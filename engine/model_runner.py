@@ -176,15 +176,15 @@ class ModelRunner:
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
     def _prompt_graph_takes(self, rows: list[StepRow]) -> bool:
-        """One prompt from position 0 (nothing cached), sampling, no prompt scores: ``prompt_graphs`` runs it."""
+        """One prompt chunk that samples, wants no prompt scores and has a graph (``prompt_graphs``)."""
         prompts = getattr(self.graphs, "prompts", None)
-        return (prompts is not None and len(rows) == 1 and rows[0].start == 0 and rows[0].samples
-                and not rows[0].prompt_scores and prompts.takes(len(rows[0].ids)))
+        return (prompts is not None and len(rows) == 1 and rows[0].samples and not rows[0].prompt_scores
+                and prompts.shape_for(len(rows[0].ids), rows[0].start) is not None)
 
     def _run_prompt_graph(self, row: StepRow) -> torch.Tensor:
-        bs = self.pool.block_size
-        logits = self.graphs.prompts.run(row.ids, [token_slot(row.table, p, bs) for p in range(len(row.ids))])
-        logits = logits.clone()
+        bs, end = self.pool.block_size, row.start + len(row.ids)
+        slots = [token_slot(row.table, p, bs) for p in range(row.start, end)]
+        logits = self.graphs.prompts.run(row.ids, row.start, slots, list(row.table)).clone()
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

@@ -1,14 +1,15 @@
-"""A fresh prompt's first chunk through ``engine.prompt_graphs`` (padded to a token bucket, the padding a second
-sequence that writes no K/V): here its CPU form, the same padded forward without capture. The same tokens and
-logprobs (1e-4) as the eager step, for prompts under, at and over a bucket, with and without a sliding window;
-cached prefixes, prompt logprobs and steps of several rows stay eager; the padding writes nothing to the pool."""
+"""A prompt chunk through ``engine.prompt_graphs`` (padded to a token bucket, the padding a second sequence that
+writes no K/V; after a cached prefix, its keys gathered from the pool up to a context bucket): here its CPU form,
+the same padded forward without capture. The same tokens and logprobs (1e-4) as the eager step, for fresh prompts
+under, at and over a bucket and for chunks after cached prefixes, with and without a sliding window; prompt
+logprobs and steps of several rows stay eager; the padding writes nothing to the pool."""
 import pytest
 import torch
 
 from engine import SamplingParams
 from engine.generate import generate_many
 from engine.kernels import paged
-from engine.prompt_graphs import PromptGraphs, token_buckets
+from engine.prompt_graphs import PromptGraphs, context_buckets, token_buckets
 from tests.test_paged_engine import GREEDY, engine_for, write_family
 
 
@@ -23,7 +24,8 @@ def _engine(path, graphs: bool, caching: bool = True):
     for layer in engine.model.owned_layers:
         layer.self_attn.prompt_ops = paged  # the fused prompt path (what CUDA engines run through Triton)
     if graphs:
-        engine.runner.graphs.prompts = PromptGraphs(engine.model, engine.pool, engine.device, 64, capture=False)
+        engine.runner.graphs.prompts = PromptGraphs(engine.model, engine.pool, engine.device, 64, capture=False,
+                                                    most_context=engine.max_len)
     return engine
 
 
@@ -35,6 +37,7 @@ def _run(engine, prompts, **params):
 def test_token_buckets():
     assert token_buckets(64) == [16, 32, 48, 64] and token_buckets(100) == [16, 32, 48, 64, 80, 96, 112]
     assert token_buckets(600)[-5:] == [448, 480, 512, 576, 640] and len(token_buckets(1024)) == 32
+    assert context_buckets(0) == [] and context_buckets(512) == [512, 1024] and context_buckets(700) == [512, 1024]
 
 
 def test_fresh_prompts_through_the_padded_forward_match_the_eager_step(model):
@@ -48,15 +51,22 @@ def test_fresh_prompts_through_the_padded_forward_match_the_eager_step(model):
     assert padded.runner.graphs.prompts.runs == 3
 
 
-def test_cached_prefixes_prompt_logprobs_and_batches_stay_eager(model):
+def test_chunks_after_cached_prefixes_through_the_padded_forward_match_the_eager_step(model):
+    eager, padded = _engine(model, False), _engine(model, True)
+    turns = [list(range(3, 40)), list(range(3, 40)) + [7, 8, 9], list(range(3, 40)) + [7, 8, 9, 11] * 6]
+    for prompt in turns:  # each turn's prefix is cached by the one before
+        want, got = _run(eager, [prompt]), _run(padded, [prompt])
+        assert got[0][0] == want[0][0]
+        torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(want[0][1]), atol=1e-4, rtol=0)
+    assert padded.cached_tokens > 0 and padded.runner.graphs.prompts.runs == 3
+
+
+def test_prompt_logprobs_and_batches_stay_eager(model):
     engine = _engine(model, True)
     prompts = engine.runner.graphs.prompts
-    _run(engine, [list(range(3, 40))])
-    assert prompts.runs == 1
-    _run(engine, [list(range(3, 40)) + [7, 8]])  # its first 32 tokens are cached: starts at 32
     _run(engine, [list(range(50, 60))], prompt_logprobs=0)
-    _run(engine, [list(range(50, 60)), list(range(70, 75))])
-    assert prompts.runs == 1
+    _run(engine, [list(range(60, 70)), list(range(70, 75))])
+    assert prompts.runs == 0
 
 
 def test_the_padding_writes_nothing_to_the_pool(model):
