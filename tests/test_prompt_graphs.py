@@ -85,7 +85,8 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
     from engine import EngineConfig
     from engine.engine import Engine
 
-    prompts = ["hi there", "a longer prompt for the tiny model " * 4, "x" * 300]
+    prompts = ["hi there", "a longer prompt for the tiny model " * 4, "x" * 300,
+               "a longer prompt for the tiny model " * 4 + "and a turn after it"]  # the last after a cached prefix
     out = {}
     for graphs in ("1", "0"):
         monkeypatch.setenv("PDSERVE_PROMPT_GRAPHS", graphs)
@@ -95,7 +96,7 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
         out[graphs] = [generate_many(engine, [p], [params])[0][1] for p in prompts]
         if prompt_graphs is not None:
-            assert prompt_graphs.replays == len(prompts)
+            assert prompt_graphs.replays == len(prompts) and engine.cached_tokens > 0
     for got, want in zip(out["1"], out["0"]):
         same = next((i for i, (a, b) in enumerate(zip(got.output_ids, want.output_ids)) if a != b), 6)
         torch.testing.assert_close(torch.tensor([e[1] for e in got.pending_logprobs[:same]]),
