@@ -19,6 +19,8 @@ from .scheduler import Batch
 from .sequence import PENDING
 
 MIXED = os.environ.get("PDSERVE_MIXED_STEPS", "1") != "0"  # 0: a mixed step's decode rows through their graph
+# decode rows beside one prompt chunk of at most this many tokens: both through their graphs (0: never)
+SPLIT_PROMPT_TOKENS = int(os.environ.get("PDSERVE_SPLIT_PROMPT_TOKENS", "512"))
 
 
 @dataclass
@@ -94,7 +96,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, rows: list[StepRow], on_layer=None, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling rows in order, {row index: prompt-position scores})``.
-        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly.
+        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly in the
+        same forward, or, for one prompt chunk a prompt graph takes (``prompt_graphs``), through that graph.
         ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
         in flight, which rows with a ``feed`` index take as input (only through the graphs)."""
         decode = [i for i, r in enumerate(rows) if self.decodes(r)] if self.graphs is not None else []
@@ -105,16 +108,29 @@ class ModelRunner:
             return self._run_prompt_graph(rows[0]), {}
         if not decode:
             return self._run_eager(rows, on_layer)
-        if not MIXED and self.graphs.fits(len(decode)):
+        if (not MIXED or self._prompt_graph_beside(rows, decode, on_layer)) and self.graphs.fits(len(decode)):
             return self._run_split(rows, decode, on_layer)
         return self._run_mixed(rows, decode, on_layer)
 
+    def _prompt_graph_beside(self, rows: list[StepRow], decode: list[int], on_layer) -> bool:
+        """Decode rows and one prompt chunk a prompt graph takes, of at most ``SPLIT_PROMPT_TOKENS``: two replays
+        (the weights read twice) beat one eager forward, whose host time exceeds a read of the weights there."""
+        if on_layer is not None or len(decode) != len(rows) - 1:
+            return False
+        rest = [r for i, r in enumerate(rows) if i not in set(decode)]
+        return len(rest[0].ids) <= SPLIT_PROMPT_TOKENS and self._prompt_graph_takes(rest)
+
     def _run_split(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
-        """Decode rows through their graph, the rest eagerly (two passes over the weights)."""
+        """Decode rows through their graph, the rest (one prompt chunk through its graph, or eagerly) after them:
+        two passes over the weights."""
         graph_scores = self._run_graph([rows[i] for i in decode])
         taken = set(decode)
         index = [i for i in range(len(rows)) if i not in taken]
-        eager_scores, rest_prompt = self._run_eager([rows[i] for i in index], on_layer)
+        rest = [rows[i] for i in index]
+        if on_layer is None and self._prompt_graph_takes(rest):
+            eager_scores, rest_prompt = self._run_prompt_graph(rest[0]), {}
+        else:
+            eager_scores, rest_prompt = self._run_eager(rest, on_layer)
         out, g, e = [], iter(graph_scores), iter(eager_scores)
         for i, row in enumerate(rows):
             if i in taken:
