@@ -5,7 +5,13 @@ that asked for prompt logprobs, the scores of every prompt position).
 
 A step is a list of ``StepRow`` (``step_rows`` makes them from a scheduled
 batch): plain data, so rank 0 of a tensor-parallel group sends the same
-rows to every other rank and all run the same forward."""
+rows to every other rank and all run the same forward.
+
+Where the engine captured CUDA graphs: a step of decodes only replays its
+decode graph (``graphs``); a single prompt chunk replays a prompt graph
+(``prompt_graphs``), and so does one beside decode rows, after their decode
+graph (two replays beat one eager forward, which is host-bound there);
+everything else runs as one eager forward, decode rows first."""
 from __future__ import annotations
 
 import os
