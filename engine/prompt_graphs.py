@@ -93,7 +93,7 @@ class PromptGraphs:
         be replayed (0: fresh prompts only)."""
         self.model, self.pool, self.device, self.capture = model, pool, device, capture
         self.buckets = token_buckets(min(most_tokens, MAX_TOKENS))
-        self.contexts = context_buckets(most_context)
+        self.contexts = [c for c in context_buckets(most_context) if c % pool.block_size == 0]  # whole blocks
         top, keys, pinned = self.buckets[-1], max(self.contexts, default=0), device.type == "cuda"
         self.block_size = pool.block_size
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
