@@ -66,7 +66,7 @@ class Admission:
     async def acquire(self, group, rid: str, tokens: int, prompt=None, avoid=()):
         """The worker that will hold this request's KV (not one in ``avoid`` while another has room); raises
         ApiError (429/503) when there is no room."""
-        if not group.healthy():
+        if not group.healthy() and not await group.wait_healthy():
             raise ApiError(503, f"no healthy {group.role} worker", headers={"Retry-After": str(self.retry_after_s)})
         if not self._waiters:
             worker = self._try(group, rid, tokens, prompt, avoid)

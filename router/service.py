@@ -116,11 +116,12 @@ class Service:
         if model not in known:
             raise ApiError(404, f"The model '{model}' does not exist; served: {sorted(known)}", param="model", code="model_not_found")
 
-    def _pick(self, role, prompt=None, avoid=()):
-        worker = self.groups[role].pick(prompt, avoid) if self.groups.get(role) else None
-        if worker is None:
+    async def _pick(self, role, prompt=None, avoid=()):
+        group = self.groups.get(role)
+        ready = await group.wait_healthy(avoid) if group is not None else []
+        if not ready:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
-        return worker
+        return group.policy.pick(ready, prompt)
 
     async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
         """The inbox's next message; a 504 once ``timeout`` passes without one (``expire_waits`` puts a mark in the
@@ -284,7 +285,7 @@ class Service:
             run.local = True
             return await self._generate_here(run, decode, rid, involved)
         twins = {c for c in self.groups["prefill"].clients if c.address == decode.address}
-        prefill = run.workers["prefill"] = self._pick("prefill", prompt, run.avoid | twins)
+        prefill = run.workers["prefill"] = await self._pick("prefill", prompt, run.avoid | twins)
         problem = pair_mismatch(prefill.info, decode.info)
         if problem:
             raise ApiError(500, f"prefill worker {prefill.address} cannot hand its KV to decode worker "

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "_from"  # the WorkerClient a message came from (router-side only, never on the wire)
 SUSPECT_S, MAX_SUSPECT_S = 1.0, 30.0
+PICK_WAIT_S = 5.0  # how long a request waits for a worker of a role to be in the picks again before a 503
 
 
 class WorkerClient:
@@ -213,6 +214,19 @@ class WorkerGroup:
         ready = [c for c in self.clients if c.healthy and not c.info.get("draining")] or \
             [c for c in self.clients if c.alive and time.monotonic() >= c.suspect_until and not c.info.get("draining")]
         return [c for c in ready if c not in avoid] or ready
+
+    async def wait_healthy(self, avoid=(), wait_s: float = PICK_WAIT_S) -> list[WorkerClient]:
+        """``healthy(avoid)``, waiting up to ``wait_s`` for one while there is none (every worker late on its pong
+        or suspect for a moment: a loaded host, a worker restarting); still none after it: logged, empty."""
+        end = time.monotonic() + wait_s
+        while not (ready := self.healthy(avoid)) and self.clients and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if not ready:
+            now = time.monotonic()
+            log.warning("no %s worker in the picks after %.1fs: %s", self.role, wait_s, "; ".join(
+                f"{c.address} last pong {now - c.last_pong:.1f}s ago, suspect {max(0.0, c.suspect_until - now):.1f}s"
+                f"{', draining' if c.info.get('draining') else ''}" for c in self.clients))
+        return ready
 
     def ready(self) -> bool:
         """Some worker is in the picks by its own heartbeat (no fallback)."""

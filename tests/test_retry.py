@@ -35,9 +35,10 @@ def health(url: str) -> dict:
 
 
 def at_once(url: str, body: dict, n: int = EIGHT) -> list[int]:
-    """``n`` requests sent together; their status codes."""
+    """``n`` requests sent together; their status codes (with the start of the body where not 200)."""
     def one(_):
-        return httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        return 200 if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(one, range(n)))
 
