@@ -123,7 +123,8 @@ class ModelRunner:
         (the weights read twice) beat one eager forward, whose host time exceeds a read of the weights there."""
         if on_layer is not None or len(decode) != len(rows) - 1:
             return False
-        rest = [r for i, r in enumerate(rows) if i not in set(decode)]
+        taken = set(decode)
+        rest = [r for i, r in enumerate(rows) if i not in taken]
         return len(rest[0].ids) <= SPLIT_PROMPT_TOKENS and self._prompt_graph_takes(rest)
 
     def _run_split(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
