@@ -56,16 +56,22 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     graphs = DecodeGraphs(self.model, self.pool, self.device, min(cfg.max_num_seqs, 512), max_blocks, ops, capture,
                           part)
     if capture:
-        from .prompt_graphs import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
-
-        why = supported(self.model, cfg)
-        if why is None:
-            most = min(cfg.max_batched_tokens or MAX_TOKENS, self.max_len)
-            context = min(self.max_len, MAX_CONTEXT) if cfg.prefix_caching else 0
-            graphs.prompts = PromptGraphs(self.model, self.pool, self.device, most, True, graphs.mempool, context)
-        else:
-            log.info("prompts run eagerly, no prompt CUDA graphs: %s", why)
+        graphs.prompts = prompt_graphs(self, cfg, graphs.mempool)
     return graphs
+
+
+def prompt_graphs(self, cfg: EngineConfig, mempool):
+    """A prompt chunk's step as a CUDA graph (``prompt_graphs``), captured into the decode graphs' memory pool;
+    None where the engine cannot capture one (logged)."""
+    from .prompt_graphs import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
+
+    why = supported(self.model, cfg)
+    if why is not None:
+        log.info("prompts run eagerly, no prompt CUDA graphs: %s", why)
+        return None
+    most = min(cfg.max_batched_tokens or MAX_TOKENS, self.max_len)
+    context = min(self.max_len, MAX_CONTEXT) if cfg.prefix_caching else 0
+    return PromptGraphs(self.model, self.pool, self.device, most, True, mempool, context)
 
 
 def fewrow_kernels(model) -> None:
