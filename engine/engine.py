@@ -109,6 +109,7 @@ class Engine:
         self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
         self.inflight: overlap.InFlight | None = None  # a decode step still on the device (``overlap``)
         self.overlapped = 0  # steps left on the device while the next was prepared
+        self.shared_tokens = None  # (a follower rank) rank 0's tokens of the step before, on the device
         log.info("KV pool: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks * self.block_bytes / 2**20)
@@ -259,15 +260,16 @@ class Engine:
             return out
         rows = step_rows(batch, self.inflight.rows_of() if self.inflight is not None else None)
         progress = self.on_schedule(batch) if self.on_schedule is not None else None
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        ahead = bool(sampling) and overlap.keeps(self, rows, sampling)
         if self.group.plan is not None:  # the other ranks run the same step (after any KV work just planned)
-            self.group.plan.step(rows, batch.copies)
+            self.group.plan.step(rows, batch.copies, ahead)
         for source, target in batch.copies:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         self._count_prefix(batch)
         feed = self.inflight.choices.device_tokens if self.inflight is not None else None
         scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None, feed)
-        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if i in prompt_scores:
                 add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
@@ -278,7 +280,9 @@ class Engine:
             self._read_inflight(out)  # the masks need its tokens; the device runs this step's forward meanwhile
         choices = choose_later(scores, sampling, self.tokenizer.eos_token_id) if sampling else None
         previous, self.inflight = self.inflight, None
-        if choices is not None and overlap.keeps(self, rows, sampling):
+        if ahead:
+            if self.group.size > 1:  # the other ranks feed them to the next step too
+                self.group.share_tokens(choices.device_tokens, len(sampling), self.device)
             places = [None if seq.finished else seq.reserve() for seq in sampling]
             self.inflight = overlap.InFlight(sampling, places, choices)
             self.overlapped += 1
@@ -304,20 +308,25 @@ class Engine:
         elif hold:
             self.scheduler.remove(seq)
 
-    def follow_step(self, rows: list, copies: list, kv=None) -> None:
-        """(A follower rank) Rank 0's step: its block copies, then the forward of its rows (``StepRow.to_wire``);
-        ``kv.progress()``: the layer gate of KV pushes streaming from this step, if any."""
+    def follow_step(self, rows: list, copies: list, kv=None, ahead: bool = False) -> None:
+        """(A follower rank) Rank 0's step: its block copies, then the forward of its rows (``StepRow.to_wire``;
+        those with a ``feed`` take rank 0's tokens of the step before); ``kv.progress()``: the layer gate of KV
+        pushes streaming from this step, if any. ``ahead``: then take rank 0's tokens of this step."""
         for source, target in copies:
             self.pool.copy_block(source, target)
         progress = kv.take_progress() if kv is not None else None
+        rows = [StepRow(*r) for r in rows]
+        feed = self.shared_tokens if any(r.feed >= 0 for r in rows) else None
         try:
-            self.runner.run([StepRow(*r) for r in rows], progress.layer_done if progress is not None else None)
+            self.runner.run(rows, progress.layer_done if progress is not None else None, feed)
         except Exception as e:
             if progress is not None:
                 progress.fail(e)
             raise
         if progress is not None:
             progress.finish()
+        self.shared_tokens = self.group.share_tokens(None, sum(r.samples for r in rows), self.device) if ahead \
+            else None
 
     def warm_up(self) -> None:
         """Pay the first requests' one-time costs now (``engine.warmup``), unless ``cfg.warmup`` is off."""

@@ -39,7 +39,7 @@ class StepRow:
     feed: int = -1  # the input token is still on the device: this row of the step in flight (engine.overlap)
 
     def to_wire(self) -> list:
-        return [self.ids, self.start, self.table, self.samples, self.prompt_scores]
+        return [self.ids, self.start, self.table, self.samples, self.prompt_scores, self.feed]
 
 
 def step_rows(batch: Batch, inflight_rows: dict | None = None) -> list[StepRow]:

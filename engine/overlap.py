@@ -3,7 +3,8 @@ device still runs the one before, and the host reads that one's tokens
 (and detokenizes, checks stops, emits) while the device runs the next.
 
 A step that stays on the device (``keeps``: every row a one-token decode
-through the captured graphs, one rank, no penalties, no prompt scores)
+through the captured graphs, no penalties, no prompt scores; under TP rank 0
+broadcasts the chosen tokens on the device, ``parallel.plan``)
 samples on the device into a tensor, copies it to pinned memory without
 waiting (``sampler.Choices``) and holds a place in each sequence's
 ``output_ids`` (``Sequence.reserve``, the id ``PENDING``). The next step
@@ -54,7 +55,7 @@ class InFlight:
 def keeps(engine, rows, sampling) -> bool:
     """Whether the step just launched may stay on the device while the next one is prepared."""
     graphs = engine.runner.graphs
-    return (engine.cfg.overlap and graphs is not None and engine.group.size == 1 and not engine.hold_after_first
+    return (engine.cfg.overlap and graphs is not None and not engine.hold_after_first
             and engine.on_schedule is None and len(sampling) == len(rows) and graphs.fits(len(rows))
             and all(engine.runner.decodes(r) for r in rows) and not any(s.params.penalized for s in sampling))
 

@@ -60,7 +60,7 @@ def follow(engine, plan, parent: int, kv=None) -> None:
         if op == "stop":
             return
         if op == "step":
-            engine.follow_step(msg["rows"], msg["copies"], kv)
+            engine.follow_step(msg["rows"], msg["copies"], kv, msg.get("ahead", False))
         elif op.startswith("mlx_"):
             engine.follow(msg)
         elif kv is not None and op.startswith("kv_"):

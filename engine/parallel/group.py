@@ -33,6 +33,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def share_tokens(self, tokens: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+        """Rank 0's ``tokens`` (``rows`` longs, on the device) on every rank, without waiting on the host: rank 0
+        passes them, the others None."""
+        if tokens is None:
+            tokens = torch.empty(rows, dtype=torch.long, device=device)
+        dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tokens
+
     def min_int(self, value: int, device) -> int:
         """The smallest of every rank's ``value``."""
         if self.size == 1:

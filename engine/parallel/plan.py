@@ -4,8 +4,13 @@ Rank 0 binds one zmq PUSH socket per follower (loopback; order kept per
 socket) and one PULL socket for reports. Messages are msgpack maps
 ``{"v": PLAN_VERSION, "op": ...}``:
 
-- ``step{rows, copies}``: copy these blocks, then run the forward of these
-  rows (``StepRow.to_wire``); every rank meets the others in its collectives.
+- ``step{rows, copies, ahead}``: copy these blocks, then run the forward of
+  these rows (``StepRow.to_wire``); every rank meets the others in its
+  collectives. A row whose ``feed`` is set takes its input token from the
+  tokens rank 0 chose in the step before, still on the device. ``ahead``:
+  rank 0 launches the next step before reading this one's tokens
+  (``engine.overlap``), so after the forward it broadcasts them from its
+  device over the group (one ``long`` a row) and every rank keeps them.
 - ``kv_*``: KV transfer work of this rank's head slice (``kv_plan``).
 - ``stop``: leave the loop and exit.
 
@@ -17,7 +22,7 @@ import threading
 import msgpack
 import zmq
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 def _pack(op: str, fields: dict) -> bytes:
@@ -66,8 +71,8 @@ class PlanSender:
         with self._lock:
             self.socks[rank - 1].send(raw)
 
-    def step(self, rows, copies) -> None:
-        self.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in copies])
+    def step(self, rows, copies, ahead: bool = False) -> None:
+        self.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in copies], ahead=ahead)
 
     @property
     def on_report(self):

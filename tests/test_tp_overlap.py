@@ -1,0 +1,37 @@
+"""The step ahead (``engine.overlap``) under tensor parallelism: rank 0 launches the next decode step before reading
+this one's tokens and broadcasts them on the device to the other rank, whose next step takes them as input
+(``StepRow.feed``). On the CPU (gloo, two rank processes, the fixed-shape decode step run eagerly): greedy and
+seeded sampled tokens and logprobs equal TP=1's, with the steps left on the device counted."""
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.generate import generate_many
+from tests.test_paged_engine import GREEDY, prompts, write_family
+
+
+def outputs(engine, ps, params):
+    seqs = [s for _, s in generate_many(engine, ps, params)]
+    return [s.output_ids for s in seqs], [[e[1] for e in s.pending_logprobs] for s in seqs]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tp2_steps_ahead_with_rank0s_tokens_on_the_device(tmp_path, overlap):
+    path = write_family(tmp_path, "llama")
+    ps = prompts(4, seed=11)
+    params = [SamplingParams(max_tokens=10, **GREEDY), SamplingParams(max_tokens=10, **GREEDY),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5, logprobs=0),
+              SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, seed=9, logprobs=0)]
+    kw = dict(model=path, threads=1, block_size=8, decode_graphs="eager", overlap=overlap)
+    single = Engine(EngineConfig(**kw))
+    want_ids, want_lp = outputs(single, ps, params)
+    engine = Engine(EngineConfig(tp=2, **kw))
+    try:
+        got_ids, got_lp = outputs(engine, ps, params)
+        assert got_ids == want_ids
+        for got, want in zip(got_lp, want_lp):
+            assert got == pytest.approx(want, abs=1e-4)
+        assert (engine.overlapped > 0) == overlap and (single.overlapped > 0) == overlap
+        assert engine.blocks.num_free == engine.num_blocks
+    finally:
+        engine.close()
