@@ -1,8 +1,9 @@
 """Conformance and speed of the nccl transport on a two-GPU machine.
 
-    python -m bench.nccl_check [--out results.json] [--backend gloo] [--no-eager] [--direct-cuts N]
+    python -m bench.nccl_check [--out results.json] [--backend gloo] [--no-eager] [--direct-cuts N] [--same-gpu]
 
-Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1) receives. Checks
+Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1; cuda:0 too with ``--same-gpu``, where the transport copies
+through CUDA IPC and the raw reference is a device copy within one process) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
 and non-contiguous shapes), 8 transfers in flight, abort, the size limit;
 then times the 109 MB Mistral-7B KV (and two larger ones) through the transport (wall clock from the
@@ -57,6 +58,16 @@ def same(want, got) -> bool:
                for pa, pb in zip(want, got) for a, b in zip(pa, pb))
 
 
+_copy_source: dict = {}
+
+
+def source_of_copy(sink: torch.Tensor) -> torch.Tensor:
+    if sink.numel() not in _copy_source:
+        _copy_source.clear()
+        _copy_source[sink.numel()] = torch.empty_like(sink)
+    return _copy_source[sink.numel()]
+
+
 def in_flight():
     """8 senders at once, each sending ROUNDS KVs of its own sizes, placed and staged alternately."""
     return [(i, j) for j in range(ROUNDS) for i in range(8)]
@@ -77,16 +88,18 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts=0):
+def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts=0, same_gpu=False):
     from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
     from kvtransfer.tensors import layout_of, materialize
 
-    device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+    device = torch.device(f"cuda:{0 if same_gpu else rank}" if backend == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # this check's own world (barriers, the raw baseline); the transport forms its pair by itself
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+    # this check's own world (barriers, the raw baseline; gloo for two processes on one GPU, which NCCL refuses);
+    # the transport forms its pair by itself
+    world = "gloo" if same_gpu else backend
+    dist.init_process_group(world, init_method=init, rank=rank, world_size=2,
+                            **({"device_id": device} if world == "nccl" else {}))
     payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
     cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
                           options={"device": str(device), "nccl_backend": backend, "nccl_eager": eager,
@@ -128,6 +141,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
         except TransferError:
             report["checks"]["abort"] = True
         report["drained"], report["scattered_bytes"] = r.drained, r.scattered_bytes
+        report["ipc_receives"] = r.ipc_receives
         dist.barrier()
         for name, (L, H, T, D, dtype) in payloads.items():
             transport, raw = [], []
@@ -145,7 +159,10 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
                 got.release()
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.recv(sink, 0)
+                if same_gpu:  # the reference for a copy through an IPC mapping: a copy within one process
+                    sink.copy_(source_of_copy(sink))
+                else:
+                    dist.recv(sink, 0)
                 sync(device)
                 dist.barrier()
                 if rep >= 2:
@@ -220,21 +237,22 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
                 dist.barrier()
                 s.send(dest, f"{name}-{rep}", layout, layers, meta={"sent_at": time.perf_counter()})
                 dist.barrier()
-                dist.send(flat, 1)
+                if not same_gpu:
+                    dist.send(flat, 1)
                 sync(device)
                 dist.barrier()
             if source is not None:
                 source.release()
             del layers, flat
         results["eager_sends"], results["gathered_bytes"] = s.eager_sends, s.gathered_bytes
-        results["piece_sends"] = s.piece_sends
+        results["piece_sends"], results["ipc_sends"] = s.piece_sends, s.ipc_sends
         s.close()
         dist.barrier()
         begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"), s.pairs.for_dest(dest)[0].key)
     # the hang-up left the pair unusable (the receiver aborted it); this check's own world is done too
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
-    if backend == "gloo":
+    if backend == "gloo" or same_gpu:
         os._exit(0)  # gloo cannot abort the receive the hang-up left pending; its destructor would terminate()
 
 
@@ -352,17 +370,21 @@ def main():
     ap.add_argument("--no-eager", dest="eager", action="store_false", help="a GRANT round trip for every transfer")
     ap.add_argument("--direct-cuts", type=int, default=0,
                     help="move KV in pieces (no gather/scatter) when it cuts into at most this many segments per layer")
+    ap.add_argument("--same-gpu", action="store_true",
+                    help="both ranks on cuda:0: the transport's CUDA IPC path for pairs NCCL refuses")
     args = ap.parse_args()
-    if args.backend == "nccl" and torch.cuda.device_count() < 2:
-        raise SystemExit("needs two CUDA GPUs (or --backend gloo)")
+    if args.backend == "nccl" and torch.cuda.device_count() < (1 if args.same_gpu else 2):
+        raise SystemExit("needs two CUDA GPUs (one with --same-gpu; or --backend gloo)")
     manager = mp.Manager()
     results = manager.dict()
     init, kv_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager, args.direct_cuts), nprocs=2, join=True)
+    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager, args.direct_cuts, args.same_gpu),
+             nprocs=2, join=True)
     out = dict(results)
     out["backend"], out["eager"], out["direct_cuts"] = args.backend, args.eager, args.direct_cuts
+    out["same_gpu"] = args.same_gpu
     if args.backend == "nccl":
-        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(2)]
+        out["gpus"] = [torch.cuda.get_device_name(0 if args.same_gpu else i) for i in range(2)]
     out["torch"] = torch.__version__
     print(json.dumps(out, indent=1))
     with open(args.out, "w") as f:

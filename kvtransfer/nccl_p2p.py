@@ -73,7 +73,7 @@ import time
 
 import torch
 
-from . import frames
+from . import frames, nccl_same_gpu
 from .arena import Arena
 from .base import ReceivedKV, TransferError
 from .pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
@@ -122,7 +122,7 @@ class NcclSender(SocketSender):
         _attach(self)
         self._eager_limits: dict[str, tuple[int, float]] = {}
         self._eager, self._dest, self.eager_sends, self.piece_sends = False, "", 0, 0
-        self.gathered_bytes = 0
+        self.gathered_bytes = self.ipc_sends = 0
         self.streams_layers = self.cfg.flag("nccl_stream", False)
 
     def takes_pieces(self, device) -> bool:
@@ -168,13 +168,15 @@ class NcclSender(SocketSender):
 
     def _send_body(self, sock, layout, layers, phases) -> float:
         theirs, whole, pair = None, False, self._pair
-        pair.pg  # made now, as the receiver makes its own on this BEGIN (gloo's wait for each other)
         if not self._eager:
             grant = read_grant(sock, {"rank": int, "eager_bytes": int, "eager_idle_s": float})
             self._eager_limits[self._dest] = (grant["eager_bytes"], grant["eager_idle_s"])
+            if grant.get("ipc") is True:  # the receiver is on this GPU: no pair (``nccl_same_gpu``)
+                return nccl_same_gpu.send(self, sock, layout, layers, phases)
             whole = grant.get("whole") is True
             if "pieces" in grant and not whole:
                 theirs = valid_piece_tokens(grant["pieces"], layout.num_tokens)
+        pair.pg  # made after the GRANT, as the receiver makes its own (gloo's wait for each other)
         dst = pair
         use_device(self.device)
         if isinstance(layers, PiecewiseKV) and whole:
@@ -199,6 +201,17 @@ class NcclSender(SocketSender):
         if isinstance(layers, slice):
             self._send_whole(self.owned.memory[layers], layout, theirs, dst, sock, phases)
             return phases.serialize / 1e3
+        staging = self.pool.acquire(layout.total_nbytes)
+        try:
+            waited = self.stage_layers(layers, layout, staging[:layout.total_nbytes], phases)
+            self._send_whole(staging[:layout.total_nbytes], layout, theirs, dst, sock, phases)
+        finally:
+            self.pool.release(staging)
+        return (phases.d2h + phases.serialize) / 1e3 + waited
+
+    def stage_layers(self, layers, layout, buffer, phases) -> float:
+        """Layers given as ``(k, v)`` pairs joined into ``buffer`` (canonical, on this GPU); returns the seconds
+        spent waiting for them."""
         parts, waited = [], [0.0]
         for _, (k, v), waited in timed_layers(layers, layout.num_layers):
             with phases.measure("d2h"):
@@ -206,16 +219,11 @@ class NcclSender(SocketSender):
             with phases.measure("serialize"):
                 check_layer(layout, k, v)
                 parts += [t.contiguous().view(-1).view(torch.uint8) for t in (k, v)]
-        staging = self.pool.acquire(layout.total_nbytes)
-        try:
-            with phases.measure("serialize"):
-                torch.cat(parts, out=staging[:layout.total_nbytes])
-                sync_device(self.device)
-                self.staged_bytes += layout.total_nbytes
-            self._send_whole(staging[:layout.total_nbytes], layout, theirs, dst, sock, phases)
-        finally:
-            self.pool.release(staging)
-        return (phases.d2h + phases.serialize) / 1e3 + waited[0]
+        with phases.measure("serialize"):
+            torch.cat(parts, out=buffer)
+            sync_device(self.device)
+            self.staged_bytes += layout.total_nbytes
+        return waited[0]
 
     def _send_gathered(self, kv: PiecewiseKV, layout, dst, sock, phases) -> float:
         """KV in blocks as one canonical buffer; KV still being computed goes one operation per layer: once the
@@ -267,7 +275,7 @@ class NcclReceiver(SocketReceiver):
     def __init__(self, cfg=None):
         super().__init__(cfg)
         _attach(self)
-        self.drained = self.scattered_bytes = 0
+        self.drained = self.scattered_bytes = self.ipc_receives = 0
         self.direct_cuts = int(self.cfg.options.get("nccl_direct_cuts", 0))
 
     def lands_on(self, device) -> bool:
@@ -282,12 +290,9 @@ class NcclReceiver(SocketReceiver):
         use_device(self.device)
         if not isinstance(header.get("pair"), str):
             raise frames.FrameError("a BEGIN without its pair (a sender of another version?)")
-        if self.device.type == "cuda" and header.get("gpu") == gpu_id(self.device):
-            raise frames.FrameError(f"sender and receiver are on the same GPU ({self.device}), which NCCL cannot pair: "
-                                    "put the prefill and decode ranks on different GPUs, or use --transport shm/tcp")
+        if nccl_same_gpu.shares_gpu(header, self.device, gpu_id):
+            return nccl_same_gpu.receive(self, sock, tid, layout, header, start)  # NCCL cannot pair one GPU
         pair = self.pairs.join(header["pair"])
-        if not header.get("eager"):
-            pair.pg  # made as the sender makes its own
         eager, nbytes, meta = header.get("eager") is True, layout.total_nbytes, header.get("meta") or {}
         theirs = header.get("pieces")
         if theirs is not None:
@@ -317,6 +322,7 @@ class NcclReceiver(SocketReceiver):
                 elif mine is not None:
                     grant["pieces"] = [p.shape[0] for p in mine[0][0]]
                 sock.sendall(frames.meta_frame(frames.GRANT, grant))
+                pair.pg  # made as the sender makes its own
             peer, scatter_ms = pair, 0.0
             if whole and header.get("streamed") is True:
                 self._receive_layers(buf, mine, layout, peer, sock)

@@ -90,3 +90,16 @@ def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated, stre
         assert decode["kv_landed_in_blocks"] == len(prompts)
     finally:
         cluster.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the same-GPU path needs a CUDA GPU")
+def test_nccl_between_two_processes_on_one_gpu_copies_through_cuda_ipc(tmp_path):
+    """NCCL refuses two ranks on one GPU; the transport's pairs there (heterogeneous TP groups sharing a GPU) copy
+    through a CUDA IPC mapping: every check bit-exact, pool blocks into pool blocks, no pair and no eager send."""
+    report = run_check(tmp_path, "--same-gpu")
+    assert all(report["checks"].values()), report["checks"]
+    assert report["ipc_sends"] > 0 and report["ipc_receives"] == report["ipc_sends"]
+    assert report["eager_sends"] == 0 and report["drained"] == 0 and report["piece_sends"] == 0
+    assert report["placed_staged_bytes"] == 0 and report["gathered_bytes"] > 0 and report["scattered_bytes"] > 0
+    assert report["size_limit_refused"] and not report["aborted_sent"] and report["after-abort_sent"]
+    assert report["hangup"]["reported_error"] and report["hangup"]["seconds"] < 5
