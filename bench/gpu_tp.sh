@@ -1,26 +1,43 @@
 #!/bin/bash
-# Tensor-parallel benchmarks on a 2-GPU machine (the device tool's nvidia-h200-x2): all-reduce latency,
-# Mistral-7B shape TP=1 vs TP=2, Llama-3-70B shape TP=2 engine decode, and serving through pdserve up --tp 2.
-#   OUT=bench/out/tp bash bench/gpu_tp.sh [steps...]   (steps: allreduce mistral llama70b serve; default all)
+# Tensor-parallel benchmarks on a 2-GPU machine (the device tool's nvidia-h100-x2 / nvidia-h200-x2).
+#   OUT=bench/out/tp TAG=2xh100 bash bench/gpu_tp.sh [steps...]
+# steps (default: allreduce mistral llama70b serve):
+#   allreduce  NCCL against the one-shot all-reduce inside CUDA graphs
+#   mistral    Mistral-7B shape: TP=1, TP=2 (the step ahead) and TP=2 --no-overlap, engine decode, one run
+#   llama70b   Llama-3-70B shape TP=2 engine decode
+#   serve      pdserve up --colocated --tp 2 (70B) under bench serve, concurrency 16
+#   handoff    KV between TP groups of different sizes (bench.tp_handoff, nccl and tcp; nccl pairs on one GPU
+#              copy through CUDA IPC) and the nccl transport's same-GPU checks (bench.nccl_check --same-gpu)
+#   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
 PY=${PY:-python3}
+TAG=${TAG:-2xh100}
 steps=${*:-allreduce mistral llama70b serve}
-common="--load-format dummy --dtype bfloat16 --batches 1,32 --decode-steps 64 --requests 32 --max-num-seqs 32 --max-model-len 4096"
+common="--load-format dummy --dtype bfloat16 --batches 1,32 --decode-steps 64 --requests 8 --max-num-seqs 32 --max-model-len 4096"
 for step in $steps; do
   case $step in
-    allreduce) timeout 200 $PY -m bench.allreduce --gpus 2 --out "$OUT/allreduce" ;;
+    allreduce) timeout 200 $PY -m bench.allreduce --gpus 2 --out "$OUT/allreduce-$TAG" ;;
     mistral)
-      timeout 200 $PY -m deploy.cli bench engine --model mistral-7b --tp 1 $common --out "$OUT/mistral-tp1"
-      timeout 200 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/mistral-tp2" ;;
-    llama70b) timeout 400 $PY -m deploy.cli bench engine --model llama-3-70b --tp 2 $common --out "$OUT/llama70b-tp2" ;;
+      timeout 120 $PY -m deploy.cli bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG"
+      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-$TAG"
+      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 --no-overlap $common \
+        --out "$OUT/engine-mistral-tp2-no-overlap-$TAG" ;;
+    llama70b) timeout 400 $PY -m deploy.cli bench engine --model llama-3-70b --tp 2 $common --out "$OUT/engine-llama70b-tp2-$TAG" ;;
     serve)
       $PY -m deploy.cli up --colocated --tp 2 --model llama-3-70b --load-format dummy --dtype bfloat16 \
         --max-model-len 4096 --max-num-seqs 32 --port 8011 --ready-timeout 400 > "$OUT/up.log" 2>&1 &
       up=$!
       for i in $(seq 400); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
       timeout 300 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency 16 --prompt-len 512 \
-        --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2"
+        --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
+    handoff)
+      timeout 200 $PY -m bench.nccl_check --same-gpu --out "$OUT/nccl-check-same-gpu-$TAG.json" | tail -5
+      timeout 400 $PY -m bench.tp_handoff --transports nccl,tcp --out "$OUT/tp-handoff-$TAG" ;;
+    pp)
+      timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
+        --layouts tp2,pp2 --pp-transport nccl --batch 32 --prompt-len 128 --prefill-len 512 --decode-steps 32 \
+        --out "$OUT/pipeline-llama70b-pp2-vs-tp2-$TAG" 2>&1 | tail -14 ;;
   esac
 done

@@ -152,6 +152,16 @@ def measure(args, layout: str) -> dict:
         engine.close()
 
 
+def free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def in_namespace(args, argv: list[str]) -> int:
     """Run this benchmark again inside a fresh namespace whose loopback is shaped to the rate of ``--link``."""
     rate = args.link.split(":", 1)[1]
@@ -176,6 +186,7 @@ def run(args) -> int:
     rows = []
     for layout in args.layouts.split(","):
         rows.append(measure(args, layout))
+        free_device_memory()  # the next layout's weights (a 70B shape fills the GPUs once)
         d = rows[-1]["decode"]
         print(f"{layout:6} prefill {args.prefill_len}: {rows[-1]['prefill_ms']:8.1f} ms; decode "
               + ", ".join(f"bs{e['batch']} {e['tok_per_s']:.1f} tok/s" for e in d), file=sys.stderr)
