@@ -270,19 +270,9 @@ class Engine:
         self._count_prefix(batch)
         feed = self.inflight.choices.device_tokens if self.inflight is not None else None
         scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None, feed)
-        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
-            if i in prompt_scores:
-                add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
-            seq.num_computed += chunk
-            if not seq.pending:  # a held input token: registered once it is read
-                self.register(seq)
-        if self.inflight is not None and any(seq.guide is not None for seq in sampling):
-            self._read_inflight(out)  # the masks need its tokens; the device runs this step's forward meanwhile
-        choices = choose_later(scores, sampling, self.tokenizer.eos_token_id) if sampling else None
+        choices = self._choose(batch, sampling, scores, prompt_scores, ahead, out)
         previous, self.inflight = self.inflight, None
         if ahead:
-            if self.group.size > 1:  # the other ranks feed them to the next step too
-                self.group.share_tokens(choices.device_tokens, len(sampling), self.device)
             places = [None if seq.finished else seq.reserve() for seq in sampling]
             self.inflight = overlap.InFlight(sampling, places, choices)
             self.overlapped += 1
@@ -293,6 +283,28 @@ class Engine:
                 if not seq.finished:  # (a guided read of the step before can have ended it)
                     self._took(seq, seq.append(choice), out)
         return out
+
+    def _choose(self, batch, sampling: list, scores, prompt_scores: dict, ahead: bool, out: StepOutput):
+        """After the forward: prompt logprobs, computed counts, then the tokens chosen on the device (``Choices``,
+        None when no row samples). Under TP with the step ahead the other ranks wait for those tokens to feed their
+        next step: they get them, or zeros if choosing failed."""
+        choices = None
+        try:
+            for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+                if i in prompt_scores:
+                    add_prompt_logprobs(seq, prompt_scores[i], seq.num_computed, chunk)
+                seq.num_computed += chunk
+                if not seq.pending:  # a held input token: registered once it is read
+                    self.register(seq)
+            if self.inflight is not None and any(seq.guide is not None for seq in sampling):
+                self._read_inflight(out)  # the masks need its tokens; the device runs this step's forward meanwhile
+            choices = choose_later(scores, sampling, self.tokenizer.eos_token_id) if sampling else None
+            return choices
+        finally:
+            if ahead and self.group.size > 1:
+                tokens = choices.device_tokens if choices is not None else \
+                    torch.zeros(len(sampling), dtype=torch.long, device=self.device)
+                self.group.share_tokens(tokens, len(sampling), self.device)
 
     def _read_inflight(self, out: StepOutput) -> None:
         previous, self.inflight = self.inflight, None

@@ -35,3 +35,38 @@ def test_tp2_steps_ahead_with_rank0s_tokens_on_the_device(tmp_path, overlap):
         assert engine.blocks.num_free == engine.num_blocks
     finally:
         engine.close()
+
+
+def test_a_step_whose_choice_fails_still_feeds_the_other_rank(tmp_path, monkeypatch):
+    """The other rank waits for rank 0's tokens after a step ahead: when choosing them raises, it gets zeros, so the
+    group's collectives stay paired and the next requests come out right."""
+    import engine.engine as engine_module
+
+    path = write_family(tmp_path, "llama")
+    ps, params = prompts(3, seed=12), [SamplingParams(max_tokens=8, **GREEDY) for _ in range(3)]
+    kw = dict(model=path, threads=1, block_size=8, decode_graphs="eager")
+    want = outputs(Engine(EngineConfig(**kw)), ps, params)
+    engine = Engine(EngineConfig(tp=2, **kw))
+    real, calls = engine_module.choose_later, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # a decode step ahead (the first step is the prompts')
+            raise RuntimeError("a sampler error")
+        return real(*args, **kwargs)
+    try:
+        monkeypatch.setattr(engine_module, "choose_later", fails_once)
+        with pytest.raises(RuntimeError, match="a sampler error"):
+            outputs(engine, ps, params)
+        assert engine.overlapped > 0
+        for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.free(seq)  # what a worker does with a failed step's requests
+        while engine.has_work:
+            engine.step()
+        got = outputs(engine, ps, params)
+        assert got[0] == want[0]
+        for lp, want_lp in zip(got[1], want[1]):
+            assert lp == pytest.approx(want_lp, abs=1e-4)
+        assert engine.blocks.num_free == engine.num_blocks
+    finally:
+        engine.close()
