@@ -216,6 +216,7 @@ def run(args) -> int:
               "decode_graphs": None if graphs is None else {"sizes": graphs.sizes, "captured": bool(graphs.graphs),
                                                             "replays": graphs.replays},
               "decode_without_graphs": eager, "offline": off, "tp": engine.group.size if hasattr(engine, "group") else 1,
+              "overlap": getattr(engine.cfg, "overlap", None), "steps_ahead": getattr(engine, "overlapped", None),
               "hbm": {k: v for k, v in limit.items() if k != "tok_per_s"} if limit else None,
               "profile": profile.to_dict() if profile else None}
     lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |"
