@@ -6,7 +6,7 @@
 #   mistral    Mistral-7B shape: TP=1, TP=2 (the step ahead) and TP=2 --no-overlap, engine decode, one run
 #   llama70b   Llama-3-70B shape TP=2 engine decode
 #   serve      pdserve up --colocated --tp 2 (70B) under bench serve, concurrency 16
-#   handoff    KV between TP groups of different sizes (bench.tp_handoff, nccl and tcp; nccl pairs on one GPU
+#   handoff    the 2-GPU tests (TP step ahead through graphs and NCCL, the nccl transport), KV between TP groups of different sizes (bench.tp_handoff, nccl and tcp; nccl pairs on one GPU
 #              copy through CUDA IPC) and the nccl transport's same-GPU checks (bench.nccl_check --same-gpu)
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -33,6 +33,7 @@ for step in $steps; do
         --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
     handoff)
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py 2>&1 | tail -5
       timeout 200 $PY -m bench.nccl_check --same-gpu --out "$OUT/nccl-check-same-gpu-$TAG.json" | tail -5
       timeout 400 $PY -m bench.tp_handoff --transports nccl,tcp --out "$OUT/tp-handoff-$TAG" ;;
     pp)

@@ -3,6 +3,7 @@ this one's tokens and broadcasts them on the device to the other rank, whose nex
 (``StepRow.feed``). On the CPU (gloo, two rank processes, the fixed-shape decode step run eagerly): greedy and
 seeded sampled tokens and logprobs equal TP=1's, with the steps left on the device counted."""
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
@@ -68,5 +69,24 @@ def test_a_step_whose_choice_fails_still_feeds_the_other_rank(tmp_path, monkeypa
         for lp, want_lp in zip(got[1], want[1]):
             assert lp == pytest.approx(want_lp, abs=1e-4)
         assert engine.blocks.num_free == engine.num_blocks
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP on CUDA needs two GPUs")
+def test_tp2_on_two_gpus_steps_ahead_through_the_graphs(tmp_path):
+    """On two GPUs: the decode steps are CUDA graphs (the all-reduces captured in them) and the tokens go from rank
+    0 to rank 1 by an NCCL broadcast; greedy and seeded sampled tokens equal TP=1's on one GPU (fp32)."""
+    path = write_family(tmp_path, "llama")
+    ps = prompts(4, seed=13)
+    params = [SamplingParams(max_tokens=12, **GREEDY)] * 2 + [SamplingParams(max_tokens=12, temperature=0.7, seed=3)] * 2
+    kw = dict(model=path, block_size=16, dtype="float32")
+    single = Engine(EngineConfig(device="cuda:0", **kw))
+    want_ids, _ = outputs(single, ps, params)
+    engine = Engine(EngineConfig(device="cuda", tp=2, **kw))
+    try:
+        got_ids, _ = outputs(engine, ps, params)
+        assert got_ids == want_ids
+        assert engine.overlapped > 0 and engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     finally:
         engine.close()
