@@ -126,6 +126,9 @@ class WorkerLoop:
         can only hang or fail now."""
         log.error("%s %d of this %s worker exited (code %s): failing %d requests and exiting",
                   what, rank, self.role, code, len(self.reply_to))
+        self.draining_since = time.monotonic()  # out of every router's picks now, not when its pings go unanswered
+        for identity in list(self.peers):
+            self.server.send(identity, "pong", info=self.describe(), t=None)
         for rid in list(self.reply_to):
             self.fail(rid, 503, f"{what} {rank} of the {self.role} worker died; it restarts",
                       stage="pp_stage_lost" if what == "pipeline stage" else "tp_rank_lost")

@@ -47,8 +47,9 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="serve at once (default: a short warm-up workload first, so the first requests pay no "
                         "compiles or allocator growth)")
-    p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto",
-                   help="decode steps as CUDA graphs over Triton kernels (auto: on CUDA when triton imports)")
+    p.add_argument("--decode-graphs", choices=["auto", "off", "cuda", "eager"], default="auto",
+                   help="decode steps as CUDA graphs over Triton kernels (auto: on CUDA when triton imports); eager: "
+                        "the same fixed-shape step run without graphs (any device; the step ahead works with it)")
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="tokens one engine step may compute; longer prompts are prefilled in chunks (default: 8192 "
                         "on a GPU, 2048 on the CPU)")

@@ -117,9 +117,11 @@ class Engine:
     guides = property(engine_guides)  # grammars of structured outputs over this engine's vocabulary
 
     def step_info(self) -> dict:
-        """The prompt-token cap of steps that decode, and the most prompt tokens such a step took."""
+        """The prompt-token cap of steps that decode, the most prompt tokens such a step took, and the steps that
+        stayed on the device while the next was launched (``overlap``)."""
         return {**self.prefill_budget.info(), "mixed_steps": self.step_log.mixed_steps,
-                "step_prompt_tokens_max": self.step_log.most_prompt_tokens_while_decoding}
+                "step_prompt_tokens_max": self.step_log.most_prompt_tokens_while_decoding,
+                "steps_ahead": self.overlapped}
 
     def prefix_info(self) -> dict:
         """What a worker reports about its prefix cache (and what the router needs to compute its keys)."""

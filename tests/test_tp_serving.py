@@ -88,6 +88,36 @@ def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
         cluster.stop()
 
 
+def test_a_tp_group_steps_ahead_and_a_lost_rank_mid_step_fails_its_streams(reference):
+    """``--decode-graphs eager`` (the fixed-shape decode step without CUDA graphs) turns the step ahead on here too:
+    the TP=2 decode group streams the reference four at once with steps launched before the last one's tokens were
+    read; a rank killed while it steps ends the streams within 5 s and the group comes back."""
+    cluster = Cluster("--decode-tp", "2", "--decode-graphs", "eager").wait_ready()
+    try:
+        streams_of_the_reference(cluster.url, reference)
+        decode = health(cluster.url)["workers"]["decode"][0]
+        assert eventually(lambda: health(cluster.url)["workers"]["decode"][0]["steps_ahead"] > 0, 10, 0.2)
+        clients = started([StreamClient(cluster.url, LONG) for _ in range(2)])
+        for c in clients:
+            c.wait_tokens(3)
+        os.kill(decode["rank_pids"][0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        for c in clients:
+            c.join(120)
+        assert all(c.error and c.ended_at - killed_at <= 5 for c in clients), [c.error for c in clients]
+        # at once: the group said it is going (draining), so no request is sent to it: the router waits for the
+        # restart (PICK_WAIT_S) and answers, or says when to come back
+        at_once = httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60)
+        assert at_once.status_code == 200 or (at_once.status_code == 503 and at_once.headers.get("retry-after")), \
+            at_once.text
+        assert eventually(lambda: all_back(cluster.url), 90, 0.5)
+        assert health(cluster.url)["workers"]["decode"][0]["restarts"] >= 1
+        again = httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60)
+        assert again.status_code == 200, again.text
+    finally:
+        cluster.stop()
+
+
 def test_prefill_and_decode_of_different_models_are_a_clear_error(tmp_path):
     from tests.fleet import Fleet
     from tests.test_paged_engine import write_family
