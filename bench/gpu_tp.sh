@@ -33,7 +33,7 @@ for step in $steps; do
         --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
     handoff)
-      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py 2>&1 | tail -5
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py -k "gpus" 2>&1 | tail -5
       timeout 200 $PY -m bench.nccl_check --same-gpu --out "$OUT/nccl-check-same-gpu-$TAG.json" | tail -5
       timeout 400 $PY -m bench.tp_handoff --transports nccl,tcp --out "$OUT/tp-handoff-$TAG" ;;
     pp)
