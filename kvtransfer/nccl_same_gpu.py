@@ -36,16 +36,18 @@ def export(buffer: torch.Tensor) -> dict:
     """What another process on this GPU needs to map ``buffer`` (uint8, contiguous)."""
     _, handle, size, offset, counter, counter_offset, event, event_sync = buffer.untyped_storage()._share_cuda_()
     return {"handle": bytes(handle), "size": int(size), "offset": int(offset), "counter": bytes(counter),
-            "counter_offset": int(counter_offset), "event": bytes(event) if event else None,
+            "counter_offset": int(counter_offset), "event": bytes(event or b""),
             "event_sync": bool(event_sync), "start": buffer.storage_offset(), "nbytes": buffer.numel()}
 
 
 def mapped(note: dict, device: torch.device) -> torch.Tensor:
-    """The exported buffer, mapped into this process (valid while the returned tensor lives)."""
+    """The exported buffer, mapped into this process (valid while the returned tensor lives). Every field is of the
+    type ``_new_shared_cuda`` checks (the event handle bytes even when no event is to be waited for)."""
     torch.cuda._lazy_init()
+    event_sync = bool(note.get("event_sync"))
+    event = note.get("event") if isinstance(note.get("event"), bytes) and note.get("event") else bytes(64)
     storage = torch.UntypedStorage._new_shared_cuda(device.index, note["handle"], note["size"], note["offset"],
-                                                    note["counter"], note["counter_offset"], note.get("event"),
-                                                    bool(note.get("event_sync")))
+                                                    note["counter"], note["counter_offset"], event, event_sync)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, note["start"], (note["nbytes"],))
 
 
