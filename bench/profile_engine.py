@@ -1,7 +1,10 @@
 """Where a decode step's time goes, on a GPU machine: launch and sync costs of the device, then a torch profile
 of a few batched decode steps (top operators by CPU and device time).
 
-    python -m bench.profile_engine --model DIR [--batch 32] [--steps 8] [--graph-times 1,32] [--prefill 16:512]"""
+    python -m bench.profile_engine --model DIR [--batch 32] [--steps 8] [--graph-times 1,32] [--prefill 16:512]
+                                   [--tp 2] [--no-overlap]
+
+Under ``--tp`` the profile is rank 0's (the others follow its steps) and graph times give the whole step only."""
 from __future__ import annotations
 
 import argparse
@@ -56,17 +59,18 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
         while any(len(s.output_ids) < 2 for s in seqs):
             engine.step()
         step_ms = timed(engine.step, 10)
-        size = next(x for x in graphs.sizes if x >= n)
-        replay_ms = timed(graphs.graphs[size].replay, 20)
-        k_cache, v_cache = engine.pool.layers[0]
-        spec = engine.model.spec
-        q = torch.randn(n, spec.num_heads, spec.head_dim, device=engine.device, dtype=engine.dtype)
-        kernel_ms = timed(lambda: triton_ops.decode(q, k_cache, v_cache, graphs.tables[:n], graphs.lens[:n],
-                                                    spec.head_dim ** -0.5), 50)
+        out.append({"batch": n, "step_ms": step_ms})
+        if engine.group.size == 1:  # under TP a graph holds collectives: the other ranks replay only with a step
+            size = next(x for x in graphs.sizes if x >= n)
+            replay_ms = timed(graphs.graphs[size].replay, 20)
+            k_cache, v_cache = engine.pool.layers[0]
+            spec = engine.model.spec
+            q = torch.randn(n, spec.num_heads, spec.head_dim, device=engine.device, dtype=engine.dtype)
+            kernel_ms = timed(lambda: triton_ops.decode(q, k_cache, v_cache, graphs.tables[:n], graphs.lens[:n],
+                                                        spec.head_dim ** -0.5), 50)
+            out[-1].update(graph_replay_ms=replay_ms, decode_kernel_ms_one_layer=kernel_ms, host_ms=step_ms - replay_ms)
         for s in seqs:
             engine.free(s)
-        out.append({"batch": n, "step_ms": step_ms, "graph_replay_ms": replay_ms, "decode_kernel_ms_one_layer": kernel_ms,
-                    "host_ms": step_ms - replay_ms})
         print(out[-1], flush=True)
     return out
 
@@ -159,10 +163,36 @@ def mixed_profile(engine, rng, rows: int, tokens: int, cached: int = 0) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def profile_all(engine, args) -> None:
+    """What ``args`` ask for: mixed steps, a prefill step, or decode steps (graph times first if asked)."""
+    import random
+
     from torch.profiler import ProfilerActivity, profile
 
     from bench.engine import decode_rate
+
+    engine.warm_up()
+    print("device micro-benchmarks:", micro(engine.device), flush=True)
+
+    rng = random.Random(0)
+    if args.mixed:
+        for case in args.mixed.split(","):
+            mixed_profile(engine, rng, *(int(x) for x in case.split(":")))
+        return
+    if args.prefill:
+        n, length = (int(x) for x in args.prefill.split(":"))
+        prefill_profile(engine, rng, n, length)
+        return
+    if args.graph_times:
+        graph_times(engine, rng, [int(b) for b in args.graph_times.split(",")])
+    print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=24))
+
+
+def main(argv=None) -> int:
     from engine import EngineConfig
     from engine.engine import Engine
 
@@ -178,30 +208,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--tp", type=int, default=1, help="profile rank 0 of a tensor-parallel group (cuda:0..N-1)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false", help="the step ahead off (A/B)")
     args = ap.parse_args(argv)
-    engine = Engine(EngineConfig(model=args.model, device="cuda", max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30,
+    engine = Engine(EngineConfig(model=args.model, device="cuda", tp=args.tp, overlap=args.overlap,
+                                 max_num_seqs=max(64, args.batch), kv_budget_bytes=8 << 30,
                                  load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
                                  kv_cache_dtype=args.kv_cache_dtype, max_model_len=4096))
-    engine.warm_up()
-    print("device micro-benchmarks:", micro(engine.device), flush=True)
-    import random
-
-    rng = random.Random(0)
-    if args.mixed:
-        for case in args.mixed.split(","):
-            mixed_profile(engine, rng, *(int(x) for x in case.split(":")))
-        return 0
-    if args.prefill:
-        n, length = (int(x) for x in args.prefill.split(":"))
-        prefill_profile(engine, rng, n, length)
-        return 0
-    if args.graph_times:
-        graph_times(engine, rng, [int(b) for b in args.graph_times.split(",")])
-    print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        print(decode_rate(engine, args.batch, 128, args.steps, rng), flush=True)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=24))
+    try:
+        profile_all(engine, args)
+    finally:
+        engine.close()
     return 0
 
 
