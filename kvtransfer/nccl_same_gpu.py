@@ -85,7 +85,7 @@ def send(tx, sock, layout, layers, phases) -> float:
     finally:
         if pooled:
             tx.pool.release(staging)
-    return phases.serialize / 1e3 + waited
+    return (phases.d2h + phases.serialize) / 1e3 + waited
 
 
 def receive(rx, sock, tid, layout, header, start) -> ReceivedKV:
