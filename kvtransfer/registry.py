@@ -23,7 +23,7 @@ TRANSPORTS: dict[str, TransportSpec] = {
     "mlx": TransportSpec("kvtransfer.mlx_dist", "MlxSender", "MlxReceiver", "pip install 'pdserve[mlx]' (mlx[cpu] on Linux)"),
     "nixl": TransportSpec("kvtransfer.nixl_ucx", "NixlSender", "NixlReceiver",
                           "pip install --no-deps nixl nixl-cu12 (plain `nixl` pulls CUDA torch)"),
-    "nccl": TransportSpec("kvtransfer.nccl_p2p", "NcclSender", "NcclReceiver", "a CUDA build of torch with NCCL"),
+    "nccl": TransportSpec("kvtransfer.nccl.transport", "NcclSender", "NcclReceiver", "a CUDA build of torch with NCCL"),
     "arrow": TransportSpec("kvtransfer.arrow_flight", "ArrowSender", "ArrowReceiver", "pip install 'pdserve[arrow]'"),
     "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }

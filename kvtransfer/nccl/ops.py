@@ -1,5 +1,5 @@
 """The GPU side of the nccl transport: point-to-point operations between the
-two ranks of a ``nccl_pairs.Pair`` (``"send"``/``"recv"``), posted on a
+two ranks of a ``pairs.Pair`` (``"send"``/``"recv"``), posted on a
 high-priority side stream and awaited while watching the control socket
 (``await_all``: a peer that hangs up aborts the pair, since a posted
 operation left behind would pair with the next transfer's), and the gather /
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from .base import TransferError
-from .pieces import common_cuts, segments
-from .sockets import peer_hung_up
-from .tensors import TORCH_DTYPES, unpack
+from ..base import TransferError
+from ..pieces import common_cuts, segments
+from ..sockets import peer_hung_up
+from ..tensors import TORCH_DTYPES, unpack
 
 log = logging.getLogger(__name__)
 lock = threading.Lock()

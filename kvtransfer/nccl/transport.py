@@ -2,7 +2,7 @@
 the decode GPU (NVLink or GPUDirect RDMA), no host copies at all.
 
 Each sender and receiver that talk form a process group of two of their own
-(``nccl_pairs``: the first BEGIN to a receiver names a store the sender
+(``pairs``: the first BEGIN to a receiver names a store the sender
 started; no fixed world, so any number of prefill and decode workers, and
 each rank of tensor-parallel groups, pair up as they need). Metadata
 travels over the socket framing of ``sockets``: BEGIN, GRANT (the receiver
@@ -73,16 +73,17 @@ import time
 
 import torch
 
-from . import frames, nccl_same_gpu
-from .arena import Arena
-from .base import ReceivedKV, TransferError
-from .pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
-from .pool import BufferPool, PoolExhausted
-from .sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
-from .nccl_ops import (as_rows, await_all, count_cuts, flat_pieces, gather, layer_bytes, lock, on_side, p2p, p2p_all,
+from .. import frames
+from ..arena import Arena
+from ..base import ReceivedKV, TransferError
+from ..pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
+from ..pool import BufferPool, PoolExhausted
+from ..sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
+from .ops import (as_rows, await_all, count_cuts, flat_pieces, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
-from .nccl_pairs import Pairs
-from .tensors import check_layer
+from . import same_gpu
+from .pairs import Pairs
+from ..tensors import check_layer
 
 log = logging.getLogger(__name__)
 _order = threading.Lock()
@@ -171,8 +172,8 @@ class NcclSender(SocketSender):
         if not self._eager:
             grant = read_grant(sock, {"rank": int, "eager_bytes": int, "eager_idle_s": float})
             self._eager_limits[self._dest] = (grant["eager_bytes"], grant["eager_idle_s"])
-            if grant.get("ipc") is True:  # the receiver is on this GPU: no pair (``nccl_same_gpu``)
-                return nccl_same_gpu.send(self, sock, layout, layers, phases)
+            if grant.get("ipc") is True:  # the receiver is on this GPU: no pair (``same_gpu``)
+                return same_gpu.send(self, sock, layout, layers, phases)
             whole = grant.get("whole") is True
             if "pieces" in grant and not whole:
                 theirs = valid_piece_tokens(grant["pieces"], layout.num_tokens)
@@ -290,8 +291,8 @@ class NcclReceiver(SocketReceiver):
         use_device(self.device)
         if not isinstance(header.get("pair"), str):
             raise frames.FrameError("a BEGIN without its pair (a sender of another version?)")
-        if nccl_same_gpu.shares_gpu(header, self.device, gpu_id):
-            return nccl_same_gpu.receive(self, sock, tid, layout, header, start)  # NCCL cannot pair one GPU
+        if same_gpu.shares_gpu(header, self.device, gpu_id):
+            return same_gpu.receive(self, sock, tid, layout, header, start)  # NCCL cannot pair one GPU
         pair = self.pairs.join(header["pair"])
         eager, nbytes, meta = header.get("eager") is True, layout.total_nbytes, header.get("meta") or {}
         theirs = header.get("pieces")
