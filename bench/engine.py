@@ -42,6 +42,8 @@ def add_arguments(p):
                    help="also time decode with the fixed-shape path off (same engine, same run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="read each decode step's tokens before launching the next (default: one step ahead)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of a shape (--model llama-3-70b) made on the GPUs, no checkpoint")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -175,7 +177,7 @@ def run(args) -> int:
                                       max_num_seqs=max(args.max_num_seqs, max(batches)), engine=args.engine,
                                       max_batched_tokens=args.max_batched_tokens, decode_graphs=args.decode_graphs,
                                       tp=args.tp, load_format=args.load_format, max_model_len=args.max_model_len,
-                                      kv_budget_bytes=byte_size(args.kv_budget)))
+                                      kv_budget_bytes=byte_size(args.kv_budget), overlap=args.overlap))
     getattr(engine, "warm_up", lambda: None)()  # as a worker does before it serves
     graphs = getattr(getattr(engine, "runner", None), "graphs", None)
     decode = [decode_rate(engine, b, args.prompt_len, args.decode_steps, rng) for b in batches]

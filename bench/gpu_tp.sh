@@ -9,6 +9,8 @@
 #   handoff    the 2-GPU tests (TP step ahead through graphs and NCCL, the nccl transport), KV between TP groups of different sizes (bench.tp_handoff, nccl and tcp; nccl pairs on one GPU
 #              copy through CUDA IPC) and the nccl transport's same-GPU checks (bench.nccl_check --same-gpu)
 #   profile    rank 0's torch profile of Mistral-7B TP=2 decode steps (bench.profile_engine --tp 2)
+#   gemv       the batch-1 projection kernel's tiles swept for one TP=2 rank's shapes (Mistral-7B), then Mistral TP=2
+#              decode with the picks (PDSERVE_GEMV_CONFIGS) against the built-in tiles, one run
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
@@ -40,6 +42,11 @@ for step in $steps; do
     profile)  # where a TP=2 step's time goes: rank 0's torch profile at batch 1, step times at 1 and 32
       timeout 300 $PY -m bench.profile_engine --model mistral-7b --load-format dummy --dtype bfloat16 --tp 2 \
         --batch 1 --steps 16 --graph-times 1,32 > "$OUT/profile-mistral-tp2-$TAG.txt" 2>&1; tail -30 "$OUT/profile-mistral-tp2-$TAG.txt" ;;
+    gemv)
+      timeout 300 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep --tp 2 --out "$OUT/gemv-mistral-tp2-$TAG"
+      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
+      PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m deploy.cli bench engine \
+        --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
         --layouts tp2,pp2 --pp-transport nccl --batch 32 --prompt-len 128 --prefill-len 512 --decode-steps 32 \

@@ -14,11 +14,15 @@ import torch
 from .kernel_cases import copies_past_l2, timed_rotating
 
 
-def projection_shapes(spec) -> dict:
-    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    return {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h, True, False),
-            "o": (h, spec.num_heads * d, False, False), "gate_up": (2 * inter, h, True, True),
-            "down": (h, inter, False, False)}  # (out, in, normed input, SiLU after)
+def projection_shapes(spec, tp: int = 1) -> dict:
+    """``{name: (out, in, normed input, SiLU after)}`` of one rank of a TP=``tp`` group: q/k/v and gate/up split
+    by output (KV heads replicated where there are fewer than ranks), o and down by input."""
+    from engine.parallel.heads import HeadShard
+
+    shard = HeadShard(spec.num_heads, spec.num_kv_heads, tp)
+    h, d, inter, heads, kv_heads = spec.hidden_size, spec.head_dim, spec.intermediate_size // tp, shard.heads, shard.kv_heads
+    return {"qkv": ((heads + 2 * kv_heads) * d, h, True, False), "o": (h, heads * d, False, False),
+            "gate_up": (2 * inter, h, True, True), "down": (h, inter, False, False)}
 
 
 def rotating_layers(out_f: int, in_f: int, fp8: bool, dtype, device) -> list:
@@ -59,14 +63,15 @@ def _fused(normed: bool, silu: bool, x, r, w, layer, config=None):
     return triton_gemv.linear(rows, layer, silu=silu, config=config)
 
 
-def fused(spec, dtype, device, sweep: bool = False) -> tuple[list, dict]:
-    """Rows ``{"name", "ms", "bytes", "unfused_ms", "speedup"}`` per projection and weight dtype; with
-    ``sweep``, the tiles tried (in the rows) and the best per projection ``{shape_key: config}``."""
+def fused(spec, dtype, device, sweep: bool = False, tp: int = 1) -> tuple[list, dict]:
+    """Rows ``{"name", "ms", "bytes", "unfused_ms", "speedup"}`` per projection and weight dtype (one rank's shapes
+    under TP=``tp``); with ``sweep``, the tiles tried (in the rows) and the best per projection
+    ``{shape_key: config}``."""
     from engine.kernels import triton_gemv
 
     rows, picks = [], {}
     for fp8 in (False, True):
-        for name, (out_f, in_f, normed, silu) in projection_shapes(spec).items():
+        for name, (out_f, in_f, normed, silu) in projection_shapes(spec, tp).items():
             layers = rotating_layers(out_f, in_f, fp8, dtype, device)
             n = out_f // 2 if silu else out_f
             tag = f"{name}{' fp8' if fp8 else ''} m1"

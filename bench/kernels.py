@@ -44,6 +44,7 @@ def add_arguments(p):
     p.add_argument("--only", default="", help="comma-separated sections: decode,prefill,layers,gemms,fused,"
                    "steps (fused: the batch-1 projection kernel against the launches it replaces), or fewrow (a sweep "
                    "of triton_fewrow's tiles and K splits at 1-64 rows, bf16 and FP8; picks to <out>-picks.json)")
+    p.add_argument("--tp", type=int, default=1, help="fused: one rank's projection shapes under this TP degree")
     p.add_argument("--out", default="bench/out/kernels")
 
 
@@ -134,7 +135,7 @@ def run(args) -> int:
     if "fused" in only and device.type == "cuda":
         from .kernel_fused import fused, write_picks
 
-        rows, picks = fused(spec, dtype, device, args.sweep)
+        rows, picks = fused(spec, dtype, device, args.sweep, args.tp)
         report["fused_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
         report["fused_sweep"] = [r for r in rows if "sweep" in r["name"]]
         for r in report["fused_projections"]:

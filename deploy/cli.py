@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import re
+import signal
 import sys
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
     args = _parser(with_bench="bench" in argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     if args.cmd == "router":
         from router.main import run_router
 

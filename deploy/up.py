@@ -115,7 +115,7 @@ def rank_args(args, host: str) -> list[list[str]] | None:
 def plan(args) -> list[list[str]]:
     """The command lines of every child: workers first, the router last (``cmd[5]`` names the role)."""
     HANDED_OUT.add(args.port)  # the router's, named by whoever started ``up``
-    base = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING"]
+    base = [sys.executable, "-m", "deploy.cli", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
     budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []

@@ -177,3 +177,19 @@ def test_bench_pipeline_small(tmp_path):
     assert [h["hop"] for h in hops] == ["0->1", "1->0"]
     assert all(h["bytes"] == 2 * 512 * 4 and h["wire"] > 0 for h in hops)  # two rows of 512 fp32 a micro-batch
     assert "| 0->1 | 4 |" in (tmp_path / "pipe.md").read_text()
+
+
+def test_kernel_sweep_shapes_are_one_tp_ranks():
+    """``bench kernels --only fused --tp N`` sweeps the projections one rank of a TP=N group runs: q/k/v and gate/up
+    split by output (a KV head replicated when there are more ranks than KV heads), o and down by input."""
+    from bench.kernel_fused import projection_shapes
+    from engine.models.llama import ModelSpec
+    from engine.models.presets import preset_config
+
+    mistral = ModelSpec.from_hf(preset_config("mistral-7b"))
+    assert projection_shapes(mistral) == {"qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False),
+                                          "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
+    assert projection_shapes(mistral, 2) == {"qkv": (3072, 4096, True, False), "o": (4096, 2048, False, False),
+                                             "gate_up": (14336, 4096, True, True), "down": (4096, 7168, False, False)}
+    llama70b = ModelSpec.from_hf(preset_config("llama-3-70b"))
+    assert projection_shapes(llama70b, 16)["qkv"] == ((4 + 2) * 128, 8192, True, False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import faulthandler
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ def child_setup(label: str, parent: int) -> None:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {label} %(name)s: %(message)s")
     die_with_parent(parent)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack on stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 

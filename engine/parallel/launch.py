@@ -140,8 +140,27 @@ def stop_group(group: TPGroup, wait_s: float = 5.0) -> None:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
+    release_default_group()
+
+
+def release_default_group(wait_s: float = 5.0) -> None:
+    """Drop this process's default group once its peers are gone (gloo: destroyed). NCCL's is left to the
+    process's exit: on two H100s ``destroy_process_group`` waited forever after the followers had exited, and an
+    abort hung as well (a thread left in it ends the process with ``terminate``). A release that outlasts
+    ``wait_s`` is left behind (logged) rather than hanging the worker's shutdown."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized() or dist.get_backend() == "nccl":
+        return
 
+    def release():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - shutting down: nothing is left to do with it
+            log.warning("releasing the tensor-parallel process group failed: %s", e)
+
+    thread = threading.Thread(target=release, name="release-group", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        log.warning("the tensor-parallel process group did not release in %.0fs; left to the process's exit", wait_s)

@@ -41,6 +41,7 @@ class Pair:
                     self._pg = dist.ProcessGroupNCCL(self.store, self.me, 2, options)
                 else:
                     self._pg = dist.ProcessGroupGloo(self.store, self.me, 2, self.timeout)
+                log.info("nccl pair %s: %s group made as rank %d on %s", self.key, self.backend, self.me, self.device)
             return self._pg
 
     def abort(self, reason: str) -> None:
@@ -74,6 +75,7 @@ class Pairs:
                                   timeout=timedelta(seconds=self.timeout_s))
             pair = Pair(f"{self.host}:{store.port}", store, 0, self.backend, self.device, self.timeout_s)
             self.by_key[dest] = pair
+            log.info("nccl pair %s for the receiver at %s (store started)", pair.key, dest)
             return pair, True
 
     def join(self, key: str) -> Pair:
@@ -84,4 +86,5 @@ class Pairs:
                 host, _, port = key.rpartition(":")
                 store = dist.TCPStore(host, int(port), 2, is_master=False, timeout=timedelta(seconds=self.timeout_s))
                 pair = self.by_key[key] = Pair(key, store, 1, self.backend, self.device, self.timeout_s)
+                log.info("nccl pair %s joined", key)
             return pair
