@@ -5,7 +5,7 @@
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
 #   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
-#   serve1p1d needs two GPUs)
+#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; serve1p1d needs two GPUs)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -74,6 +74,12 @@ for step in $steps; do
         env PDSERVE_FEWROW_CONFIGS=$fpicks $(echo ${v#*:} | tr , " ") PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m deploy.cli bench fp8 $model --batches ${AB_BATCHES:-1,32,64} \
           --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
           | grep -v " INFO " | tail -6
+      done ;;
+    prefetch)  # weights read into L2 during attention (engine.kernels.l2_prefetch): engine decode, off / 16 / 32 MiB
+      for mb in 0 16 32; do
+        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m deploy.cli bench engine $model --batches 1,32 --prompt-len 512 \
+          --decode-steps 64 --requests 8 --max-num-seqs 32 --max-model-len 4096 --out "$OUT/engine-l2-${mb}mb-$TAG" 2>&1 \
+          | grep "decode batch"
       done ;;
     router)  # paced like engines (5 ms steps) below and above one core's capacity, then as fast as the worker can
       timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 5 --out "$OUT/router-128x5ms-$TAG" 2>&1 | tail -1

@@ -11,6 +11,7 @@
 #   profile    rank 0's torch profile of Mistral-7B TP=2 decode steps (bench.profile_engine --tp 2)
 #   gemv       the batch-1 projection kernel's tiles swept for one TP=2 rank's shapes (Mistral-7B), then Mistral TP=2
 #              decode with the picks (PDSERVE_GEMV_CONFIGS) against the built-in tiles, one run
+#   prefetch   Mistral-7B TP=2 decode with weights read into L2 during attention and the all-reduces (0 / 16 MiB)
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
@@ -47,6 +48,11 @@ for step in $steps; do
       timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
       PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m deploy.cli bench engine \
         --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;
+    prefetch)
+      for mb in 0 16; do
+        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+          --out "$OUT/engine-mistral-tp2-l2-${mb}mb-$TAG" 2>&1 | grep "decode batch"
+      done ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
         --layouts tp2,pp2 --pp-transport nccl --batch 32 --prompt-len 128 --prefill-len 512 --decode-steps 32 \

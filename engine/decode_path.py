@@ -43,6 +43,10 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
         fewrow_kernels(self.model)
         fp8_kernels(self.model)
+        if triton_gemv.ENABLED:
+            from .kernels import l2_prefetch
+
+            l2_prefetch.wire(self.model, self.device)
         if os.environ.get("PDSERVE_FUSED_PROMPT", "1") != "0":  # 0: rotary and K/V store as separate launches (A/B)
             for layer in self.model.owned_layers:
                 layer.self_attn.prompt_ops = ops

@@ -194,7 +194,15 @@ def linear(x, layer, silu: bool = False, config: GemvConfig | None = None) -> to
                  EARLY=EARLY)
     _launch(args, flags, c)
     group = getattr(layer, "group", None)
-    return group.all_reduce(out) if group is not None else out
+    if group is None:
+        return out
+    ahead = getattr(layer, "l2_next", None)  # (prefetcher, weight): read into L2 during the all-reduce
+    if ahead is None:
+        return group.all_reduce(out)
+    ahead[0].fork(ahead[1])
+    out = group.all_reduce(out)
+    ahead[0].join()
+    return out
 
 
 def _launch(args: tuple, flags: dict, c: GemvConfig) -> None:
