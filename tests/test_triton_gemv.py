@@ -148,3 +148,26 @@ def test_bf16_engine_on_the_gemv_kernel_matches_torch_on_the_gpu():
     for (ids, lps), (want_ids, want_lps) in zip(out["kernels"], out["torch"]):
         assert ids == want_ids and len(lps) == len(want_lps) == 8
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=0.05, rtol=0.02)
+
+
+def test_the_picks_shipped_for_this_gpu_are_used_unless_a_file_is_named(tmp_path, monkeypatch):
+    import json
+
+    from engine.kernels import shipped_picks
+
+    assert shipped_picks.gpu_model("NVIDIA H100 80GB HBM3") == "h100"
+    assert shipped_picks.gpu_model("NVIDIA H200") == "h200"
+    assert shipped_picks.gpu_model("NVIDIA A100-SXM4-80GB") == "a100"
+    assert shipped_picks.gpu_model("cpu") == ""
+    (tmp_path / "gemv-h100.json").write_text(json.dumps({"3072x4096": {"block_n": 4, "block_k": 1024, "warps": 8,
+                                                                          "stages": 2}}))
+    monkeypatch.setattr(shipped_picks, "DIR", tmp_path)
+    assert shipped_picks.path_for("gemv", "NVIDIA H100 80GB HBM3") == str(tmp_path / "gemv-h100.json")
+    assert shipped_picks.path_for("gemv", "NVIDIA H200") is None
+    gemv = _gemv()
+    monkeypatch.setattr(gemv, "_PICKS", {})
+    monkeypatch.setattr(gemv, "_SHIPPED", [])
+    monkeypatch.setattr(shipped_picks, "path_for", lambda kernel: shipped_picks.DIR / f"{kernel}-h100.json")
+    monkeypatch.delenv("PDSERVE_GEMV_CONFIGS", raising=False)
+    assert gemv.config_for(3072, 4096, False, False) == gemv.GemvConfig(4, 1024, 8, 2)
+    assert gemv.config_for(4096, 2048, False, False) == gemv.GemvConfig(8, 256, 4, 3)  # not swept: by kind

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import shipped_picks
 from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
@@ -232,11 +233,16 @@ def linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 _PICKS: dict = {}
+_SHIPPED: list = []  # the shipped picks (``shipped_picks``) looked up, once
 
 
 def pick(kind: str, rows: int, n: int, k: int):
     """A sweep's tile for ``kind`` (``bf16`` or ``fp8`` weights) at ``rows`` rows, ``None`` where it found cuBLAS
     faster, or ``...`` where it measured nothing."""
+    if not _SHIPPED:
+        _SHIPPED.append(True)
+        if not os.environ.get("PDSERVE_FEWROW_CONFIGS"):  # a file named there replaces the shipped ones
+            load_picks(shipped_picks.path_for("fewrow"))
     return _PICKS.get(pick_key(kind, rows, n, k), ...)
 
 
