@@ -5,7 +5,8 @@
 A decode step of a TP group all-reduces twice per layer a ``[batch, hidden]`` bf16 tensor (16 KiB at batch 1 of
 a 8192-wide model); this times ``torch.distributed.all_reduce`` (NCCL, NVLink multicast off) and, where this
 torch has it, ``torch.ops.symm_mem.one_shot_all_reduce`` (each rank reads every peer's buffer over NVLink through
-CUDA IPC, one kernel), each as the mean of 200 calls captured in a CUDA graph (how decode runs them)."""
+CUDA IPC, one kernel) and ``two_shot_all_reduce_`` (each rank reduces its share, then gathers the others': half
+the bytes read, two barriers), each as the mean of 200 calls captured in a CUDA graph (how decode runs them)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-SIZES = [(1, 8192), (8, 8192), (32, 8192), (128, 8192), (1024, 8192)]
+SIZES = [(1, 4096), (32, 4096), (1, 8192), (8, 8192), (32, 8192), (128, 8192), (1024, 8192)]
 
 
 def _time_graph(fn, reps: int = 200) -> float:
@@ -60,6 +61,13 @@ def worker(rank: int, size: int, port: int, queue) -> None:
             row["one_shot_us"] = _time_graph(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name))
         except Exception as e:  # an older torch, or no peer access
             row["one_shot_error"] = f"{type(e).__name__}: {e}"[:200]
+        try:  # reduce-scatter then all-gather over the same buffer, in place: half the bytes read a rank
+            buf.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name)
+            row["two_shot_ok"] = bool(torch.allclose(buf.float(), want, rtol=2e-2, atol=2e-2))
+            row["two_shot_us"] = _time_graph(lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name))
+        except Exception as e:  # noqa: BLE001 - not in this torch, or a size it refuses
+            row["two_shot_error"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
     if rank == 0:
         queue.put(rows)
@@ -87,10 +95,11 @@ def main(argv=None) -> int:
     rows = queue.get(timeout=300)
     for p in procs:
         p.join(60)
-    lines = ["| shape (bf16) | bytes | NCCL µs | one-shot µs |", "|---|---|---|---|"]
+    lines = ["| shape (bf16) | bytes | NCCL µs | one-shot µs | two-shot µs |", "|---|---|---|---|---|"]
     for r in rows:
-        one = f"{r['one_shot_us']:.1f}" if "one_shot_us" in r else r.get("one_shot_error", "-")
-        lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['bytes']} | {r['nccl_us']:.1f} | {one} |")
+        one, two = (f"{r[k + '_us']:.1f}" if k + "_us" in r else r.get(k + "_error", "-")[:60]
+                    for k in ("one_shot", "two_shot"))
+        lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['bytes']} | {r['nccl_us']:.1f} | {one} | {two} |")
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

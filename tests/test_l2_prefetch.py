@@ -25,21 +25,12 @@ def test_the_prefetch_kernel_reads_and_changes_nothing():
 
 
 def test_tiny_engine_prefetching_during_attention_gives_the_same_tokens():
-    from engine import EngineConfig, SamplingParams
-    from engine.engine import Engine
-    from engine.generate import generate_many
-    from engine.kernels import l2_prefetch, triton_attention, triton_gemv, triton_layers
-    from engine.models.llama import use_kernels
+    from engine.kernels import l2_prefetch
+    from tests.test_triton_gemv import batch1_on_the_kernels
 
-    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    prompts = ["hello", "a longer prompt for the tiny model"]
-    plain = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="off", threads=1))
-    want = [generate_many(plain, [p], [greedy])[0][1].output_ids for p in prompts]
-    fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1, max_num_seqs=4))
-    fast.runner.graphs.ops = triton_attention
-    use_kernels(fast.model, triton_layers, triton_gemv)
+    fast, run, want = batch1_on_the_kernels()
     pf = l2_prefetch.wire(fast.model, fast.device, megabytes=1)
-    got = [generate_many(fast, [p], [greedy])[0][1].output_ids for p in prompts]  # one at a time: batch 1
+    got = run()
     assert got == want
     layers = len(fast.model.owned_layers)
     assert pf.forked >= layers * 4 * 2  # every layer of every one-row step after the first token

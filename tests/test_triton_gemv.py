@@ -100,9 +100,9 @@ def test_fp8_weights_give_the_scaled_mm_numbers(norm):
     _close(got, want)
 
 
-def test_tiny_engine_with_the_gemv_kernel_gives_the_same_tokens():
-    """Every batch-1 decode step of the tiny model (fp32) through the kernel: the norms deferred into q/k/v and
-    gate/up, SiLU-times-up fused, o and down on it; the same greedy tokens as the torch forms."""
+def batch1_on_the_kernels():
+    """``(engine, run, want)``: the tiny model (fp32) with its batch-1 decode steps on the Triton kernels and the
+    GEMV; ``run()`` generates greedily for two prompts one at a time, ``want`` is what the torch forms give."""
     from engine import EngineConfig, SamplingParams
     from engine.engine import Engine
     from engine.generate import generate_many
@@ -116,11 +116,18 @@ def test_tiny_engine_with_the_gemv_kernel_gives_the_same_tokens():
     fast = Engine(EngineConfig(device=DEVICE, dtype="float32", decode_graphs="eager", threads=1, max_num_seqs=4))
     fast.runner.graphs.ops = triton_attention
     use_kernels(fast.model, triton_layers, _gemv())
+    return fast, lambda: [generate_many(fast, [p], [greedy])[0][1].output_ids for p in prompts], want
+
+
+def test_tiny_engine_with_the_gemv_kernel_gives_the_same_tokens():
+    """Every batch-1 decode step of the tiny model (fp32) through the kernel: the norms deferred into q/k/v and
+    gate/up, SiLU-times-up fused, o and down on it; the same greedy tokens as the torch forms."""
+    _, run, want = batch1_on_the_kernels()
     calls = []
     real = _gemv().linear
     try:
         _gemv().linear = lambda *a, **k: calls.append(k.get("silu", False)) or real(*a, **k)
-        got = [generate_many(fast, [p], [greedy])[0][1].output_ids for p in prompts]  # one at a time: batch 1
+        got = run()
     finally:
         _gemv().linear = real
     assert got == want
