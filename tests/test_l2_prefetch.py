@@ -102,24 +102,13 @@ def test_bf16_decode_graphs_with_the_prefetch_give_the_same_tokens(monkeypatch):
 
 
 def test_the_prefetch_kernel_compiles_for_hopper():
-    """Built for sm_90a with Triton's own ptxas (no GPU needed): the loads are L2-only (``ld.global.cg``); ptxas
-    refuses ``.cg`` together with an eviction hint, which the interpreter does not notice."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Built for sm_90a: the loads are L2-only (``ld.global.cg``); ptxas refuses ``.cg`` together with an eviction
+    hint, which the interpreter does not notice."""
     from engine.kernels import l2_prefetch
+    from tests.triton_env import compile_for_hopper
 
-    from triton.runtime.jit import JITFunction
-
-    fn = l2_prefetch._prefetch_kernel
-    fn = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)  # under the interpreter: the kernel's source
-    src = ASTSource(fn=fn, constexprs={"WORDS": l2_prefetch.WORDS},
-                    signature={"src_ptr": "*i32", "sink_ptr": "*i32", "words": "i32", "WORDS": "constexpr"})
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    except (FileNotFoundError, RuntimeError) as e:
-        if "ptxas" in str(e) and "error" not in str(e):
-            pytest.skip(f"no ptxas here: {e}")
-        raise
-    assert "ld.global.cg" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    (built,) = compile_for_hopper([("engine.kernels.l2_prefetch", "_prefetch_kernel",
+                                    {"src_ptr": "*i32", "sink_ptr": "*i32", "words": "i32"},
+                                    {"WORDS": l2_prefetch.WORDS})])
+    assert "error" not in built, built.get("error")
+    assert "ld.global.cg" in built["ptx"] and built["cubin_bytes"] > 0

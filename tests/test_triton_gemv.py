@@ -32,20 +32,21 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_row_matches_the_linear_layer(bias):
+def test_a_row_matches_the_linear_layer(bias, ahead):
     g = torch.Generator().manual_seed(2)
     lin = _linear(96, 200, g, bias)  # K not a multiple of the tile: masked
     x = torch.randn(1, 200, generator=g).to(DEVICE, DTYPE)
-    got = _gemv().linear(x, lin, config=_gemv().GemvConfig(32, 64, 4, 2))
+    got = _gemv().linear(x, lin, config=_gemv().GemvConfig(32, 64, 4, 2, ahead))
     assert got.shape == (1, 96) and got.dtype == DTYPE
     _close(got, lin(x))
     assert _gemv().takes(x) == (DEVICE == "cuda" or bool(os.environ.get("TRITON_INTERPRET")))
     assert not _gemv().takes(torch.randn(2, 200).to(DEVICE, DTYPE))  # more rows: the separate launches
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_a_deferred_norm_is_normed_as_the_norm_kernel_norms(residual):
+@pytest.mark.parametrize("residual,ahead", [(False, 1), (True, 1), (True, 2)])
+def test_a_deferred_norm_is_normed_as_the_norm_kernel_norms(residual, ahead):
     """``Normed`` -> the projection of ``add_rmsnorm`` (or ``rmsnorm``); program 0 writes the residual sum exactly."""
     from engine.kernels import triton_layers
 
@@ -60,13 +61,14 @@ def test_a_deferred_norm_is_normed_as_the_norm_kernel_norms(residual):
     else:
         normed, total, want_h, want_total = gemv.defer(x, None, w, 1e-5), None, triton_layers.rmsnorm(x, w, 1e-5), None
     assert gemv.takes(normed)
-    got = gemv.linear(normed, lin, config=gemv.GemvConfig(16, 64, 4, 2))  # more programs than one: each norms
+    got = gemv.linear(normed, lin, config=gemv.GemvConfig(16, 64, 4, 2, ahead))  # more programs than one: each norms
     _close(got, lin(want_h))
     if residual:
         assert torch.equal(total, want_total)
 
 
-def test_gate_up_with_silu_is_the_mlp():
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_gate_up_with_silu_is_the_mlp(ahead):
     from engine.kernels import triton_layers
 
     gemv = _gemv()
@@ -75,13 +77,13 @@ def test_gate_up_with_silu_is_the_mlp():
     x, r = (torch.randn(1, 64, generator=g).to(DEVICE, DTYPE) for _ in range(2))
     w = torch.ones(64, dtype=DTYPE, device=DEVICE)
     normed, _ = gemv.defer(x, r, w, 1e-6)
-    got = gemv.linear(normed, gate_up, silu=True, config=gemv.GemvConfig(32, 32, 4, 2))
+    got = gemv.linear(normed, gate_up, silu=True, config=gemv.GemvConfig(32, 16, 4, 2, ahead))  # 4 K tiles
     h, _ = triton_layers.add_rmsnorm(x, r, w, 1e-6)
     _close(got, triton_layers.silu_mul(gate_up(h)))
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_fp8_weights_give_the_scaled_mm_numbers(norm):
+@pytest.mark.parametrize("norm,ahead", [(False, 1), (True, 1), (True, 2)])
+def test_fp8_weights_give_the_scaled_mm_numbers(norm, ahead):
     """W8A8 as ``Fp8Linear`` computes it: the rows (normed first) quantized per row, the products, both scales.
     (The rows quantized by ``triton_quant``: under the interpreter its e4m3 cast rounds as the kernel's does.)"""
     from engine.kernels import triton_layers
@@ -94,7 +96,7 @@ def test_fp8_weights_give_the_scaled_mm_numbers(norm):
     x, r = (torch.randn(1, 192, generator=g).to(DEVICE, DTYPE) for _ in range(2))
     w = (1 + 0.1 * torch.randn(192, generator=g)).to(DEVICE, DTYPE)
     rows, h = (gemv.defer(x, r, w, 1e-5)[0], triton_layers.add_rmsnorm(x, r, w, 1e-5)[0]) if norm else (x, x)
-    got = gemv.linear(rows, lin, config=gemv.GemvConfig(32, 64, 4, 2))
+    got = gemv.linear(rows, lin, config=gemv.GemvConfig(32, 64, 4, 2, ahead))
     xq, xs = quantize_rows(h)
     want = (xq.float() * xs) @ (lin.weight.float() * lin.weight_scale.reshape(-1, 1)).t()
     _close(got, want)
@@ -178,3 +180,21 @@ def test_the_picks_shipped_for_this_gpu_are_used_unless_a_file_is_named(tmp_path
     monkeypatch.delenv("PDSERVE_GEMV_CONFIGS", raising=False)
     assert gemv.config_for(3072, 4096, False, False) == gemv.GemvConfig(4, 1024, 8, 2)
     assert gemv.config_for(4096, 2048, False, False) == gemv.GemvConfig(8, 256, 4, 3)  # not swept: by kind
+
+
+def test_the_gemv_builds_for_hopper():
+    """The variants the engine launches on an H100/H200 (PDL on, the norm and residual add fused; one and two
+    tiles ahead; gate/up with SiLU; FP8 weights) built for sm_90a."""
+    from tests.triton_env import compile_for_hopper
+
+    cases = []
+    for ahead, silu, fp8 in [(1, False, False), (2, False, False), (2, True, False), (2, False, True)]:
+        w = "*fp8e4nv" if fp8 else "*bf16"
+        sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": w,
+               "ws_ptr": "*fp32" if fp8 else w, "b_ptr": w, "out_ptr": "*bf16", "eps": "fp32"}
+        flags = dict(N=3072, K=4096, ADD=True, NORM=True, FP8=fp8, SILU=silu, BIAS=False, PDL=True, EARLY=True,
+                     BLOCK_N=8, BLOCK_K=256, AHEAD=ahead)
+        cases.append(("engine.kernels.triton_gemv", "_one_row_kernel", sig, flags))
+    for case, built in zip(cases, compile_for_hopper(cases)):
+        assert "error" not in built, (case[3], built.get("error"))
+        assert built["cubin_bytes"] > 0 and "griddepcontrol.wait" in built["ptx"]

@@ -8,8 +8,10 @@ and cuBLAS read the narrow projections (q/k/v, o) at 75-78% of the
 bandwidth. Here one program owns ``BLOCK_N`` output channels and walks all
 of K: the weight tile times the row, products summed in fp32 on the CUDA
 cores (a tensor-core product would pad the row to 16), each weight tile
-loaded one step ahead of its use (the first before the kernel waits for its
-input: weights depend on nothing before), with:
+loaded one step ahead of its use, or two (``GemvConfig.ahead``: twice the
+bytes in flight, for projections too narrow to fill the SMs otherwise; the
+first tiles before the kernel waits for its input: weights depend on
+nothing before), with:
 
 * prologue ``NORM``: the row is ``rmsnorm(x [+ residual])`` computed as it
   is read (a first pass over the row, from L2, finds its scale; program 0
@@ -67,6 +69,7 @@ class GemvConfig:
     block_k: int = 512
     warps: int = 4
     stages: int = 3
+    ahead: int = 1  # weight tiles a program has in flight beyond the one it multiplies (1 or 2)
 
 
 def takes(x) -> bool:
@@ -109,7 +112,7 @@ def _row(x_ptr, r_ptr, nw_ptr, k, kmask, rs, xs, ADD: tl.constexpr, NORM: tl.con
 def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, eps,
                     N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                     SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     if PDL and EARLY:  # the next kernel may start (and fetch its first weights) once every program here has
         tl.extra.cuda.gdc_launch_dependents()
@@ -121,6 +124,11 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
     w_next = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)  # weights depend on
     if SILU:  # nothing before: the first tiles are on their way while the kernel before ends and the row is normed
         u_next = tl.load(rows + N * K + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+    if AHEAD == 2:  # a second tile in flight: twice the bytes an SM waits on (narrow projections leave SMs idle)
+        second = nmask[:, None] & (kk + BLOCK_K < K)[None, :]
+        w_next2 = tl.load(rows + (kk + BLOCK_K)[None, :], mask=second, other=0.0)
+        if SILU:
+            u_next2 = tl.load(rows + N * K + (kk + BLOCK_K)[None, :], mask=second, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the row is the kernel before's output
     rs = 1.0
@@ -143,14 +151,23 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         xs = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products summed along K once, after the loop
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # each tile loaded one step ahead of its use
+    for k0 in range(0, K, BLOCK_K):  # each tile loaded AHEAD steps ahead of its use
         k = k0 + kk
-        ahead = nmask[:, None] & (k + BLOCK_K < K)[None, :]
         w = w_next
-        w_next = tl.load(rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
         if SILU:
             u = u_next
-            u_next = tl.load(rows + N * K + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+        if AHEAD == 2:
+            ahead = nmask[:, None] & (k + 2 * BLOCK_K < K)[None, :]
+            w_next = w_next2
+            w_next2 = tl.load(rows + (k + 2 * BLOCK_K)[None, :], mask=ahead, other=0.0)
+            if SILU:
+                u_next = u_next2
+                u_next2 = tl.load(rows + N * K + (k + 2 * BLOCK_K)[None, :], mask=ahead, other=0.0)
+        else:
+            ahead = nmask[:, None] & (k + BLOCK_K < K)[None, :]
+            w_next = tl.load(rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+            if SILU:
+                u_next = tl.load(rows + N * K + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
         v = _row(x_ptr, r_ptr, nw_ptr, k, k < K, rs, xs, ADD, NORM, FP8, dt).to(w_ptr.dtype.element_ty)
         v = v.to(tl.float32)[None, :]  # FP8: the e4m3 value, exactly
         acc += w.to(tl.float32) * v
@@ -214,7 +231,7 @@ def _launch(args: tuple, flags: dict, c: GemvConfig) -> None:
     while True:
         try:
             _one_row_kernel[(triton.cdiv(flags["N"], c.block_n),)](
-                *args, **flags, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps,
+                *args, **flags, BLOCK_N=c.block_n, BLOCK_K=c.block_k, AHEAD=c.ahead, num_warps=c.warps,
                 num_stages=c.stages, **launch_options())
             return
         except triton.runtime.errors.OutOfResources:
