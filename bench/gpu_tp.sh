@@ -12,6 +12,8 @@
 #   gemv       the batch-1 projection kernel's tiles swept for one TP=2 rank's shapes (Mistral-7B), then Mistral TP=2
 #              decode with the picks (PDSERVE_GEMV_CONFIGS) against the built-in tiles, one run
 #   prefetch   Mistral-7B TP=2 decode with weights read into L2 during attention and the all-reduces (0 / 16 MiB)
+#   lamport    Mistral-7B TP=2 decode with the barrier-free all-reduce (PDSERVE_TP_ALLREDUCE=lamport) against the
+#              one-shot, one run (run allreduce first: it checks lamport's sums against NCCL's)
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
@@ -37,7 +39,8 @@ for step in $steps; do
         --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
     handoff)
-      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py -k "gpus" 2>&1 | tail -5
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py tests/test_lamport.py \
+        -k "gpus" 2>&1 | tail -5
       timeout 200 $PY -m bench.nccl_check --same-gpu --out "$OUT/nccl-check-same-gpu-$TAG.json" | tail -5
       timeout 400 $PY -m bench.tp_handoff --transports nccl,tcp --out "$OUT/tp-handoff-$TAG" ;;
     profile)  # where a TP=2 step's time goes: rank 0's torch profile at batch 1, step times at 1 and 32
@@ -52,6 +55,11 @@ for step in $steps; do
       for mb in 0 16; do
         PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-l2-${mb}mb-$TAG" 2>&1 | grep "decode batch"
+      done ;;
+    lamport)
+      for ar in auto lamport; do
+        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+          --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
       done ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \

@@ -1,0 +1,115 @@
+"""A one-shot all-reduce without barriers for a TP group's small tensors on GPUs (``PDSERVE_TP_ALLREDUCE=lamport``).
+
+Every rank holds a symmetric buffer (``torch.distributed._symmetric_memory``: each rank can address every peer's
+over NVLink) of three slots, each a row of ``cap`` 16-bit words per rank, all set to a sentinel (``0x8000``: the
+bits of -0.0 in bf16 and fp16) once at start-up. A call:
+
+1. each program of a fixed grid reads its own ticket ``t`` (a per-program counter in local memory: every program
+   of every rank counts the same calls, so they agree on ``slot = t % 3`` without talking);
+2. writes its share of the input, -0.0 made +0.0 so no value is the sentinel, into ``slot``'s row for this rank in
+   every rank's buffer (its own too);
+3. reads its own buffer's ``slot`` rows, one per rank, again until no word is the sentinel: each word arrives whole,
+   so a word that is not the sentinel is the peer's value; sums them in fp32, writes the output, and sets each row
+   it has read back to the sentinel. No peer writes that slot again before the call after next (three slots), and
+   a peer's next call needs this rank's next push, which comes after this kernel ends; the rows cleared are the
+   ones written, whatever size the next call in that slot has.
+
+So a call costs one NVLink write and the reads, with no barrier round trips; NCCL-free and graph-safe (the slot
+comes from device memory, not from the launch). A read that never completes (a peer gone) gives up after
+``SPIN_LIMIT`` polls and raises the error flag, which the start-up check against NCCL reads. Under Triton's
+interpreter (CI) ``PHASES`` runs the push and the pull as separate launches, so one process can play every rank in
+turn (``tests/test_lamport.py``); the engine launches both in one."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SENTINEL = -32768  # 0x8000 as int16
+_SENTINEL = tl.constexpr(SENTINEL)  # the kernel's view of it
+GRID = 32  # programs of every call (fixed: each program's ticket counts every call)
+BLOCK = 1024  # words a program moves per iteration
+SPIN_LIMIT = 1 << 22
+
+
+@triton.jit
+def _lamport_kernel(inp_ptr, out_ptr, ptrs_ptr, ticket_ptr, err_ptr, n, RANK: tl.constexpr, WORLD: tl.constexpr,
+                    CAP: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr, PHASES: tl.constexpr,
+                    SPIN_LIMIT: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(ticket_ptr + pid)
+    slot = t % 3
+    mine = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
+    for start in range(pid * BLOCK, n, GRID * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        if PHASES % 2 == 1:  # push this rank's share into every rank's slot row for it
+            bits = tl.load(inp_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+            bits = tl.where(bits == _SENTINEL, 0, bits).to(tl.int16)
+            for p in tl.static_range(WORLD):
+                peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(tl.int16))
+                tl.store(peer + (slot * WORLD + RANK) * CAP + offs, bits, mask=mask)
+        if PHASES >= 2:  # pull every rank's row, sum, clear the previous call's rows
+            acc = tl.zeros([BLOCK], tl.float32)
+            for p in tl.static_range(WORLD):
+                row = mine + (slot * WORLD + p) * CAP + offs
+                v = tl.load(row, mask=mask, other=0, volatile=True)
+                missing = tl.sum(((v == _SENTINEL) & mask).to(tl.int32), axis=0)
+                spins = 0
+                while (missing > 0) & (spins < SPIN_LIMIT):
+                    v = tl.load(row, mask=mask, other=0, volatile=True)
+                    missing = tl.sum(((v == _SENTINEL) & mask).to(tl.int32), axis=0)
+                    spins += 1
+                if missing > 0:
+                    tl.store(err_ptr, 1)
+                acc += v.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                tl.store(row, tl.full([BLOCK], _SENTINEL, tl.int16), mask=mask)  # read: the row is free again
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if PHASES >= 2:
+        tl.store(ticket_ptr + pid, t + 1)
+
+
+class Lamport:
+    """The all-reduce of one rank: ``fits(x)``, ``op(x)`` -> the sum over the group. ``buffers``: every rank's
+    buffer address (int64, on this device), this rank's at ``rank``; the caller sets them up (``for_group``)."""
+
+    def __init__(self, buffers: torch.Tensor, rank: int, world: int, cap: int, dtype: torch.dtype):
+        self.buffers, self.rank, self.world, self.cap, self.dtype = buffers, rank, world, cap, dtype
+        device = buffers.device
+        self.ticket = torch.zeros(GRID, dtype=torch.int32, device=device)
+        self.error = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.cap and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor, phases: int = 3) -> torch.Tensor:
+        if not self.fits(x):
+            raise ValueError(f"the lamport all-reduce takes contiguous {self.dtype} of at most {self.cap} values")
+        out = torch.empty_like(x)
+        _lamport_kernel[(GRID,)](x, out, self.buffers, self.ticket, self.error, x.numel(), RANK=self.rank,
+                                 WORLD=self.world, CAP=self.cap, BLOCK=BLOCK, GRID=GRID, PHASES=phases,
+                                 SPIN_LIMIT=SPIN_LIMIT)
+        return out
+
+
+def buffer_words(world: int, cap: int) -> int:
+    """16-bit words of one rank's buffer: three slots of a row per rank."""
+    return 3 * world * cap
+
+
+def for_group(group, dtype: torch.dtype, device: torch.device, cap: int) -> Lamport:
+    """Every rank calls this together: its symmetric buffer, set to the sentinel, the peers' addresses."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the lamport all-reduce moves 16-bit values, not {dtype}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    buffer = symm_mem.empty(buffer_words(world, cap), dtype=torch.int16, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    buffer.fill_(SENTINEL)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # no peer writes before every buffer holds the sentinel
+    op = Lamport(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device), rank, world, cap, dtype)
+    op.buffer = buffer  # kept alive with the op
+    return op
