@@ -69,10 +69,10 @@ def test_the_kernel_builds_for_hopper():
     sig = {"inp_ptr": "*bf16", "out_ptr": "*bf16", "ptrs_ptr": "*i64", "ticket_ptr": "*i32", "err_ptr": "*i32",
            "n": "i32"}
     flags = dict(RANK=1, WORLD=2, CAP=1 << 19, BLOCK=lamport.BLOCK, GRID=lamport.GRID, PHASES=3,
-                 SPIN_LIMIT=lamport.SPIN_LIMIT)
+                 SPIN_LIMIT=lamport.SPIN_LIMIT, PDL=True)
     (built,) = compile_for_hopper([("engine.parallel.lamport", "_lamport_kernel", sig, flags)])
     assert "error" not in built, built.get("error")
-    assert built["cubin_bytes"] > 0 and "ld.volatile.global" in built["ptx"]
+    assert built["cubin_bytes"] > 0 and "ld.volatile.global" in built["ptx"] and "griddepcontrol" in built["ptx"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")

@@ -14,7 +14,9 @@ bits of -0.0 in bf16 and fp16) once at start-up. A call:
    a peer's next call needs this rank's next push, which comes after this kernel ends; the rows cleared are the
    ones written, whatever size the next call in that slot has.
 
-So a call costs one NVLink write and the reads, with no barrier round trips; NCCL-free and graph-safe (the slot
+So a call costs one NVLink write and the reads, with no barrier round trips; NCCL-free and graph-safe, launched
+with programmatic dependent launch (Hopper) like the decode step's other kernels, so the projection after it
+fetches its first weights while it waits on the peers (the slot
 comes from device memory, not from the launch). A read that never completes (a peer gone) gives up after
 ``SPIN_LIMIT`` polls and raises the error flag, which the start-up check against NCCL reads. Under Triton's
 interpreter (CI) ``PHASES`` runs the push and the pull as separate launches, so one process can play every rank in
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..kernels.triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 SENTINEL = -32768  # 0x8000 as int16
 _SENTINEL = tl.constexpr(SENTINEL)  # the kernel's view of it
@@ -35,7 +39,8 @@ SPIN_LIMIT = 1 << 22
 @triton.jit
 def _lamport_kernel(inp_ptr, out_ptr, ptrs_ptr, ticket_ptr, err_ptr, n, RANK: tl.constexpr, WORLD: tl.constexpr,
                     CAP: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr, PHASES: tl.constexpr,
-                    SPIN_LIMIT: tl.constexpr):
+                    SPIN_LIMIT: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)  # the input is the kernel before's output; the next kernel may fetch its weights now
     pid = tl.program_id(0)
     t = tl.load(ticket_ptr + pid)
     slot = t % 3
@@ -88,7 +93,7 @@ class Lamport:
         out = torch.empty_like(x)
         _lamport_kernel[(GRID,)](x, out, self.buffers, self.ticket, self.error, x.numel(), RANK=self.rank,
                                  WORLD=self.world, CAP=self.cap, BLOCK=BLOCK, GRID=GRID, PHASES=phases,
-                                 SPIN_LIMIT=SPIN_LIMIT)
+                                 SPIN_LIMIT=SPIN_LIMIT, PDL=PDL, **launch_options())
         return out
 
 
