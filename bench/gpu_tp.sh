@@ -14,6 +14,8 @@
 #   prefetch   Mistral-7B TP=2 decode with weights read into L2 during attention and the all-reduces (0 / 16 MiB)
 #   lamport    Mistral-7B TP=2 decode with the barrier-free all-reduce (PDSERVE_TP_ALLREDUCE=lamport) against the
 #              one-shot, one run (run allreduce first: it checks lamport's sums against NCCL's)
+#   combined   Mistral-7B TP=1 and TP=2 with the three together (lamport, 16 MiB prefetch, the gemv step's picks
+#              if present), one run: the 1.6x bar
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
@@ -60,6 +62,13 @@ for step in $steps; do
       for ar in auto lamport; do
         PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
+      done ;;
+    combined)
+      picks="$OUT/gemv-mistral-tp2-$TAG-picks.json"; [ -f "$picks" ] || picks=""
+      for tp in 1 2; do
+        PDSERVE_TP_ALLREDUCE=lamport PDSERVE_L2_PREFETCH_MB=16 PDSERVE_GEMV_CONFIGS=$picks timeout 150 $PY -m deploy.cli \
+          bench engine --model mistral-7b --tp $tp $common --out "$OUT/engine-mistral-tp$tp-combined-$TAG" 2>&1 \
+          | grep "decode batch\|all-reduce\|L2 prefetch"
       done ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
