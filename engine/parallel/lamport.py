@@ -45,16 +45,19 @@ def _lamport_kernel(inp_ptr, out_ptr, ptrs_ptr, ticket_ptr, err_ptr, n, RANK: tl
     t = tl.load(ticket_ptr + pid)
     slot = t % 3
     mine = tl.load(ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
-    for start in range(pid * BLOCK, n, GRID * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        if PHASES % 2 == 1:  # push this rank's share into every rank's slot row for it
+    if PHASES % 2 == 1:  # push this rank's share into every rank's slot row for it: all chunks first, so the
+        for start in range(pid * BLOCK, n, GRID * BLOCK):  # pulls below wait on one NVLink latency, not one a chunk
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
             bits = tl.load(inp_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
             bits = tl.where(bits == _SENTINEL, 0, bits).to(tl.int16)
             for p in tl.static_range(WORLD):
                 peer = tl.load(ptrs_ptr + p).to(tl.pointer_type(tl.int16))
                 tl.store(peer + (slot * WORLD + RANK) * CAP + offs, bits, mask=mask)
-        if PHASES >= 2:  # pull every rank's row, sum, clear the previous call's rows
+    if PHASES >= 2:  # pull every rank's row, sum, clear what was read
+        for start in range(pid * BLOCK, n, GRID * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
             acc = tl.zeros([BLOCK], tl.float32)
             for p in tl.static_range(WORLD):
                 row = mine + (slot * WORLD + p) * CAP + offs
