@@ -1,7 +1,10 @@
 """The barrier-free all-reduce (``engine.parallel.lamport``): one process plays every rank of a group under Triton's
 interpreter (each rank's push, then each rank's pull: the order a GPU may take), with buffers in host memory; sums
 equal on every rank and within bf16 rounding of the reference, buffers back to the sentinel after every call
-whatever its size, a rank that never pushes raises the error flag instead of hanging; the kernel builds for sm_90a."""
+whatever its size, a rank that never pushes raises the error flag instead of hanging; ranks as processes of their own over shared memory, racing
+as on GPUs with push and pull in one launch; the kernel builds for sm_90a."""
+import os
+
 import pytest
 import torch
 
@@ -85,3 +88,44 @@ def test_on_two_gpus_it_sums_as_nccl_does_call_after_call_and_in_graphs(tmp_path
     rows = json.loads((tmp_path / "ar.json").read_text())["rows"]
     fitting = [r for r in rows if "lamport_us" in r]
     assert fitting and all(r["lamport_ok"] for r in fitting), rows
+
+
+def _rank(rank: int, world: int, cap: int, buffers: list, sizes: list, queue) -> None:
+    """One rank in a process of its own: the production launch (push and pull in one), racing the other ranks."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from engine.parallel.lamport import Lamport
+
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # this process's mappings
+    op = Lamport(ptrs, rank, world, cap, torch.bfloat16)
+    g = torch.Generator().manual_seed(100 + rank)
+    outs = [op(torch.randn(n, generator=g).to(torch.bfloat16)) for n in sizes]
+    queue.put((rank, [o.float().tolist() for o in outs], int(op.error.item())))  # plain lists: the process ends
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="ranks as processes over shared host memory (interpreter)")
+def test_ranks_in_processes_of_their_own_race_and_still_sum():
+    """Two ranks as processes over buffers in shared memory, each launching push and pull together as the engine
+    does: no rank waits for another to finish a call, and every call's sum is right on both."""
+    import torch.multiprocessing as mp
+
+    from engine.parallel import lamport
+
+    world, cap, sizes = 2, 2048, [5, 2048, 700, 2048, 1, 1300]
+    buffers = [torch.full((lamport.buffer_words(world, cap),), lamport.SENTINEL, dtype=torch.int16).share_memory_()
+               for _ in range(world)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, cap, buffers, sizes, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict((r, (outs, err)) for r, outs, err in (queue.get(timeout=240) for _ in range(world)))
+    for p in procs:
+        p.join(30)
+    xs = [[torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+          for g in (torch.Generator().manual_seed(100 + r) for r in range(world))]
+    for call in range(len(sizes)):
+        want = sum(xs[r][call].float() for r in range(world))
+        assert got[0][0][call] == got[1][0][call], call
+        torch.testing.assert_close(torch.tensor(got[0][0][call]), want, rtol=2 ** -7, atol=1e-6)
+    assert got[0][1] == got[1][1] == 0
+    assert all(bool((b == lamport.SENTINEL).all()) for b in buffers)
