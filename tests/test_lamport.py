@@ -1,8 +1,8 @@
-"""The barrier-free all-reduce (``engine.parallel.lamport``): one process plays every rank of a group under Triton's
-interpreter (each rank's push, then each rank's pull: the order a GPU may take), with buffers in host memory; sums
-equal on every rank and within bf16 rounding of the reference, buffers back to the sentinel after every call
-whatever its size, a rank that never pushes raises the error flag instead of hanging; ranks as processes of their own over shared memory, racing
-as on GPUs with push and pull in one launch; the kernel builds for sm_90a."""
+"""The barrier-free all-reduce (``engine.parallel.lamport``) under Triton's interpreter, buffers in host memory:
+one process playing every rank (each rank's push, then each rank's pull), and ranks as processes of their own over
+shared memory racing with push and pull in one launch as on GPUs. Sums equal on every rank and within bf16 rounding
+of the reference, buffers back to the sentinel after every call whatever its size, a rank that never pushes raises
+the error flag instead of hanging; the kernel builds for sm_90a."""
 import os
 
 import pytest
