@@ -66,3 +66,37 @@ def test_the_router_never_imports_torch():
     code = "import sys, deploy.cli, router.main, router.app; deploy.cli._parser(with_bench=False); print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
+    """``kill -USR1`` on a pdserve process (here a router) prints its threads' stacks to stderr; it goes on serving."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from deploy.up import free_port
+
+    port, absent = free_port(), free_port()  # a colocated worker that is not there: the router serves its 503s
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "router", "--port", str(port),
+                             "--colocated", f"tcp://127.0.0.1:{absent}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError as e:
+                if getattr(e, "code", None):  # an HTTP status (no workers yet): it is up
+                    break
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert proc.poll() is None
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "most recent call first" in err and "Thread 0x" in err
