@@ -129,3 +129,13 @@ def test_ranks_in_processes_of_their_own_race_and_still_sum():
         torch.testing.assert_close(torch.tensor(got[0][0][call]), want, rtol=2 ** -7, atol=1e-6)
     assert got[0][1] == got[1][1] == 0
     assert all(bool((b == lamport.SENTINEL).all()) for b in buffers)
+
+
+def test_the_all_reduce_choice_is_checked(monkeypatch):
+    from engine.parallel.allreduce import one_shot
+
+    monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "fastest")
+    with pytest.raises(ValueError, match="auto, nccl, lamport"):
+        one_shot(None, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "lamport")
+    assert one_shot(None, torch.bfloat16, torch.device("cpu")) is None  # CPU groups all-reduce through gloo

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 MAX_BYTES = 4 << 20
+CHOICES = ("auto", "nccl", "lamport")
 LAMPORT_WORDS = 1 << 19  # 1 MiB a row: batch 64 of an 8192-wide model
 
 
@@ -48,6 +49,8 @@ def one_shot(group, dtype: torch.dtype, device: torch.device) -> OneShot | None:
     """The one-shot all-reduce for this group (every rank calls this together), or None: not CUDA, turned off, not
     available in this torch, or a check against NCCL that failed."""
     choice = os.environ.get("PDSERVE_TP_ALLREDUCE", "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"PDSERVE_TP_ALLREDUCE={choice}: use one of {', '.join(CHOICES)}")
     if device.type != "cuda" or choice == "nccl":
         return None
     try:
