@@ -23,12 +23,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 out = []
-for module, name, signature, constexprs in json.load(sys.stdin):
+for module, name, signature, constexprs, *options in json.load(sys.stdin):
     fn = getattr(importlib.import_module(module), name)
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     try:
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                target=GPUTarget("cuda", 90, 32))
+                                target=GPUTarget("cuda", 90, 32), options=options[0] if options else None)
         out.append({"ptx": kernel.asm["ptx"], "cubin_bytes": len(kernel.asm["cubin"])})
     except Exception as e:
         out.append({"error": f"{type(e).__name__}: {e}"[-3000:]})
@@ -37,7 +37,7 @@ print(json.dumps(out))
 
 
 def compile_for_hopper(cases: list) -> list:
-    """Each ``(module, kernel name, signature, constexprs)`` built for sm_90a with Triton's own ptxas, no GPU needed:
+    """Each ``(module, kernel name, signature, constexprs[, options])`` built for sm_90a with Triton's own ptxas, no GPU needed:
     what the interpreter cannot check (PTX that ptxas refuses). In a process of its own, without the interpreter
     (whose kernels cannot be compiled). ``[{"ptx", "cubin_bytes"} or {"error"}]``; skips where Triton has no ptxas."""
     import json
