@@ -49,7 +49,7 @@ for step in $steps; do
       timeout 300 $PY -m bench.profile_engine --model mistral-7b --load-format dummy --dtype bfloat16 --tp 2 \
         --batch 1 --steps 16 --graph-times 1,32 > "$OUT/profile-mistral-tp2-$TAG.txt" 2>&1; tail -30 "$OUT/profile-mistral-tp2-$TAG.txt" ;;
     gemv)
-      timeout 300 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep --tp 2 --out "$OUT/gemv-mistral-tp2-$TAG"
+      timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep --tp 2 --out "$OUT/gemv-mistral-tp2-$TAG"
       timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
       PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m deploy.cli bench engine \
         --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;

@@ -103,9 +103,9 @@ def _grid() -> list:
     """Tiles whose fp32 accumulators fit the registers (at most 64 a thread, two for gate/up)."""
     from engine.kernels.triton_gemv import GemvConfig
 
-    return [GemvConfig(n, k, warps, 3, ahead) for warps in (4, 8) for n in (1, 2, 4, 8, 16, 32)
+    return [GemvConfig(n, k, warps, 3, ahead) for warps in (4, 8) for n in (1, 2, 4, 8, 16)
             for k in (256, 512, 1024) for ahead in (1, 2)
-            if n * k <= 2048 * warps // ahead and n * k >= 32 * 4 * warps]
+            if n * k <= 2048 * warps // ahead and n * k >= 32 * 4 * warps]  # 32 rows a program never won a sweep
 
 
 def write_picks(picks: dict, prefix: str) -> None:
