@@ -5,14 +5,21 @@ disaggregation.
 
 Each ``--config NAME=ARGS`` is a ``pdserve up`` started here (ARGS plus the
 shared ``--up-args``), e.g. ``1p1d=--transport nccl`` and
-``2x-colocated=--colocated --decode 2 --gpus 2``. Per configuration, after a
-short warm-up, Poisson arrivals at each of ``--rates`` (``--requests`` each,
-or ``--duration`` seconds of them; the first ``--warmup-requests`` not
-counted; the same seeded workload everywhere, ``--workload mixed`` too)
-give the SLO attainment per rate (errors count as misses; SLOs on TTFT,
-TPOT and, when given, each request's ITL p99 and longest stall); the sweep
-stops after two rates below half the target. Then closed-loop runs at each of ``--ttft-concurrency`` record TTFT
-median and p90. Writes JSON, Markdown and a plot of attainment vs rate."""
+``2x-colocated=--colocated --decode 2 --gpus 2``, once; every workload of
+``--workload`` (``uniform`` in the ranges given, ``mid``, ``long``, ``mixed``,
+comma-separated) runs against it in turn. Per workload, after a short
+warm-up, Poisson arrivals at each rate (``--requests`` each, or
+``--duration`` seconds of them; the first ``--warmup-requests`` not counted;
+the same seeded workload everywhere) give the SLO attainment (errors count as
+misses; SLOs on TTFT, TPOT and, when given, each request's ITL p99 and
+longest stall). Rates: ``--rates`` in order until two are below half the
+target, or ``--search R``: double from R while the SLO is met, then bisect.
+A request still running TTFT + TPOT x its workload's longest output (+2 s)
+after the last arrival can no longer meet the SLO: it is cancelled and
+counted as a miss, so an overloaded rate ends rather than drains. Then
+closed-loop runs at each of ``--ttft-concurrency`` record TTFT median and
+p90. Writes JSON, Markdown and a plot of attainment vs rate per workload
+(``OUT-<workload>`` when several), rewritten after each configuration."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +31,7 @@ import shlex
 from .report import command_line
 from .serve import run_load, within
 from .stats import summary
-from .workload import WORKLOADS
+from .workload import WORKLOADS, longest_output
 from .transfer import environment
 
 
@@ -35,7 +42,11 @@ def add_arguments(p):
     p.add_argument("--requests", type=int, default=200, help="requests per rate")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (instead)")
     p.add_argument("--warmup-requests", type=int, default=10, help="first requests of each rate not counted")
-    p.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    p.add_argument("--workload", default="uniform", help=f"one or more of {', '.join(WORKLOADS)}, comma-separated "
+                   "(each configuration started once, every workload run against it)")
+    p.add_argument("--search", type=float, default=None, help="instead of --rates: from this rate, double while the "
+                   "SLO is met, then bisect (--probes rates in all)")
+    p.add_argument("--probes", type=int, default=5)
     p.add_argument("--slo-itl-p99-ms", type=float, default=None)
     p.add_argument("--slo-stall-ms", type=float, default=None)
     p.add_argument("--prompt-len", default="2000:8000")
@@ -60,49 +71,106 @@ def attained(rows: list[dict], slo: dict, warmup: int = 0) -> float:
     return len(good) / max(1, len(rows))
 
 
-def _load(args, url: str, rate: float | None, concurrency: int, requests: int, seed: int, duration=None):
+def workloads_of(args) -> list[str]:
+    names = [w for w in str(getattr(args, "workload", "uniform")).split(",") if w]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise ValueError(f"--workload {args.workload!r}: each of {WORKLOADS}, comma-separated")
+    return names
+
+
+def give_up_s(args, workload: str) -> float | None:
+    """How long after the last arrival a request may still run and meet the SLO (TTFT + TPOT x its longest output,
+    + 2 s): later ones are cancelled and counted as misses, so an overloaded rate ends instead of draining."""
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        return None
+    return (args.slo_ttft_ms + args.slo_tpot_ms * longest_output(workload, args.max_tokens)) / 1e3 + 2.0
+
+
+def _load(args, url: str, rate: float | None, concurrency: int, requests: int, seed: int, duration=None,
+          workload: str = "uniform", give_up=None):
     ns = argparse.Namespace(url=url, model=None, endpoint="completions", requests=requests, duration=duration,
                             concurrency=concurrency, rate=rate, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                            prompts_jsonl=None, temperature=0.0, seed=seed, workload=getattr(args, "workload", "uniform"))
+                            prompts_jsonl=None, temperature=0.0, seed=seed, workload=workload, give_up_s=give_up)
     return asyncio.run(run_load(ns))
 
 
-def measure(name: str, up_args: list[str], args) -> dict:
-    from deploy.local import Cluster
+def rates_to_try(args, probe) -> None:
+    """``probe(rate)`` gives the attainment. ``--search R``: from R, double while met, then bisect between the
+    highest met and the lowest missed, ``--probes`` rates in all. Else ``--rates`` in order, until two are below
+    half the target."""
+    target, start = args.attainment, getattr(args, "search", None)
+    if start:
+        met, missed, rate, tried = 0.0, None, start, set()
+        for _ in range(getattr(args, "probes", 5)):
+            tried.add(rate)
+            if probe(rate) >= target:
+                met = rate
+            else:
+                missed = rate
+            rate = float(f"{(met * 2 if missed is None else (met + missed) / 2 if met else missed / 2):.2g}")
+            if rate in tried:
+                return
+        return
+    below = 0
+    for rate in [float(r) for r in args.rates.split(",")]:
+        below = below + 1 if probe(rate) < target / 2 else 0
+        if below >= 2:
+            return
 
-    cluster = Cluster(*up_args, ready_timeout=args.ready_timeout).wait_ready()
-    result = {"name": name, "up_args": up_args, "rates": [], "ttft_under_load": {}}
-    try:
-        _load(args, cluster.url, None, 2, 4, args.seed + 99)  # warm-up
-        below = 0
-        for rate in [float(r) for r in args.rates.split(",")]:
-            rows, wall = _load(args, cluster.url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None))
-            warmup = getattr(args, "warmup_requests", 0)
-            share = attained(rows, slo_of(args), warmup)
-            timed = [r for r in rows if "ttft_ms" in r and r.get("index", warmup) >= warmup]
-            where = [r["pdserve"].get("disagg") for r in timed if r["pdserve"].get("disagg")]
-            point = {"rate": rate, "attainment": share, "errors": sum(1 for r in rows if r["error"]), "wall_s": wall,
-                     "requests": len(rows), "ttft_ms": summary(r["ttft_ms"] for r in timed),
-                     "tpot_ms": summary(r["tpot_ms"] for r in timed),
-                     "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed),
-                     "stall_ms": summary(r["stall_ms"] for r in timed),
-                     "disagg": {w: where.count(w) for w in sorted(set(where))}}
-            result["rates"].append(point)
-            print(f"  {name}: {rate:g} req/s -> {share:.0%} within SLO (TTFT p90 "
-                  f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f} ms, "
-                  f"ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms)",
-                  flush=True)
-            below = below + 1 if share < args.attainment / 2 else 0
-            if below >= 2:
-                break
-        for c in [int(c) for c in args.ttft_concurrency.split(",") if c]:
-            rows, _ = _load(args, cluster.url, None, c, max(2 * c, 16), args.seed + c)
-            result["ttft_under_load"][str(c)] = summary(r["ttft_ms"] for r in rows if "ttft_ms" in r)
-    finally:
-        cluster.stop()
+
+def point_of(rows, wall, rate, args) -> dict:
+    warmup = getattr(args, "warmup_requests", 0)
+    timed = [r for r in rows if "ttft_ms" in r and r.get("index", warmup) >= warmup]
+    where = [r["pdserve"].get("disagg") for r in timed if r["pdserve"].get("disagg")]
+    return {"rate": rate, "attainment": attained(rows, slo_of(args), warmup),
+            "errors": sum(1 for r in rows if r["error"]), "wall_s": wall, "requests": len(rows),
+            "abandoned": sum(1 for r in rows if (r["error"] or "").startswith("abandoned")),
+            "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed),
+            "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed), "stall_ms": summary(r["stall_ms"] for r in timed),
+            "disagg": {w: where.count(w) for w in sorted(set(where))}}
+
+
+def sweep(name: str, url: str, args, workload: str) -> dict:
+    result = {"name": name, "workload": workload, "rates": [], "ttft_under_load": {}}
+
+    def probe(rate):
+        rows, wall = _load(args, url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None),
+                           workload, give_up_s(args, workload))
+        point = point_of(rows, wall, rate, args)
+        result["rates"].append(point)
+        print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} within SLO (TTFT p90 "
+              f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f}"
+              f" ms, ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms, {point['abandoned']} "
+              f"given up)", flush=True)
+        return point["attainment"]
+
+    rates_to_try(args, probe)
+    for c in [int(c) for c in args.ttft_concurrency.split(",") if c]:
+        rows, _ = _load(args, url, None, c, max(2 * c, 16), args.seed + c, workload=workload)
+        result["ttft_under_load"][str(c)] = summary(r["ttft_ms"] for r in rows if "ttft_ms" in r)
     ok = [p["rate"] for p in result["rates"] if p["attainment"] >= args.attainment]
     result["goodput_rate"] = max(ok) if ok else 0.0
     return result
+
+
+def measure_all(name: str, up_args: list[str], args) -> dict[str, dict]:
+    """One ``pdserve up`` of this configuration, every workload of ``--workload`` against it in turn."""
+    from deploy.local import Cluster
+
+    cluster = Cluster(*up_args, ready_timeout=args.ready_timeout).wait_ready()
+    try:
+        _load(args, cluster.url, None, 2, 4, args.seed + 99)  # warm-up
+        out = {}
+        for workload in workloads_of(args):
+            out[workload] = {**sweep(name, cluster.url, args, workload), "up_args": up_args}
+        return out
+    finally:
+        cluster.stop()
+
+
+def measure(name: str, up_args: list[str], args) -> dict:
+    return next(iter(measure_all(name, up_args, args).values()))
 
 
 def table(results: list[dict], args) -> str:
@@ -144,23 +212,36 @@ def run(args) -> int:
             print(f"error: --config {spec!r} is not NAME=ARGS", flush=True)
             return 2
         configs.append((name, shlex.split(rest) + shlex.split(args.up_args)))
-    results = [measure(name, up, args) for name, up in configs]
+    try:
+        workloads = workloads_of(args)
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    results = {w: [] for w in workloads}
+    for name, up in configs:  # the reports are rewritten after each configuration: a cut-off run keeps its part
+        for w, result in measure_all(name, up, args).items():
+            results[w].append(result)
+        for w in workloads:
+            write(results[w], args, w, args.out if len(workloads) == 1 else f"{args.out}-{w}")
+    return 0
+
+
+def write(results: list[dict], args, workload: str, out: str) -> None:
     base = results[-1]["goodput_rate"]
     for r in results:
         r["vs_last"] = r["goodput_rate"] / base if base else None
     report = {"command": command_line("goodput"), "slo": {**slo_of(args), "attainment": args.attainment},
-              "workload": {"kind": args.workload, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "workload": {"kind": workload, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "requests_per_rate": args.requests, "duration_s": args.duration,
                            "warmup_requests": args.warmup_requests}, "results": results, "env": environment()}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     md = table(results, args)
-    with open(args.out + ".md", "w") as f:
-        f.write(f"`{report['command']}`\n\n{md}\n")
-    plot(results, args, args.out + ".png")
+    with open(out + ".md", "w") as f:
+        f.write(f"`{report['command']}`\n\nworkload: {workload}\n\n{md}\n")
+    plot(results, args, out + ".png")
     print(md)
     print("goodput ratios vs " + results[-1]["name"] + ": " + ", ".join(
         f"{r['name']} {r['vs_last']:.2f}x" if r["vs_last"] is not None else f"{r['name']} -" for r in results))
-    print(f"wrote {args.out}.json, .md, .png")
-    return 0
+    print(f"wrote {out}.json, .md, .png", flush=True)

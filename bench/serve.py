@@ -150,17 +150,36 @@ async def run_load(args) -> tuple[list[dict], float]:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             if deadline and time.perf_counter() > deadline:
                 return
-            async with gate:
-                if deadline and time.perf_counter() > deadline:
-                    return
-                row = await one(client, args.url, model, args.endpoint, req, args.temperature)
-                row["index"] = index
-                rows.append(row)
-                _progress(len(rows), None if deadline else len(requests), start)
-        await asyncio.gather(*(fire(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
+            try:
+                async with gate:
+                    if deadline and time.perf_counter() > deadline:
+                        return
+                    row = await one(client, args.url, model, args.endpoint, req, args.temperature)
+            except asyncio.CancelledError:  # given up (``give_up_s``): a miss, and the stream is closed
+                rows.append({"error": "abandoned: still running when no answer could meet the SLO", "index": index,
+                             "e2e_ms": (time.perf_counter() - start - offset) * 1e3, "output_tokens": 0,
+                             "prompt_tokens": 0, "pdserve": {}})
+                raise
+            row["index"] = index
+            rows.append(row)
+            _progress(len(rows), None if deadline else len(requests), start)
+        tasks = [asyncio.ensure_future(fire(i, r, o)) for i, (r, o) in enumerate(zip(requests, offsets))]
+        await _finish(tasks, start, deadline, offsets, getattr(args, "give_up_s", None))
         if sys.stderr.isatty():
             print(file=sys.stderr)
         return rows, time.perf_counter() - start
+
+
+async def _finish(tasks, start, deadline, offsets, give_up_s):
+    """All requests done, or, with ``give_up_s``, those still running that long after the last arrival cancelled."""
+    if give_up_s is None or not tasks:
+        await asyncio.gather(*tasks)
+        return
+    last = min(deadline, start + offsets[-1]) if deadline else start + offsets[-1]
+    _, pending = await asyncio.wait(tasks, timeout=max(0.0, last + give_up_s - time.perf_counter()))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 _last_line = [0.0]

@@ -1,6 +1,7 @@
 """Workload shapes for ``bench serve``, ``bench goodput`` and ``pdserve plan``: prompt/output lengths and
 arrival times. ``uniform``: lengths uniform in the ranges given; ``mixed``: 70% prompts of 128-1,024 tokens and
-30% of 6,000-8,000, outputs 128-512 (the ranges given are ignored); a JSONL trace: its rows, in order."""
+30% of 6,000-8,000, outputs 128-512; ``mid``: prompts 1,000-4,000, outputs 128-512; ``long``: prompts 6,000-8,000,
+outputs 128-256 (the named ones ignore the ranges given); a JSONL trace: its rows, in order."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ def synthetic_prompt(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-WORKLOADS = ("uniform", "mixed")
+WORKLOADS = ("uniform", "mixed", "mid", "long")
+PRESETS = {"mid": ("1000:4000", "128:512"), "long": ("6000:8000", "128:256")}  # uniform ranges by name
 MIXED = ((0.7, (128, 1024)), (0.3, (6000, 8000)))
 MIXED_OUTPUT = (128, 512)
 
@@ -51,6 +53,8 @@ def lengths(count: int, prompt_len: str, max_tokens: str, seed: int = 0, workloa
                 for r in (rows[i % len(rows)] for i in range(count))]
     if workload not in WORKLOADS:
         raise ValueError(f"workload {workload!r} not in {WORKLOADS}")
+    if workload in PRESETS:
+        (prompt_len, max_tokens), workload = PRESETS[workload], "uniform"
     rng = random.Random(seed)
     if workload == "mixed":
         out = []
@@ -73,6 +77,8 @@ def _rows(jsonl: str) -> list[dict]:
 def build(count: int, prompt_len: str, max_tokens: str, seed: int = 0, jsonl: str | None = None,
           workload: str = "uniform") -> list[Request]:
     rng = random.Random(seed)
+    if workload in PRESETS and not jsonl:
+        (prompt_len, max_tokens), workload = PRESETS[workload], "uniform"
     if workload != "uniform" and not jsonl:
         text = random.Random(seed + 7)
         return [Request(synthetic_prompt(text, p), o) for p, o in lengths(count, prompt_len, max_tokens, seed,
@@ -95,3 +101,10 @@ def arrivals(count: int, rate: float | None, seed: int = 0) -> list[float]:
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def longest_output(workload: str, max_tokens: str) -> int:
+    """The most output tokens a request of this workload asks for."""
+    if workload == "mixed":
+        return MIXED_OUTPUT[1]
+    return parse_range(PRESETS[workload][1] if workload in PRESETS else max_tokens)[1]

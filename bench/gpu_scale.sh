@@ -1,0 +1,75 @@
+#!/bin/bash
+# Four GPUs of one host (issue 32): xPyD splits vs colocated replicas at equal GPU count, 70B P/D with TP=2 roles,
+# heterogeneous TP across roles, and pdserve plan's pick against what was measured. Random weights made on the GPU.
+#   OUT=bench/out/scale TAG=4xh100 bash bench/gpu_scale.sh [steps...]
+# mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
+#   (CONFIGS picks them: colocated 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto), TTFT <= 2 s, TPOT <= 10 ms.
+# llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas, Llama-3-70B shape (WORKLOADS, default
+#   mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
+#   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
+# hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
+#   c32 over nccl: errors and per-phase wire times.
+# plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on
+#   GPU 0), printed next to the measured goodputs.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/out/scale}; mkdir -p "$OUT"
+PY=${PY:-python3}
+TAG=${TAG:-4xgpu}
+CONFIGS=${CONFIGS:-colocated 3p1d 2p2d 2p2d-auto}
+WORKLOADS=${WORKLOADS:-long,mixed}
+PROBES=${PROBES:-5}
+DURATION=${DURATION:-10}
+PROFILE=${PROFILE:-$OUT/engine-mistral7b-$TAG-profile.json}
+steps=${*:-mistral}
+mistral="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216"
+llama="--model llama-3-70b --load-format dummy --dtype bfloat16 --max-model-len 8704"
+
+config() {  # NAME -> "NAME=pdserve up arguments" on 4 GPUs
+  case $1 in
+    colocated) echo "4x-colocated=--colocated --decode 4 --gpus 4" ;;
+    *p*d*)
+      x=${1%%p*}; rest=${1#*p}; y=${rest%%d*}
+      extra=""; [[ $1 == *-auto ]] && extra=" --disagg auto --slo-tpot-ms 10"
+      echo "${x}P${y}D${1#*d}=--prefill $x --decode $y --gpus 4 --transport nccl$extra" ;;
+  esac
+}
+
+for step in $steps; do
+  case $step in
+    profile)
+      CUDA_VISIBLE_DEVICES=0 timeout 240 $PY -m deploy.cli bench engine $mistral --batches 1,8,32,64 \
+        --decode-steps 32 --requests 8 --max-num-seqs 64 --kv-budget 40G --profile --profile-prompts 128,512,2048,8192 \
+        --profile-contexts 512,2048,8192 --out "$OUT/engine-mistral7b-$TAG" 2>&1 | tail -5 ;;
+    mistral)
+      args=(); for c in $CONFIGS; do args+=(--config "$(config "$c")"); done
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$mistral --max-num-seqs 64" \
+        --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" --search ${START:-6} --probes $PROBES \
+        --duration $DURATION --warmup-requests 10 --ttft-concurrency "" "${args[@]}" \
+        --out "$OUT/goodput-4gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
+    llama70b)
+      tpot=25; nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && tpot=36
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$llama --max-num-seqs 32" \
+        --slo-ttft-ms 2000 --slo-tpot-ms $tpot --workload "${WORKLOADS70:-mixed}" --search ${START70:-0.5} \
+        --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --ttft-concurrency "" \
+        --config "1P1D-tp2=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl" \
+        --config "2x-colocated-tp2=--colocated --decode 2 --tp 2 --gpus 4" \
+        --out "$OUT/goodput-4gpu-llama70b-tp2-$TAG" 2>&1 | grep -v "^  requests" ;;
+    hetero)
+      for layout in "p-tp2-to-2d=--prefill 1 --prefill-tp 2 --decode 2" "2p-to-d-tp2=--prefill 2 --decode 1 --decode-tp 2"; do
+        name=${layout%%=*}
+        $PY -m deploy.cli up ${layout#*=} --gpus 4 --transport nccl $mistral --max-num-seqs 64 --port 8040 \
+          --ready-timeout 300 > "$OUT/up-$name.log" 2>&1 &
+        up=$!
+        for i in $(seq 300); do curl -sf http://127.0.0.1:8040/health > /dev/null && break; sleep 1; done
+        timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8040 --concurrency 32 --requests 96 \
+          --prompt-len 512:4096 --max-tokens 32:128 --warmup-requests 8 --out "$OUT/serve-hetero-$name-$TAG" \
+          2>&1 | grep -v "^  requests" | tail -22
+        kill -INT $up; wait $up
+      done ;;
+    plan)
+      for w in ${WORKLOADS//,/ }; do
+        $PY -m deploy.cli plan --profile "$PROFILE" --gpus 4 --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 \
+          --out "$OUT/plan-4gpu-$w-$TAG" | tail -14
+      done ;;
+  esac
+done

@@ -1,0 +1,62 @@
+"""bench goodput's rate search, named workloads and the give-up rule (requests that can no longer meet the SLO are
+cancelled: they count as misses and their KV is freed on the server)."""
+import argparse
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+
+from bench.goodput import give_up_s, rates_to_try, workloads_of
+from bench.serve import run_load
+from bench.workload import lengths, longest_output
+
+
+def _tried(capacity, **kw):
+    args = argparse.Namespace(attainment=0.9, rates="1,2,4,8,16,32", **kw)
+    seen = []
+
+    def probe(rate):
+        seen.append(rate)
+        return 1.0 if rate <= capacity else 0.2
+
+    rates_to_try(args, probe)
+    return seen
+
+
+def test_search_doubles_while_met_then_bisects():
+    assert _tried(10, search=4.0, probes=5) == [4.0, 8.0, 16.0, 12.0, 10.0]
+    assert _tried(1, search=4.0, probes=4) == [4.0, 2.0, 1.0, 1.5]  # missed first: halve, then bisect
+
+
+def test_fixed_rates_stop_after_two_below_half_the_target():
+    assert _tried(3) == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_named_workloads_and_the_longest_output():
+    assert all(6000 <= p <= 8000 and 128 <= o <= 256 for p, o in lengths(50, "1", "1", workload="long"))
+    assert all(1000 <= p <= 4000 and 128 <= o <= 512 for p, o in lengths(50, "1", "1", workload="mid"))
+    assert [longest_output(w, "4:9") for w in ("uniform", "mid", "long", "mixed")] == [9, 512, 256, 512]
+    assert workloads_of(argparse.Namespace(workload="mid,long")) == ["mid", "long"]
+    args = argparse.Namespace(slo_ttft_ms=2000.0, slo_tpot_ms=10.0, max_tokens="1")
+    assert give_up_s(args, "long") == pytest.approx(2.0 + 2.56 + 2.0)
+
+
+def _decode_pools(url):
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        workers = json.loads(r.read())["workers"]
+    return [(w["kv_blocks"], w["kv_blocks_free"], w["outstanding"]) for w in workers["decode"]]
+
+
+def test_requests_past_the_give_up_time_are_cancelled_and_free_their_kv(disagg):
+    ns = argparse.Namespace(url=disagg.url, model=None, endpoint="completions", requests=6, duration=None,
+                            concurrency=100, rate=50.0, prompt_len="200", max_tokens="400", prompts_jsonl=None,
+                            temperature=0.0, seed=3, workload="uniform", give_up_s=0.0)
+    rows, _ = asyncio.run(run_load(ns))
+    gave_up = [r for r in rows if (r["error"] or "").startswith("abandoned")]
+    assert len(rows) == 6 and gave_up and sorted(r["index"] for r in rows) == list(range(6))
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(free != total or busy for total, free, busy in _decode_pools(disagg.url)):
+        time.sleep(0.2)
+    assert all(free == total and not busy for total, free, busy in _decode_pools(disagg.url))
