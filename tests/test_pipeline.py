@@ -216,3 +216,30 @@ def test_decode_steps_of_a_pipeline_take_the_fixed_shape_path(tmp_path):
         engine.close()
     single = run(Engine(EngineConfig(model=path, threads=1, dtype="float32")), ps)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in single]
+
+
+def test_stage_zero_waits_for_every_stage_ready_and_keeps_other_reports():
+    """A hop must not reach a stage still capturing its CUDA graphs (an allocation mid-capture fails it): stage 0
+    waits for each stage's ``ready``; reports of other kinds stay queued for their readers; a dead stage fails."""
+    import queue
+
+    from engine.pipeline.launch import Stages
+
+    class Proc:
+        def __init__(self, code=None):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    stages = Stages.__new__(Stages)
+    stages.procs, stages.reports = {1: Proc(), 2: Proc()}, queue.Queue()
+    for msg in ({"kind": "ready", "stage": 2}, {"kind": "adopted", "rid": "r"}, {"kind": "ready", "stage": 1}):
+        stages.reports.put(msg)
+    stages.wait_ready(timeout_s=5)
+    assert stages.reports.get_nowait() == {"kind": "adopted", "rid": "r"} and stages.reports.empty()
+    with pytest.raises(RuntimeError, match="not ready"):
+        stages.wait_ready(timeout_s=0.3)
+    stages.procs[2] = Proc(code=1)
+    with pytest.raises(RuntimeError, match="stage 2 exited"):
+        stages.wait_ready(timeout_s=5)

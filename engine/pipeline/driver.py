@@ -52,6 +52,7 @@ class Pipeline:
         self.tags = itertools.count()
         self.hop_totals: list[dict] = []  # per hop: phases summed over every micro-batch (Prometheus, bench)
         self.most_in_flight = 0  # the most micro-batches that were in the pipeline at once
+        self.ready = False  # every stage reported ready (checked before the first micro-batch)
 
     def agree_blocks(self, engine, blocks: int) -> int:
         self.link = HopLink(self.cfg.pp_transport, self.stages.token, engine.device, host=node_address())
@@ -65,6 +66,9 @@ class Pipeline:
         from ..engine import StepOutput
 
         out, launched = StepOutput(), False
+        if not self.ready:
+            self.stages.wait_ready()
+            self.ready = True
         if len(self.flights) < self.depth:
             batch = self._schedule(engine)
             out.refused = batch.refused

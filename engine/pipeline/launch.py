@@ -11,7 +11,10 @@ stage runs the same model with the span it was given (a disagreeing stage is
 refused: start-up fails naming it), takes the smallest block count (every
 stage's pool has the same blocks, so one block table serves all) and sends
 each ``setup{blocks, next}``: the hop address of the stage after it (the
-last stage's next is stage 0)."""
+last stage's next is stage 0). A stage then builds its pool and captures its
+CUDA graphs and reports ``ready``; stage 0 sends its first micro-batch only
+after every stage is ready (``Stages.wait_ready``): a hop arriving while a
+stage captures would allocate on the device in the middle of the capture."""
 from __future__ import annotations
 
 import dataclasses
@@ -118,6 +121,29 @@ class Stages:
             self.plan.send_to(stage, "setup", blocks=blocks, next=addresses[(stage + 1) % len(addresses)])
         self.next_address, self.addresses = addresses[1], addresses
         return blocks
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until every stage has reported ``ready`` (its engine built); other reports stay queued."""
+        ready, other, deadline = set(), [], time.monotonic() + timeout_s
+        try:
+            while len(ready) < len(self.procs):
+                dead = [(s, p.returncode) for s, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"pipeline stage {dead[0][0]} exited during start-up (code {dead[0][1]})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pipeline stages {sorted(set(self.procs) - ready)} not ready in "
+                                       f"{timeout_s:.0f}s")
+                try:
+                    msg = self.reports.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if msg.get("kind") == "ready":
+                    ready.add(msg["stage"])
+                else:
+                    other.append(msg)
+        finally:
+            for msg in other:
+                self.reports.put(msg)
 
     def _check(self, msg: dict, own: dict) -> None:
         stage, span = msg["stage"], tuple(msg["span"])

@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     engine = Engine(cfg, stage=role, device=rank_device(cfg.device, 0, 1) if args.own_device else
                     rank_device(cfg.device, args.stage, cfg.pp))
     role.kv = kv_work(args.kv, engine, plan)
+    plan.report(kind="ready", stage=args.stage)  # pool built, graphs captured: hops may come
     try:
         role.follow(engine, args.parent)
     except Exception:
