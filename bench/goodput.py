@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import shlex
+import urllib.request
 
 from .report import command_line
 from .serve import run_load, within
@@ -131,18 +132,56 @@ def point_of(rows, wall, rate, args) -> dict:
             "disagg": {w: where.count(w) for w in sorted(set(where))}}
 
 
+def step_times(url: str) -> dict:
+    """Each worker's step-time totals (``StepLog``) by role and address, from the router's /health."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            workers = json.loads(r.read()).get("workers", {})
+    except (OSError, ValueError):
+        return {}
+    return {f"{role}:{w.get('address')}": w["step_times"] for role, ws in workers.items() if isinstance(ws, list)
+            for w in ws if isinstance(w, dict) and isinstance(w.get("step_times"), dict)}
+
+
+def step_delta(before: dict, after: dict) -> dict:
+    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps."""
+    out = {}
+    for key, a in after.items():
+        b = before.get(key, {})
+        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "prompt_steps",
+                                                   "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms")}
+        if d["decode_steps"] or d["prompt_steps"]:
+            out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
+                        "decode_step_ms": round(d["decode_ms"] / max(1, d["decode_steps"]), 3),
+                        "decode_rows_mean": round(d["decode_rows"] / max(1, d["decode_steps"]), 2),
+                        "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
+                        "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"]}
+    return out
+
+
+def _busiest(steps: dict) -> str:
+    """The worker with the slowest decode-only steps: its step and gap means."""
+    if not steps:
+        return ""
+    key, w = max(steps.items(), key=lambda kv: kv[1]["decode_step_ms"])
+    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms at {w['decode_rows_mean']:.0f} rows, gaps "
+            f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")
+
+
 def sweep(name: str, url: str, args, workload: str) -> dict:
     result = {"name": name, "workload": workload, "rates": [], "ttft_under_load": {}}
 
     def probe(rate):
+        before = step_times(url)
         rows, wall = _load(args, url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None),
                            workload, give_up_s(args, workload))
         point = point_of(rows, wall, rate, args)
+        point["step_times"] = step_delta(before, step_times(url))
         result["rates"].append(point)
         print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} within SLO (TTFT p90 "
               f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f}"
               f" ms, ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms, {point['abandoned']} "
-              f"given up)", flush=True)
+              f"given up{_busiest(point['step_times'])})", flush=True)
         return point["attainment"]
 
     rates_to_try(args, probe)

@@ -102,6 +102,7 @@ class Engine:
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
+        self._last_step_end: float | None = None  # when the step before ended, if work was left (gaps between)
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
         self.suppress = self.runner.suppress
@@ -121,7 +122,7 @@ class Engine:
         stayed on the device while the next was launched (``overlap``)."""
         return {**self.prefill_budget.info(), "mixed_steps": self.step_log.mixed_steps,
                 "step_prompt_tokens_max": self.step_log.most_prompt_tokens_while_decoding,
-                "steps_ahead": self.overlapped}
+                "steps_ahead": self.overlapped, "step_times": self.step_log.info()}
 
     def prefix_info(self) -> dict:
         """What a worker reports about its prefix cache (and what the router needs to compute its keys)."""
@@ -237,11 +238,14 @@ class Engine:
         """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on; logged
         (``step_log``) and timed for the prompt-token cap of steps that decode (``step_budget``)."""
         start = time.perf_counter()
+        gap = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else None
         out = self._step()
+        end = time.perf_counter()
+        self._last_step_end = end if out.scheduled and self.has_work else None  # gaps counted only under work
         if out.scheduled:
             rows = out.decode_rows
-            record = StepRecord(rows, out.batch_tokens - rows, (time.perf_counter() - start) * 1e3)
-            self.step_log.add(record)
+            record = StepRecord(rows, out.batch_tokens - rows, (end - start) * 1e3)
+            self.step_log.add(record, gap)
             if self.prefill_budget.active:
                 self.prefill_budget.observe(record)
                 self.scheduler.prefill_cap = self.prefill_budget.tokens()

@@ -23,7 +23,11 @@ chunk, the second term wins: prompts keep moving at half their speed or
 better, and steps stay as short as that allows.
 
 ``StepLog`` keeps what the recent steps took, for the worker's ``info``
-and tests: decode rows, prompt tokens, milliseconds."""
+and tests: decode rows, prompt tokens, milliseconds; and running totals
+that tell where a decode worker's time goes under load: decode-only and
+mixed steps (count, milliseconds) and the gaps between one step's end and
+the next one's start while there was work (host time outside steps: the
+control plane, KV arriving, the GIL)."""
 from __future__ import annotations
 
 from collections import deque
@@ -46,13 +50,36 @@ class StepLog:
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
+        self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "prompt_steps": 0, "prompt_ms": 0.0,
+                       "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0}
 
-    def add(self, record: StepRecord) -> None:
+    def add(self, record: StepRecord, gap_ms: float | None = None) -> None:
+        """``gap_ms``: since the step before ended, when this one follows it with work waiting."""
         self.steps.append(record)
+        t = self.totals
         if record.decode_rows and record.prompt_tokens:
             self.mixed_steps += 1
             self.most_prompt_tokens_while_decoding = max(self.most_prompt_tokens_while_decoding,
                                                          record.prompt_tokens)
+        if record.prompt_tokens:
+            t["prompt_steps"] += 1
+            t["prompt_ms"] += record.ms
+        else:
+            t["decode_steps"] += 1
+            t["decode_ms"] += record.ms
+            t["decode_rows"] += record.decode_rows
+        if gap_ms is not None:
+            t["gaps"] += 1
+            t["gap_ms"] += gap_ms
+            t["gaps_over_5ms"] += gap_ms > 5.0
+
+    def info(self) -> dict:
+        """Totals and means (ms) since start: decode-only steps, steps with prompt tokens, gaps between steps."""
+        t = self.totals
+        return {**t, "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
+                "decode_rows_mean": t["decode_rows"] / max(1, t["decode_steps"]),
+                "prompt_step_ms_mean": t["prompt_ms"] / max(1, t["prompt_steps"]),
+                "step_gap_ms_mean": t["gap_ms"] / max(1, t["gaps"])}
 
 
 class PrefillBudget:

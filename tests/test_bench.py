@@ -85,6 +85,9 @@ def test_bench_goodput_small(tmp_path):
     assert [p["attainment"] for p in result["rates"]] == [0.0, 0.0] and result["goodput_rate"] == 0.0
     assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 3 and p["stall_ms"]["n"] == 3 for p in result["rates"])
     assert result["ttft_under_load"]["2"]["n"] >= 4
+    # per rate, the decode worker's step times over that rate alone (from /health): steps ran, gaps measured
+    (steps,) = [w for key, w in result["rates"][0]["step_times"].items() if key.startswith("decode:")]
+    assert steps["decode_steps"] > 0 and steps["decode_step_ms"] > 0 and steps["gap_ms"] >= 0
     assert "| tcp | 0 |" in (tmp_path / "g.md").read_text()
 
 
