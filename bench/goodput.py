@@ -16,7 +16,11 @@ longest stall). Rates: ``--rates`` in order until two are below half the
 target, or ``--search R``: double from R while the SLO is met, then bisect.
 A request still running TTFT + TPOT x its workload's longest output (+2 s)
 after the last arrival can no longer meet the SLO: it is cancelled and
-counted as a miss, so an overloaded rate ends rather than drains. Then
+counted as a miss, so an overloaded rate ends rather than drains; the next
+rate starts once no worker has anything in flight (the wait is recorded:
+work a cancelled request left behind shows there). Each rate also records
+every worker's step times over it (decode-only and prompt steps, the gaps
+between steps, from /health). Then
 closed-loop runs at each of ``--ttft-concurrency`` record TTFT median and
 p90. Writes JSON, Markdown and a plot of attainment vs rate per workload
 (``OUT-<workload>`` when several), rewritten after each configuration."""
@@ -27,6 +31,7 @@ import asyncio
 import json
 import os
 import shlex
+import time
 import urllib.request
 
 from .report import command_line
@@ -143,6 +148,26 @@ def step_times(url: str) -> dict:
             for w in ws if isinstance(w, dict) and isinstance(w.get("step_times"), dict)}
 
 
+BUSY_KEYS = ("outstanding", "active", "waiting", "queued", "pushing", "prefilling")
+
+
+def wait_idle(url: str, limit_s: float = 120.0) -> float | None:
+    """Seconds until no worker has anything in flight (what a rate before left: each rate starts from an idle
+    cluster), or None if it stayed busy ``limit_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                workers = json.loads(r.read()).get("workers", {})
+        except (OSError, ValueError):
+            workers = None
+        if workers is not None and not any(w.get(k) for ws in workers.values() if isinstance(ws, list)
+                                           for w in ws if isinstance(w, dict) for k in BUSY_KEYS):
+            return round(time.monotonic() - start, 2)
+        time.sleep(0.5)
+    return None
+
+
 def step_delta(before: dict, after: dict) -> dict:
     """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps."""
     out = {}
@@ -172,11 +197,13 @@ def sweep(name: str, url: str, args, workload: str) -> dict:
     result = {"name": name, "workload": workload, "rates": [], "ttft_under_load": {}}
 
     def probe(rate):
+        drained = wait_idle(url)
         before = step_times(url)
         rows, wall = _load(args, url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None),
                            workload, give_up_s(args, workload))
         point = point_of(rows, wall, rate, args)
         point["step_times"] = step_delta(before, step_times(url))
+        point["waited_idle_s"] = drained
         result["rates"].append(point)
         print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} within SLO (TTFT p90 "
               f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f}"

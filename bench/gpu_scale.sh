@@ -9,6 +9,9 @@
 #   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
 #   c32 over nccl: errors and per-phase wire times.
+# stall: why a P/D decode worker falls behind (3P1D stalled whole rates in session 24): 3P1D under the mixed
+#   workload at RATE (12) for 12 s, /health sampled every second (health-*.jsonl: queues, blocks, step times),
+#   every worker's stacks dumped (kill -USR1) at 8 s into the up log.
 # plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on
 #   GPU 0), printed next to the measured goodputs.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -66,6 +69,23 @@ for step in $steps; do
           2>&1 | grep -v "^  requests" | tail -22
         kill -INT $up; wait $up
       done ;;
+    stall)
+      PDSERVE_LOG_LEVEL=INFO $PY -m deploy.cli up --prefill 3 --decode 1 --gpus 4 --transport nccl $mistral \
+        --max-num-seqs 64 --port 8041 --ready-timeout 300 > "$OUT/up-stall-$TAG.log" 2>&1 &
+      up=$!
+      for i in $(seq 300); do curl -sf http://127.0.0.1:8041/health > /dev/null && break; sleep 1; done
+      timeout 120 $PY -m deploy.cli bench serve --url http://127.0.0.1:8041 --workload mixed --rate ${RATE:-12} \
+        --duration 12 --concurrency 1000 --slo-ttft-ms 2000 --slo-tpot-ms 10 --out "$OUT/serve-stall-$TAG" \
+        > "$OUT/serve-stall-$TAG.log" 2>&1 &
+      load=$!
+      for i in $(seq 40); do
+        echo "{\"t\": $i, \"health\": $(curl -s -m 2 http://127.0.0.1:8041/health || echo null)}" >> "$OUT/health-stall-$TAG.jsonl"
+        [ $i = 8 ] && pkill -USR1 -f "m deploy[.]cli .*(prefill|decode)"
+        kill -0 $load 2> /dev/null || break
+        sleep 1
+      done
+      wait $load; tail -12 "$OUT/serve-stall-$TAG.log"
+      kill -INT $up; wait $up ;;
     plan)
       for w in ${WORKLOADS//,/ }; do
         $PY -m deploy.cli plan --profile "$PROFILE" --gpus 4 --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 \

@@ -3,12 +3,11 @@ cancelled: they count as misses and their KV is freed on the server)."""
 import argparse
 import asyncio
 import json
-import time
 import urllib.request
 
 import pytest
 
-from bench.goodput import give_up_s, rates_to_try, workloads_of
+from bench.goodput import give_up_s, rates_to_try, wait_idle, workloads_of
 from bench.serve import run_load
 from bench.workload import lengths, longest_output
 
@@ -56,7 +55,5 @@ def test_requests_past_the_give_up_time_are_cancelled_and_free_their_kv(disagg):
     rows, _ = asyncio.run(run_load(ns))
     gave_up = [r for r in rows if (r["error"] or "").startswith("abandoned")]
     assert len(rows) == 6 and gave_up and sorted(r["index"] for r in rows) == list(range(6))
-    end = time.monotonic() + 20
-    while time.monotonic() < end and any(free != total or busy for total, free, busy in _decode_pools(disagg.url)):
-        time.sleep(0.2)
+    assert wait_idle(disagg.url, 20) is not None  # no worker keeps working for a request given up
     assert all(free == total and not busy for total, free, busy in _decode_pools(disagg.url))
