@@ -35,7 +35,7 @@ import time
 import urllib.request
 
 from .report import command_line
-from .serve import run_load, within
+from .serve import PHASES, run_load, within
 from .stats import summary
 from .workload import WORKLOADS, longest_output
 from .transfer import environment
@@ -134,7 +134,18 @@ def point_of(rows, wall, rate, args) -> dict:
             "abandoned": sum(1 for r in rows if (r["error"] or "").startswith("abandoned")),
             "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed),
             "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed), "stall_ms": summary(r["stall_ms"] for r in timed),
-            "disagg": {w: where.count(w) for w in sorted(set(where))}}
+            "second_token_ms": summary(r["itl_ms"][0] for r in timed if r["itl_ms"]),  # P/D: the KV handoff's gap
+            "pdserve_ms": phase_summaries(timed), "disagg": {w: where.count(w) for w in sorted(set(where))}}
+
+
+def phase_summaries(rows) -> dict:
+    """pdserve's per-request phases (queue, prefill, wire, exposed, decode, ...), summarised over ``rows``."""
+    out = {}
+    for phase in PHASES:
+        s = summary(r["pdserve"][phase] for r in rows if isinstance(r["pdserve"].get(phase), (int, float)))
+        if s:
+            out[phase] = s
+    return out
 
 
 def step_times(url: str) -> dict:
@@ -207,7 +218,8 @@ def sweep(name: str, url: str, args, workload: str) -> dict:
         result["rates"].append(point)
         print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} within SLO (TTFT p90 "
               f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f}"
-              f" ms, ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms, {point['abandoned']} "
+              f" ms, ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms, second token p90 "
+              f"{(point['second_token_ms'] or {}).get('p90', 0):.0f} ms, {point['abandoned']} "
               f"given up{_busiest(point['step_times'])})", flush=True)
         return point["attainment"]
 

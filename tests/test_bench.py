@@ -89,6 +89,8 @@ def test_bench_goodput_small(tmp_path):
     (steps,) = [w for key, w in result["rates"][0]["step_times"].items() if key.startswith("decode:")]
     assert steps["decode_steps"] > 0 and steps["decode_step_ms"] > 0 and steps["gap_ms"] >= 0
     assert all(p["waited_idle_s"] is not None for p in result["rates"])  # each rate started from an idle cluster
+    point = result["rates"][0]
+    assert point["second_token_ms"]["n"] == 3 and point["pdserve_ms"]["wire"]["n"] == 3
     assert "| tcp | 0 |" in (tmp_path / "g.md").read_text()
 
 
