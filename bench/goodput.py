@@ -10,7 +10,9 @@ shared ``--up-args``), e.g. ``1p1d=--transport nccl`` and
 comma-separated) runs against it in turn. Per workload, after a short
 warm-up, Poisson arrivals at each rate (``--requests`` each, or
 ``--duration`` seconds of them; the first ``--warmup-requests`` not counted;
-the same seeded workload everywhere) give the SLO attainment (errors count as
+the same seeded workload everywhere, distinct prompts at each rate: a
+prompt repeated from an earlier rate would hit the prefix cache) give the SLO
+attainment (errors count as
 misses; SLOs on TTFT, TPOT and, when given, each request's ITL p99 and
 longest stall). Rates: ``--rates`` in order until two are below half the
 target, or ``--search R``: double from R while the SLO is met, then bisect.
@@ -204,13 +206,21 @@ def _busiest(steps: dict) -> str:
             f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")
 
 
+def probe_seed(seed: int, workload: str, rate: float) -> int:
+    """The workload's seed for one rate: the same rate gets the same requests in every configuration, but no two
+    rates (nor workloads) share prompts: a prompt seen at an earlier rate would be served from the prefix cache
+    (no prefill at all), which no real workload of distinct prompts gets."""
+    return seed + round(rate * 1000) + 1_000_003 * (WORKLOADS.index(workload) + 1)
+
+
 def sweep(name: str, url: str, args, workload: str) -> dict:
     result = {"name": name, "workload": workload, "rates": [], "ttft_under_load": {}}
 
     def probe(rate):
         drained = wait_idle(url)
         before = step_times(url)
-        rows, wall = _load(args, url, rate, 100_000, args.requests, args.seed, getattr(args, "duration", None),
+        rows, wall = _load(args, url, rate, 100_000, args.requests, probe_seed(args.seed, workload, rate),
+                           getattr(args, "duration", None),
                            workload, give_up_s(args, workload))
         point = point_of(rows, wall, rate, args)
         point["step_times"] = step_delta(before, step_times(url))
@@ -225,7 +235,7 @@ def sweep(name: str, url: str, args, workload: str) -> dict:
 
     rates_to_try(args, probe)
     for c in [int(c) for c in args.ttft_concurrency.split(",") if c]:
-        rows, _ = _load(args, url, None, c, max(2 * c, 16), args.seed + c, workload=workload)
+        rows, _ = _load(args, url, None, c, max(2 * c, 16), probe_seed(args.seed, workload, -c), workload=workload)
         result["ttft_under_load"][str(c)] = summary(r["ttft_ms"] for r in rows if "ttft_ms" in r)
     ok = [p["rate"] for p in result["rates"] if p["attainment"] >= args.attainment]
     result["goodput_rate"] = max(ok) if ok else 0.0

@@ -57,3 +57,17 @@ def test_requests_past_the_give_up_time_are_cancelled_and_free_their_kv(disagg):
     assert len(rows) == 6 and gave_up and sorted(r["index"] for r in rows) == list(range(6))
     assert wait_idle(disagg.url, 20) is not None  # no worker keeps working for a request given up
     assert all(free == total and not busy for total, free, busy in _decode_pools(disagg.url))
+
+
+def test_each_rate_gets_its_own_prompts_so_none_hits_the_prefix_cache():
+    from bench.goodput import probe_seed
+    from bench.workload import build
+
+    def prompts(workload, rate):
+        return [r.prompt for r in build(40, "200:300", "4", probe_seed(0, workload, rate), workload=workload)]
+
+    a, b = prompts("long", 4.0), prompts("long", 8.0)
+    assert a == prompts("long", 4.0)  # the same rate: the same requests (every configuration sees them)
+    heads = {p[:48] for p in a}
+    assert len(heads) == len(a) and not heads & {p[:48] for p in b} and not heads & {p[:48] for p in
+                                                                                   prompts("mixed", 4.0)}
