@@ -175,7 +175,7 @@ def test_the_picks_shipped_for_this_gpu_are_used_unless_a_file_is_named(tmp_path
     assert shipped_picks.path_for("gemv", "NVIDIA H200") is None
     gemv = _gemv()
     monkeypatch.setattr(gemv, "_PICKS", {})
-    monkeypatch.setattr(gemv, "_SHIPPED", [])
+    monkeypatch.setattr(shipped_picks, "_loaded", set())
     monkeypatch.setattr(shipped_picks, "path_for", lambda kernel: shipped_picks.DIR / f"{kernel}-h100.json")
     monkeypatch.delenv("PDSERVE_GEMV_CONFIGS", raising=False)
     assert gemv.config_for(3072, 4096, False, False) == gemv.GemvConfig(4, 1024, 8, 2)

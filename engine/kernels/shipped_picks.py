@@ -6,6 +6,7 @@ kernel, merged over the model shapes swept (keys name the shapes, so one file se
 An environment variable naming a file (``PDSERVE_GEMV_CONFIGS``, ``PDSERVE_FEWROW_CONFIGS``) is used instead."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -29,3 +30,16 @@ def path_for(kernel: str, device_name: str | None = None) -> str | None:
     model = gpu_model(device_name)
     path = DIR / f"{kernel}-{model}.json"
     return str(path) if model and path.exists() else None
+
+
+_loaded: set[str] = set()  # kernels whose shipped picks were looked up
+
+
+def load_once(kernel: str, env: str, load) -> None:
+    """The first time ``kernel``'s tiles are asked for: ``load(path)`` of its shipped picks for this GPU (a path or
+    None), unless ``env`` names a file of picks (loaded by the kernel itself)."""
+    if kernel in _loaded:
+        return
+    _loaded.add(kernel)
+    if not os.environ.get(env):
+        load(path_for(kernel))

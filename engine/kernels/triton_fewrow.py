@@ -233,16 +233,10 @@ def linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 _PICKS: dict = {}
-_SHIPPED: list = []  # the shipped picks (``shipped_picks``) looked up, once
-
-
 def pick(kind: str, rows: int, n: int, k: int):
     """A sweep's tile for ``kind`` (``bf16`` or ``fp8`` weights) at ``rows`` rows, ``None`` where it found cuBLAS
     faster, or ``...`` where it measured nothing."""
-    if not _SHIPPED:
-        _SHIPPED.append(True)
-        if not os.environ.get("PDSERVE_FEWROW_CONFIGS"):  # a file named there replaces the shipped ones
-            load_picks(shipped_picks.path_for("fewrow"))
+    shipped_picks.load_once("fewrow", "PDSERVE_FEWROW_CONFIGS", load_picks)  # a file named there replaces them
     return _PICKS.get(pick_key(kind, rows, n, k), ...)
 
 

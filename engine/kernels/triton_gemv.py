@@ -245,17 +245,11 @@ _FITTED: dict = {}
 
 
 _PICKS: dict = {}
-_SHIPPED: list = []  # the shipped picks looked up (once, at the first tile asked for)
-
-
 def config_for(n: int, k: int, silu: bool, fp8: bool) -> GemvConfig:
     """The tile for an ``[n, k]`` projection (``n``: outputs after SiLU-times-up): a sweep's pick if one was
     loaded (``PDSERVE_GEMV_CONFIGS``, else the picks shipped for this GPU: ``shipped_picks``), else by kind, as the
     H200 sweep of the Mistral-7B shapes picked them."""
-    if not _SHIPPED:
-        _SHIPPED.append(True)
-        if not os.environ.get("PDSERVE_GEMV_CONFIGS"):  # a file named there replaces the shipped ones
-            load_picks(shipped_picks.path_for("gemv"))
+    shipped_picks.load_once("gemv", "PDSERVE_GEMV_CONFIGS", load_picks)  # a file named there replaces them
     pick = _PICKS.get(shape_key(n, k, silu, fp8))
     if pick is not None:
         return pick
