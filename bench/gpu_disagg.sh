@@ -31,18 +31,11 @@ for step in $steps; do
           --out "$OUT/serve-mixed-r$RATE-$name-$TAG" 2>&1 | grep -A12 "^| metric"
         kill -INT $up; wait $up
       done ;;
-    goodput)
-      for work in mid:1000:4000:128:512 long:6000:8000:128:256; do
-        IFS=: read name plo phi olo ohi <<< "$work"
-        timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --rates 1,2,3,4,5,6,8 \
-          --requests 200 --prompt-len $plo:$phi --max-tokens $olo:$ohi --ttft-concurrency "" \
-          --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
-          --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-$name-$TAG"
-      done
-      timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --rates 1,2,3,4,5,6,8 \
-        --requests 200 --workload mixed --ttft-concurrency "" --config "2x-colocated=--colocated --decode 2 --gpus 2" \
-        --config "1p1d=--transport nccl" --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" \
-        --out "$OUT/goodput-mixed-$TAG" ;;
+    goodput)  # every configuration started once; mid, long and mixed against it; distinct prompts per rate
+      timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --workload mid,long,mixed \
+        --search ${START:-2} --probes ${PROBES:-5} --duration ${DURATION:-15} --warmup-requests 10 --ttft-concurrency "" \
+        --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
+        --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-$TAG" ;;
     plan)
       $PY -m deploy.cli plan --profile "$OUT/engine-mistral7b-$TAG-profile.json" --gpus 2 --workload mixed $slo \
         --validate 2 --up-args "$model --max-num-seqs 64" --out "$OUT/plan-mixed-$TAG" ;;
