@@ -3,9 +3,10 @@
 # heterogeneous TP across roles, and pdserve plan's pick against what was measured. Random weights made on the GPU.
 #   OUT=bench/out/scale TAG=4xh100 bash bench/gpu_scale.sh [steps...]
 # mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
-#   (CONFIGS picks them: colocated 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto), TTFT <= 2 s, TPOT <= 10 ms.
-# llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas, Llama-3-70B shape (WORKLOADS, default
-#   mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
+#   (CONFIGS picks them: colocated colocated-capped 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto; -capped: steps
+#   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms.
+# llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas (plain and capped), Llama-3-70B shape
+#   (WORKLOADS70, default mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
 #   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
 #   c32 over nccl: errors and per-phase wire times.
@@ -30,6 +31,7 @@ llama="--model llama-3-70b --load-format dummy --dtype bfloat16 --max-model-len 
 config() {  # NAME -> "NAME=pdserve up arguments" on 4 GPUs
   case $1 in
     colocated) echo "4x-colocated=--colocated --decode 4 --gpus 4" ;;
+    colocated-capped) echo "4x-colocated-capped=--colocated --decode 4 --gpus 4 --slo-tpot-ms 10" ;;
     *p*d*)
       x=${1%%p*}; rest=${1#*p}; y=${rest%%d*}
       extra=""; [[ $1 == *-auto ]] && extra=" --disagg auto --slo-tpot-ms 10"
@@ -56,6 +58,7 @@ for step in $steps; do
         --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --ttft-concurrency "" \
         --config "1P1D-tp2=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl" \
         --config "2x-colocated-tp2=--colocated --decode 2 --tp 2 --gpus 4" \
+        --config "2x-colocated-tp2-capped=--colocated --decode 2 --tp 2 --gpus 4 --slo-tpot-ms $tpot" \
         --out "$OUT/goodput-4gpu-llama70b-tp2-$TAG" 2>&1 | grep -v "^  requests" ;;
     hetero)
       for layout in "p-tp2-to-2d=--prefill 1 --prefill-tp 2 --decode 2" "2p-to-d-tp2=--prefill 2 --decode 1 --decode-tp 2"; do
