@@ -7,7 +7,8 @@ import urllib.request
 
 import pytest
 
-from bench.goodput import give_up_s, rates_to_try, wait_idle, workloads_of
+from bench.goodput import give_up_s, rates_to_try, workloads_of
+from bench.health import wait_idle
 from bench.serve import run_load
 from bench.workload import lengths, longest_output
 

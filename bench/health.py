@@ -1,0 +1,63 @@
+"""What a running cluster's router says through ``/health`` about its workers, for the benchmarks: whether
+anything is still in flight (``wait_idle``), and each worker's step-time totals (``engine.step_budget.StepLog``:
+decode-only and prompt steps, the gaps between steps under work) taken before and after a run (``step_delta``)."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+def step_times(url: str) -> dict:
+    """Each worker's step-time totals (``StepLog``) by role and address, from the router's /health."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            workers = json.loads(r.read()).get("workers", {})
+    except (OSError, ValueError):
+        return {}
+    return {f"{role}:{w.get('address')}": w["step_times"] for role, ws in workers.items() if isinstance(ws, list)
+            for w in ws if isinstance(w, dict) and isinstance(w.get("step_times"), dict)}
+
+
+BUSY_KEYS = ("outstanding", "active", "waiting", "queued", "pushing", "prefilling")
+
+
+def wait_idle(url: str, limit_s: float = 120.0) -> float | None:
+    """Seconds until no worker has anything in flight (what a rate before left: each rate starts from an idle
+    cluster), or None if it stayed busy ``limit_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                workers = json.loads(r.read()).get("workers", {})
+        except (OSError, ValueError):
+            workers = None
+        if workers is not None and not any(w.get(k) for ws in workers.values() if isinstance(ws, list)
+                                           for w in ws if isinstance(w, dict) for k in BUSY_KEYS):
+            return round(time.monotonic() - start, 2)
+        time.sleep(0.5)
+    return None
+
+
+def step_delta(before: dict, after: dict) -> dict:
+    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps."""
+    out = {}
+    for key, a in after.items():
+        b = before.get(key, {})
+        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "prompt_steps",
+                                                   "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms")}
+        if d["decode_steps"] or d["prompt_steps"]:
+            out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
+                        "decode_step_ms": round(d["decode_ms"] / max(1, d["decode_steps"]), 3),
+                        "decode_rows_mean": round(d["decode_rows"] / max(1, d["decode_steps"]), 2),
+                        "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
+                        "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"]}
+    return out
+
+
+def busiest(steps: dict) -> str:
+    """The worker with the slowest decode-only steps: its step and gap means."""
+    if not steps:
+        return ""
+    key, w = max(steps.items(), key=lambda kv: kv[1]["decode_step_ms"])
+    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms at {w['decode_rows_mean']:.0f} rows, gaps "
+            f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")
