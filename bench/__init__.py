@@ -11,7 +11,8 @@ device against ``--pp 2`` against ``--tp 2`` over a shaped link, per-hop phases;
 agreement) and ``router`` (tokens/s one router process streams, fed by ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
 sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
-``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four GPUs)), ``engine_waves`` (``serve``'s closed-loop waves run on the
+``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four GPUs)), ``health`` (what a
+cluster's ``/health`` says: nothing in flight, each worker's step times), ``engine_waves`` (``serve``'s closed-loop waves run on the
 engine in-process: steps by kind, under prefill caps) and ``profile_engine`` (torch profiles of decode, prompt and
 mixed steps). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
 ``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from;
