@@ -100,21 +100,10 @@ class Stages:
 
     def agree(self, own: dict, blocks: int, address: str, timeout_s: float = START_TIMEOUT_S) -> int:
         """Wait for every stage's hello; refuse a stage that disagrees; send each its setup; the pool's blocks."""
-        hellos, deadline = {}, time.monotonic() + timeout_s
-        while len(hellos) < len(self.procs):
-            dead = [(s, p.returncode) for s, p in self.procs.items() if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"pipeline stage {dead[0][0]} exited during start-up (code {dead[0][1]})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"pipeline stages {sorted(set(self.procs) - set(hellos))} did not start in "
-                                   f"{timeout_s:.0f}s")
-            try:
-                msg = self.reports.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg.get("kind") == "hello":
-                self._check(msg, own)
-                hellos[msg["stage"]] = msg
+        hellos = {}
+        for msg in self._reports_of("hello", "did not start", timeout_s):
+            self._check(msg, own)
+            hellos[msg["stage"]] = msg
         blocks = min([blocks] + [m["blocks"] for m in hellos.values()])
         addresses = [address] + [hellos[s]["address"] for s in sorted(hellos)]
         for stage in self.procs:
@@ -124,21 +113,28 @@ class Stages:
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every stage has reported ``ready`` (its engine built); other reports stay queued."""
-        ready, other, deadline = set(), [], time.monotonic() + timeout_s
+        for _ in self._reports_of("ready", "not ready", timeout_s):
+            pass
+
+    def _reports_of(self, kind: str, failure: str, timeout_s: float):
+        """Each stage's report of ``kind``, as they come; reports of other kinds stay queued. Fails when a stage
+        exits first, or when one has not reported in ``timeout_s`` (``failure`` says how)."""
+        seen, other, deadline = set(), [], time.monotonic() + timeout_s
         try:
-            while len(ready) < len(self.procs):
+            while len(seen) < len(self.procs):
                 dead = [(s, p.returncode) for s, p in self.procs.items() if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"pipeline stage {dead[0][0]} exited during start-up (code {dead[0][1]})")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"pipeline stages {sorted(set(self.procs) - ready)} not ready in "
+                    raise RuntimeError(f"pipeline stages {sorted(set(self.procs) - seen)} {failure} in "
                                        f"{timeout_s:.0f}s")
                 try:
                     msg = self.reports.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if msg.get("kind") == "ready":
-                    ready.add(msg["stage"])
+                if msg.get("kind") == kind:
+                    seen.add(msg["stage"])
+                    yield msg
                 else:
                     other.append(msg)
         finally:
