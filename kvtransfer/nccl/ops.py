@@ -2,7 +2,10 @@
 two ranks of a ``pairs.Pair`` (``"send"``/``"recv"``), posted on a
 high-priority side stream and awaited while watching the control socket
 (``await_all``: a peer that hangs up aborts the pair, since a posted
-operation left behind would pair with the next transfer's), and the gather /
+operation left behind would pair with the next transfer's; the waiting thread
+naps between looks, longer as the wait grows (at most 1/20 of it, 1 ms), so a
+long transfer does not take the GIL from the engine's thread twenty thousand
+times a second), and the gather /
 scatter of KV pieces through one canonical buffer (``as_rows``: the buffer as
 ``[layers * 2 * tokens, kv_heads, head_dim]``)."""
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ..tensors import TORCH_DTYPES, unpack
 log = logging.getLogger(__name__)
 lock = threading.Lock()
 SPIN_S, CHECK_S, POLL_S = 0.05, 0.001, 0.001  # spin 50 ms (looking at the socket every 1 ms), then poll
-NAP_S = 50e-6
+NAP_S, NAP_MAX_S = 50e-6, 1e-3  # between looks at the operations: 50 us, growing to 1/20 of the wait so far, 1 ms
 side_streams: dict = {}
 
 
@@ -70,7 +73,7 @@ def await_all(works: list, device, sock, timeout_s: float, pair) -> None:
     while not done():
         now = time.perf_counter()
         if now < next_check:
-            time.sleep(NAP_S)
+            time.sleep(min(NAP_MAX_S, max(NAP_S, (now - start) / 20)))
             continue
         next_check = now + CHECK_S
         hung_up = peer_hung_up(sock, POLL_S if now - start > SPIN_S else 0)
