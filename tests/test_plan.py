@@ -131,3 +131,29 @@ def test_validate_measures_the_best_candidate_with_pdserve_up_here(tmp_path):
     (checked,) = report["validation"]
     assert checked["name"] == report["recommended"] and checked["predicted"] > 0 and checked["rates"]
     assert all(p["errors"] == 0 for p in checked["rates"]) and report["picked_vs_best_measured"] == 1.0
+
+
+def test_plan_candidates_pair_with_goodput_configurations_by_what_they_run(tmp_path):
+    """A bench goodput report's configurations and the plan's candidates match by their pdserve up arguments,
+    whatever their names; the pick is judged against the best measured."""
+    import json
+
+    from bench.plan.measured import compare, measured_goodputs, shape_of
+
+    assert shape_of("--colocated --decode 4 --gpus 4".split()) == shape_of(
+        "--model m --colocated --decode 4 --gpus 4 --max-num-seqs 64".split())
+    assert shape_of("--prefill 3 --decode 1 --gpus 4 --transport nccl".split()) != shape_of(
+        "--prefill 3 --decode 1 --gpus 4 --transport nccl --disagg auto --slo-tpot-ms 10".split())
+    assert shape_of("--colocated --decode 2 --tp 2".split())[3:5] == (2, 2)
+    report = {"results": [
+        {"name": "4x-colocated", "goodput_rate": 12.0, "up_args": "--colocated --decode 4 --gpus 4 --model m".split()},
+        {"name": "3P1D", "goodput_rate": 9.0, "up_args": "--prefill 3 --decode 1 --gpus 4 --transport nccl".split()}]}
+    (tmp_path / "g.json").write_text(json.dumps(report))
+    ranked = [{"name": "3P1D", "goodput": 14.0, "up": "pdserve up --model m --prefill 3 --decode 1 --gpus 4 "
+               "--transport nccl"},
+              {"name": "2P2D", "goodput": 10.0, "up": "pdserve up --model m --prefill 2 --decode 2 --gpus 4 "
+               "--transport nccl"},
+              {"name": "4x colocated tp1", "goodput": 7.0, "up": "pdserve up --model m --colocated --decode 4 --gpus 4"}]
+    result = compare(ranked, measured_goodputs([str(tmp_path / "g.json")]))
+    assert [r["measured"] for r in result["rows"]] == [9.0, None, 12.0]
+    assert result["best_measured"] == "4x colocated tp1" and result["pick_vs_best"] == 0.75

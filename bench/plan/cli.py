@@ -48,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--up-args", default="", help="--validate: arguments every pdserve up gets (e.g. --load-format "
                    "dummy --dtype bfloat16)")
     p.add_argument("--validate-requests", type=int, default=60)
+    p.add_argument("--measured", action="append", default=[], help="a bench goodput report (repeatable): each "
+                   "candidate beside its measured goodput, and the pick's against the best measured")
     p.add_argument("--out", default="bench/out/plan")
     kinds = p.add_subparsers(dest="plan_kind")
     from . import placement_cli
@@ -141,6 +143,12 @@ def run(args) -> int:
         top = max(report["validation"], key=lambda v: v["measured"])
         report["picked_vs_best_measured"] = (report["validation"][0]["measured"] / top["measured"]
                                              if top["measured"] else None)
+    if args.measured:
+        from . import measured
+
+        report["measured"] = measured.compare(report["candidates"], measured.measured_goodputs(args.measured))
+        md += "\n\nAgainst the measurements (" + ", ".join(args.measured) + "):\n\n" + measured.table(report["measured"])
+        print("\n" + measured.table(report["measured"]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
