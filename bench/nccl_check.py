@@ -266,7 +266,7 @@ def send_pieces(s, dest, device) -> int:
     """KV in the blocks of a paged pool sent as pieces (into blocks of another block size, into a buffer), and
     whole tensors into blocks; returns the bytes the piece sends staged (none expected)."""
     from engine.kv_pool import KVPool
-    from kvtransfer import PiecewiseKV
+    from kvtransfer import PiecewiseKV, PoolRows
     from kvtransfer.tensors import layout_of
 
     L, H, T, D = PIECES
@@ -274,8 +274,9 @@ def send_pieces(s, dest, device) -> int:
     pool = KVPool(L, 32, 16, H, D, torch.bfloat16, device)
     pool.scatter(SRC_TABLE, want)
     layout, before = layout_of(want), s.staged_bytes
-    pieces = PiecewiseKV(layout, pool.pieces(SRC_TABLE, T))
-    s.send(dest, "pieces-into-blocks", layout, pieces)
+    rows = PiecewiseKV(layout, PoolRows(pool.flat, pool.spans(SRC_TABLE, T)))  # copied by index
+    pieces = PiecewiseKV(layout, pool.pieces(SRC_TABLE, T))  # a list of views: copied by ``cat``
+    s.send(dest, "pieces-into-blocks", layout, rows)
     s.send(dest, "pieces-into-buffer", layout, pieces)
     staged = s.staged_bytes - before
     s.send(dest, "whole-into-blocks", layout, want)
@@ -299,15 +300,17 @@ def land_in_blocks(r, device):
     """A decode-like pool of 8-token blocks that the transfers named in ``DST_TABLES`` land in; the "/blocks"
     payloads land in consecutive blocks of a pool made for their shape."""
     from engine.kv_pool import KVPool
-    from kvtransfer import Landing, PiecewiseKV
+    from kvtransfer import Landing, PiecewiseKV, PoolRows
     from kvtransfer.tensors import TORCH_DTYPES
 
     L, H, T, D = PIECES
     pool, pools = KVPool(L, 64, 8, H, D, torch.bfloat16, device), {}
 
     def land(tid, layout):
-        if tid in DST_TABLES:
-            return Landing(PiecewiseKV(layout, pool.pieces(DST_TABLES[tid], T)), lambda: None)
+        if tid in DST_TABLES:  # into blocks by index (``PoolRows``), or through a list of views
+            table = DST_TABLES[tid]
+            rows = PoolRows(pool.flat, pool.spans(table, T)) if tid == "pieces-into-blocks" else pool.pieces(table, T)
+            return Landing(PiecewiseKV(layout, rows), lambda: None)
         if "/blocks-" not in tid:
             return None
         key = tid.rsplit("-", 1)[0]

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine import RequestError
 from engine.requests import first_message, new_sequence
-from kvtransfer import PiecewiseKV, TransferError, TransportConfig, make_sender
+from kvtransfer import PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
 from prefill.pushes import kv_suffix, push_ended
 
 from .worker import DecodeWorker
@@ -123,7 +123,7 @@ class MixedWorker(DecodeWorker):
         """Send the prompt's KV (less the blocks the decode worker holds) from the blocks, or a copy of them."""
         layout, table, _ = kv_suffix(self.engine, seq, skip)
         if self.sender.takes_pieces(self.engine.device):
-            kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
+            kv = PiecewiseKV(layout, PoolRows(*self.engine.rows(table, layout.num_tokens)))
             self.sending[seq.rid] = seq
         else:
             try:

@@ -32,7 +32,8 @@ from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
-from kvtransfer import KVLayout, Landing, PiecewiseKV, TransferError, TransferStatus, TransportConfig, make_receiver
+from kvtransfer import (KVLayout, Landing, PiecewiseKV, PoolRows, TransferError, TransferStatus, TransportConfig,
+                        make_receiver)
 from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
@@ -200,7 +201,7 @@ class DecodeWorker(WorkerLoop):
             held = self.landing.pop(tid, None)
             if held is not None:
                 self.engine.release(held)
-        return Landing(PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens)), release)
+        return Landing(PiecewiseKV(layout, PoolRows(*self.engine.rows(table, layout.num_tokens))), release)
 
     def start_live(self, seq, phases) -> None:
         self.kv_landed += 1

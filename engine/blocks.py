@@ -1,7 +1,13 @@
 """Block allocation for the paged KV pool: reference-counted blocks, a block
 table per sequence, all blocks free again once every sequence let go. Free blocks are handed out
-lowest id first, so a sequence's blocks tend to be one run of consecutive
-ids (transports move a run as one piece) even after much churn.
+lowest id first, and the blocks one ``grow`` takes go into the table in
+ascending order, so a sequence's blocks tend to be a few runs of consecutive
+ids (transports move a run as one piece) even after much churn: once the
+prefix cache holds the whole pool, the blocks evicted for a new sequence are
+mostly those an earlier sequence let go together, and sorted they are its
+runs again (taken one by one in eviction order they came out last first, a
+piece per block: KV of 7k tokens in 440 pieces, whose gather and scatter held
+the GIL for tens of milliseconds a transfer).
 
 Prefix cache (``caching``): a full block registered under its chained hash
 (``prefix_hash``) stays cached when its last user lets go, and is handed out
@@ -71,10 +77,10 @@ class BlockManager:
             need = self.blocks_for(tokens) - len(table)
             if need > self.num_free:
                 raise OutOfBlocks(f"{need} blocks needed, {self.num_free} free")
-            for _ in range(need):
-                block = self._pop_free()
+            taken = sorted(self._pop_free() for _ in range(need))
+            for block in taken:
                 self.refs[block] = 1
-                table.append(block)
+            table.extend(taken)
 
     def share(self, table: list[int]) -> list[int]:
         with self.lock:

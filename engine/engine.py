@@ -188,6 +188,11 @@ class Engine:
         """Per layer ``(k_pieces, v_pieces)``: the canonical KV of ``tokens`` tokens as views of these blocks."""
         return self.pool.pieces(table, tokens)
 
+    def rows(self, table: list[int], tokens: int) -> tuple[list, list]:
+        """The same KV as ``(flat, spans)``: per layer the flat pool tensors ``(k, v)``, and the rows of them it
+        occupies (what ``kvtransfer.pieces.PoolRows`` takes: pieces made on demand, copies by index)."""
+        return self.pool.flat, self.pool.spans(table, tokens)
+
     def adopt(self, seq: Sequence, table: list[int]) -> None:
         """Start ``seq`` whose prompt's KV already sits in ``table`` (received straight into the blocks)."""
         seq.block_table = table

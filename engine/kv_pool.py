@@ -37,9 +37,9 @@ class KVPool:
     def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
         return block_slots(torch.tensor(table, dtype=torch.long, device=device), self.block_size, tokens)
 
-    def pieces(self, table: list[int], tokens: int) -> list:
-        """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks, one per run of consecutive block ids
-        (the last cut to its tokens)."""
+    def spans(self, table: list[int], tokens: int) -> list[tuple[int, int]]:
+        """Rows ``[start, end)`` of the flat pool (``flat``) holding the sequence's first ``tokens`` tokens, one
+        span per run of consecutive block ids (the last cut to its tokens)."""
         spans, start = [], 0
         for i in range(1, len(table) + 1):
             if i == len(table) or table[i] != table[i - 1] + 1:
@@ -47,6 +47,11 @@ class KVPool:
                 if t > 0:
                     spans.append((table[start] * self.block_size, table[start] * self.block_size + t))
                 start = i
+        return spans
+
+    def pieces(self, table: list[int], tokens: int) -> list:
+        """Per layer ``(k_pieces, v_pieces)``: views of the sequence's blocks, one per span (``spans``)."""
+        spans = self.spans(table, tokens)
         return [([kf[s:e] for s, e in spans], [vf[s:e] for s, e in spans]) for kf, vf in self.flat]
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -4,9 +4,10 @@ from .base import KVReceiver, KVSender, ReceivedKV, SourceKV, TransferError, Tra
 from .layout import KVLayout, LayoutError
 from .phases import PHASES, PhaseTimes
 from .pieces import Landing, PiecewiseKV
+from .pool_rows import PoolRows
 from .registry import TransportUnavailable, make_receiver, make_sender, names
 
 __all__ = [
     "KVLayout", "LayoutError", "KVReceiver", "KVSender", "ReceivedKV", "SourceKV", "TransferError", "TransferStatus",
-    "TransportConfig", "PHASES", "PhaseTimes", "Landing", "PiecewiseKV", "TransportUnavailable", "make_receiver", "make_sender", "names",
+    "TransportConfig", "PHASES", "PhaseTimes", "Landing", "PiecewiseKV", "PoolRows", "TransportUnavailable", "make_receiver", "make_sender", "names",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from . import frames
 from .layout import KVLayout
+from .pool_rows import PoolRows
 from .tensors import TORCH_DTYPES, as_bytes
 
 
@@ -26,7 +27,7 @@ class PiecewiseKV:
     layer ``i`` is written (on a GPU: until its event completed). Senders call ``ready(i)`` before reading layer
     ``i``."""
     layout: KVLayout
-    layers: list
+    layers: list  # per layer (k_pieces, v_pieces): a list, or a ``PoolRows`` (pieces on demand, copies by index)
     gate: object = None
 
     def ready(self, layer: int) -> float:
@@ -44,6 +45,9 @@ class PiecewiseKV:
         dtype, shape = TORCH_DTYPES[self.layout.dtype], self.layout.tensor_shape
         if len(self.layers) != self.layout.num_layers:
             raise ValueError(f"{len(self.layers)} layers, layout declares {self.layout.num_layers}")
+        if isinstance(self.layers, PoolRows):
+            self.layers.check(dtype, shape)
+            return self
         for k_pieces, v_pieces in self.layers:
             for pieces in (k_pieces, v_pieces):
                 if sum(p.shape[0] for p in pieces) != shape[0]:
@@ -120,6 +124,8 @@ def block_runs(grant: dict, layout, segment_bytes: int | None = None) -> list:
 
 def piece_tokens(kv: PiecewiseKV) -> list[int]:
     """Tokens in each piece (the same in every layer, K and V alike: pieces come from one block table)."""
+    if isinstance(kv.layers, PoolRows):
+        return kv.layers.piece_tokens()
     return [p.shape[0] for p in kv.layers[0][0]]
 
 

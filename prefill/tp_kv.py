@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.parallel.heads import kv_range, piece_id, recv_pieces, send_pieces
 from engine.pipeline.split import layer_pieces
 from engine.progress import LayerProgress, ShiftedGate, StepFailed
-from kvtransfer import KVLayout, PiecewiseKV, TransferError, make_sender
+from kvtransfer import KVLayout, PiecewiseKV, PoolRows, TransferError, make_sender
 from kvtransfer import spec as transport_spec
 from kvtransfer.phases import PHASES, PhaseTimes, merge_ranks
 from kvtransfer.convert import layout_for
@@ -81,7 +81,7 @@ def push_slices(engine, sender, rid: str, dests: list, table: list, tokens: int,
                 layout = layout_for((l1 - l0, hi - lo, spec.head_dim), tokens, engine.kv_dtype,
                                     engine.kv_scales[a:b] if engine.kv_scales else None)  # FP8: these layers' scales
                 if (lo - own, hi - own) == (0, engine.heads.kv_heads) and sender.takes_pieces(engine.device):
-                    pieces = pieces or engine.pieces(table, tokens)
+                    pieces = pieces or PoolRows(*engine.rows(table, tokens))
                     kv = PiecewiseKV(layout, pieces[a:b], gate=ShiftedGate(progress, a) if progress else None)
                 else:
                     if progress is not None:

@@ -38,7 +38,7 @@ from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
-from kvtransfer import KVLayout, PiecewiseKV, TransferError, TransportConfig, make_sender
+from kvtransfer import KVLayout, PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
 
 from .pushes import kv_suffix, push_ended
@@ -219,7 +219,7 @@ class PrefillWorker(WorkerLoop):
             if self._grouped(dest):
                 self._start_group_push(seq, dest, layout, table, self.progress)
                 continue
-            kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens), gate=self.progress)
+            kv = PiecewiseKV(layout, PoolRows(*self.engine.rows(table, layout.num_tokens)), gate=self.progress)
             self.streamed += 1
             self._start_push(seq, dest, layout, kv, self.progress)
         return self.progress
@@ -280,7 +280,7 @@ class PrefillWorker(WorkerLoop):
         if self._grouped(dest):
             return self._start_group_push(seq, dest, layout, table, now)
         if self.paged and self.sender.takes_pieces(self.engine.device):
-            kv = PiecewiseKV(layout, self.engine.pieces(table, layout.num_tokens))
+            kv = PiecewiseKV(layout, PoolRows(*self.engine.rows(table, layout.num_tokens)))
             return self._start_push(seq, dest, layout, kv, now)
         source = self.sender.alloc(layout, str(self.engine.device)) if self.paged else None
         meta = None

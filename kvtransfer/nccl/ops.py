@@ -5,9 +5,10 @@ high-priority side stream and awaited while watching the control socket
 operation left behind would pair with the next transfer's; the waiting thread
 naps between looks, longer as the wait grows (at most 1/20 of it, 1 ms), so a
 long transfer does not take the GIL from the engine's thread twenty thousand
-times a second), and the gather /
-scatter of KV pieces through one canonical buffer (``as_rows``: the buffer as
-``[layers * 2 * tokens, kv_heads, head_dim]``)."""
+times a second), and the gather / scatter of KV pieces through one canonical
+buffer (``as_rows``: the buffer as ``[layers * 2 * tokens, kv_heads,
+head_dim]``; KV in a pool's rows, ``PoolRows``, is copied by index: one kernel
+per layer and side however scattered its blocks)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +20,7 @@ import torch
 
 from ..base import TransferError
 from ..pieces import common_cuts, segments
+from ..pool_rows import PoolRows
 from ..sockets import peer_hung_up
 from ..tensors import TORCH_DTYPES, unpack
 
@@ -101,22 +103,37 @@ def flat_pieces(pieces: list) -> list:
 
 
 def gather(pieces: list, buffer: torch.Tensor, layout) -> None:
+    """``pieces``' layers copied into ``buffer`` (canonical bytes of them): by index from ``PoolRows``."""
     with on_side(buffer.device):
-        torch.cat(flat_pieces(pieces), dim=0, out=as_rows(buffer, layout))
+        if isinstance(pieces, PoolRows):
+            pieces.copy_out(lambda i: layer_rows(buffer, layout, i))
+        else:
+            torch.cat(flat_pieces(pieces), dim=0, out=as_rows(buffer, layout, len(pieces) * layout.layer_nbytes))
 
 
 def scatter(buffer: torch.Tensor, pieces: list, layout, sync: bool = True) -> None:
-    """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces``."""
-    dst = flat_pieces(pieces)
-    rows = as_rows(buffer, layout, len(pieces) * layout.layer_nbytes)
+    """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces`` (by index into ``PoolRows``)."""
     with on_side(buffer.device):
-        torch._foreach_copy_(dst, list(rows.split([p.shape[0] for p in dst])))
+        if isinstance(pieces, PoolRows):
+            pieces.copy_in(lambda i: layer_rows(buffer, layout, i))
+        else:
+            dst = flat_pieces(pieces)
+            rows = as_rows(buffer, layout, len(pieces) * layout.layer_nbytes)
+            torch._foreach_copy_(dst, list(rows.split([p.shape[0] for p in dst])))
     if sync and buffer.is_cuda:
         side_stream(buffer.device).synchronize()
 
 
 def layer_bytes(buffer: torch.Tensor, layout, i: int) -> torch.Tensor:
     return buffer[layout.layer_offset(i):layout.layer_offset(i) + layout.layer_nbytes]
+
+
+def layer_rows(buffer: torch.Tensor, layout, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s K and V in a canonical buffer as ``[tokens, heads, dim * itemsize]`` bytes each."""
+    tokens, heads, dim = layout.tensor_shape
+    k = buffer[layout.layer_offset(i):layout.layer_offset(i) + layout.tensor_nbytes]
+    v = buffer[layout.layer_offset(i) + layout.tensor_nbytes:layout.layer_offset(i) + layout.layer_nbytes]
+    return tuple(t.view(tokens, heads, dim * layout.itemsize) for t in (k, v))
 
 
 def count_cuts(mine: list | None, theirs: list[int] | None, tokens: int) -> int:

@@ -79,7 +79,7 @@ from ..base import ReceivedKV, TransferError
 from ..pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
 from ..pool import BufferPool, PoolExhausted
 from ..sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
-from .ops import (as_rows, await_all, count_cuts, flat_pieces, gather, layer_bytes, lock, on_side, p2p, p2p_all,
+from .ops import (await_all, count_cuts, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
 from . import same_gpu
 from .pairs import Pairs
@@ -243,15 +243,13 @@ class NcclSender(SocketSender):
                 works = post([("send", staging[:nbytes])], dst)
             else:
                 works = []
-                for i, layer in enumerate(kv.layers):
+                for i in range(len(kv.layers)):
                     try:
                         waited += kv.ready(i)  # on the host: no operation waits on either GPU while layers compute
                     except Exception:  # the forward failed: let the posted sends (all received) finish with the buffer
                         await_all(works, self.device, sock, self.cfg.timeout_s, dst)
                         raise
-                    with on_side(self.device):
-                        rows = as_rows(layer_bytes(staging, layout, i), layout, layout.layer_nbytes)
-                        torch.cat(flat_pieces([layer]), dim=0, out=rows)
+                    gather(kv.layers[i:i + 1], layer_bytes(staging, layout, i), layout)
                     sock.sendall(frames.prefix(frames.LAYER, i, layout.layer_nbytes))
                     works += post([("send", layer_bytes(staging, layout, i))], dst)
             self.gathered_bytes += nbytes
@@ -363,7 +361,7 @@ class NcclReceiver(SocketReceiver):
             if self.device.type == "cuda" and mine is not None:
                 with on_side(self.device):
                     works[-1].wait()
-                scatter(layer_bytes(buf, layout, i), [mine[i]], layout, sync=False)
+                scatter(layer_bytes(buf, layout, i), mine[i:i + 1], layout, sync=False)
         await_all(works, self.device, sock, self.cfg.timeout_s, peer)
         if mine is not None and self.device.type != "cuda":
             scatter(buf, mine, layout)
