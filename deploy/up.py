@@ -173,17 +173,33 @@ def plan(args) -> list[list[str]]:
 
 
 def wait_ready(url: str, procs, timeout: float) -> dict:
-    end = time.monotonic() + timeout
+    """The router's /health once every worker it knows is healthy (a worker still loading its model would leave
+    the first requests, and a benchmark's first rate, to part of the cluster)."""
+    end, waiting = time.monotonic() + timeout, "the router"
     while time.monotonic() < end:
         dead = [p for p in procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return json.loads(r.read())
+                health = json.loads(r.read())
         except OSError:
             time.sleep(0.3)
-    raise TimeoutError(f"cluster not healthy after {timeout:.0f}s")
+            continue
+        loading = unhealthy_workers(health)
+        if not loading:
+            return health
+        waiting = ", ".join(loading)
+        time.sleep(0.3)
+    raise TimeoutError(f"cluster not healthy after {timeout:.0f}s (waiting for {waiting})")
+
+
+def unhealthy_workers(health: dict) -> list[str]:
+    """``role address`` of each worker the router's /health lists as not healthy (none listed: the router's)."""
+    workers = health.get("workers") or {}
+    if not any(workers.values()):
+        return ["workers to register"]
+    return [f"{role} {w.get('address')}" for role, group in workers.items() for w in group if not w.get("healthy")]
 
 
 def stop(procs, grace: float = 30.0) -> None:

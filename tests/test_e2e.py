@@ -212,8 +212,9 @@ def test_colocated_reports_no_transfer(colocated):
 def test_two_by_two_cluster_round_robin_and_clean_stop(runner):
     cluster = Cluster("--prefill", "2", "--decode", "2", "--policy", "round_robin").wait_ready()
     try:
-        health = httpx.get(cluster.url + "/health").json()
+        health = httpx.get(cluster.url + "/health").json()  # up says it is up once every worker is
         assert len(health["workers"]["prefill"]) == 2 and len(health["workers"]["decode"]) == 2
+        assert all(w["healthy"] for group in health["workers"].values() for w in group)
         prompts = [f"p{i}" for i in range(6)]
         with ThreadPoolExecutor(6) as pool:
             got = list(pool.map(lambda p: complete(cluster.url, prompt=p, max_tokens=10)["choices"][0]["text"], prompts))

@@ -87,3 +87,13 @@ def test_supervisor_backs_off_and_gives_up(tmp_path):
     fatal = sup.add(Child("router", ["python3", "-c", "pass"], dict(os.environ), restartable=False))
     fatal.proc.wait()
     assert sup.check() is fatal
+
+
+def test_up_waits_for_every_worker_not_just_the_router():
+    from deploy.up import unhealthy_workers
+    loading = {"workers": {"prefill": [{"address": "tcp://a", "healthy": True}],
+                           "decode": [{"address": "tcp://b", "healthy": False}, {"address": "tcp://c", "healthy": True}]}}
+    assert unhealthy_workers(loading) == ["decode tcp://b"]
+    assert unhealthy_workers({"workers": {"prefill": [], "decode": []}}) == ["workers to register"]
+    ready = {"workers": {"colocated": [{"address": "tcp://a", "healthy": True}]}}
+    assert unhealthy_workers(ready) == []
