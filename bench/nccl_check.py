@@ -274,7 +274,7 @@ def send_pieces(s, dest, device) -> int:
     pool = KVPool(L, 32, 16, H, D, torch.bfloat16, device)
     pool.scatter(SRC_TABLE, want)
     layout, before = layout_of(want), s.staged_bytes
-    rows = PiecewiseKV(layout, PoolRows(pool.flat, pool.spans(SRC_TABLE, T)))  # copied by index
+    rows = PiecewiseKV(layout, PoolRows(pool.flat, pool.spans(SRC_TABLE, T), index_above=0))  # copied by index
     pieces = PiecewiseKV(layout, pool.pieces(SRC_TABLE, T))  # a list of views: copied by ``cat``
     s.send(dest, "pieces-into-blocks", layout, rows)
     s.send(dest, "pieces-into-buffer", layout, pieces)
@@ -309,7 +309,7 @@ def land_in_blocks(r, device):
     def land(tid, layout):
         if tid in DST_TABLES:  # into blocks by index (``PoolRows``), or through a list of views
             table = DST_TABLES[tid]
-            rows = PoolRows(pool.flat, pool.spans(table, T)) if tid == "pieces-into-blocks" else pool.pieces(table, T)
+            rows = PoolRows(pool.flat, pool.spans(table, T), 0) if tid == "pieces-into-blocks" else pool.pieces(table, T)
             return Landing(PiecewiseKV(layout, rows), lambda: None)
         if "/blocks-" not in tid:
             return None

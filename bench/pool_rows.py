@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -51,7 +52,7 @@ def time_copy(pool, table, tokens, kind: str, repeats: int) -> float:
     for _ in range(repeats + 1):
         sync(device)
         start = time.perf_counter()
-        layers = PoolRows(*pool_rows(pool, table, tokens)) if kind == "rows" else pool.pieces(table, tokens)
+        layers = PoolRows(*pool_rows(pool, table, tokens), index_above=0) if kind == "rows" else pool.pieces(table, tokens)
         kv = PiecewiseKV(layout, layers).check()
         gather(kv.layers, buffer, layout)
         scatter(buffer, kv.layers, layout)
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
     runs_seen = churn(30275, 400)
     quarters = [round(statistics.mean(runs_seen[i:i + 100]), 1) for i in range(0, 400, 100)]
     print(f"runs per new 6-8k-token sequence through churn, by hundred: {quarters}")
-    report = {"command": "python -m bench.pool_rows " + " ".join(argv or []), "device": str(device),
+    report = {"command": "python -m bench.pool_rows " + " ".join(sys.argv[1:] if argv is None else argv), "device": str(device),
               "geometry": {"layers": args.layers, "heads": args.heads, "dim": args.dim, "tokens": args.tokens},
               "copies": rows, "churn_runs_by_hundred": quarters}
     if args.out:

@@ -49,11 +49,12 @@ def _rows(pool):
     return pool.flat, pool.spans(TABLE, TOKENS)
 
 
+@pytest.mark.parametrize("index_above", [0, 8], ids=["by-index", "by-views"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gather_and_scatter_by_index_equal_the_cat_path(dtype):
+def test_gather_and_scatter_by_index_equal_the_cat_path(dtype, index_above):
     src = filled_pool(dtype)
     kv_list = PiecewiseKV(layout_of(src.gather(TABLE, TOKENS)), src.pieces(TABLE, TOKENS)).check()
-    kv_rows = PiecewiseKV(kv_list.layout, PoolRows(*_rows(src))).check()
+    kv_rows = PiecewiseKV(kv_list.layout, PoolRows(*_rows(src), index_above)).check()  # 4 spans
     assert piece_tokens(kv_rows) == piece_tokens(kv_list)
     nbytes = kv_list.layout.total_nbytes
     by_cat, by_index = torch.zeros(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
@@ -63,7 +64,7 @@ def test_gather_and_scatter_by_index_equal_the_cat_path(dtype):
 
     dst = KVPool(3, 12, 4, 2, 8, dtype, "cpu")
     table = [11, 3, 4, 8, 1, 6, 7]
-    scatter(by_index, PoolRows(dst.flat, dst.spans(table, TOKENS)), kv_rows.layout)
+    scatter(by_index, PoolRows(dst.flat, dst.spans(table, TOKENS), index_above), kv_rows.layout)
     for (k0, v0), (k1, v1) in zip(as_bytes(src.gather(TABLE, TOKENS)), as_bytes(dst.gather(table, TOKENS))):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     untouched = [b for b in range(12) if b not in table]

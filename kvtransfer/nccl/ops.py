@@ -103,9 +103,9 @@ def flat_pieces(pieces: list) -> list:
 
 
 def gather(pieces: list, buffer: torch.Tensor, layout) -> None:
-    """``pieces``' layers copied into ``buffer`` (canonical bytes of them): by index from ``PoolRows``."""
+    """``pieces``' layers copied into ``buffer`` (canonical bytes of them): by index from many ``PoolRows`` spans."""
     with on_side(buffer.device):
-        if isinstance(pieces, PoolRows):
+        if isinstance(pieces, PoolRows) and pieces.by_index:
             pieces.copy_out(lambda i: layer_rows(buffer, layout, i))
         else:
             torch.cat(flat_pieces(pieces), dim=0, out=as_rows(buffer, layout, len(pieces) * layout.layer_nbytes))
@@ -114,7 +114,7 @@ def gather(pieces: list, buffer: torch.Tensor, layout) -> None:
 def scatter(buffer: torch.Tensor, pieces: list, layout, sync: bool = True) -> None:
     """``buffer`` (canonical bytes of ``pieces``' layers) copied into ``pieces`` (by index into ``PoolRows``)."""
     with on_side(buffer.device):
-        if isinstance(pieces, PoolRows):
+        if isinstance(pieces, PoolRows) and pieces.by_index:
             pieces.copy_in(lambda i: layer_rows(buffer, layout, i))
         else:
             dst = flat_pieces(pieces)
