@@ -43,12 +43,13 @@ def step_delta(before: dict, after: dict) -> dict:
     out = {}
     for key, a in after.items():
         b = before.get(key, {})
-        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "prompt_steps",
-                                                   "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms")}
+        d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "decode_context",
+                                                   "prompt_steps", "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms")}
         if d["decode_steps"] or d["prompt_steps"]:
             out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
                         "decode_step_ms": round(d["decode_ms"] / max(1, d["decode_steps"]), 3),
                         "decode_rows_mean": round(d["decode_rows"] / max(1, d["decode_steps"]), 2),
+                        "decode_context_mean": round(d["decode_context"] / max(1, d["decode_rows"])),
                         "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
                         "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"]}
     return out
@@ -59,5 +60,6 @@ def busiest(steps: dict) -> str:
     if not steps:
         return ""
     key, w = max(steps.items(), key=lambda kv: kv[1]["decode_step_ms"])
-    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms at {w['decode_rows_mean']:.0f} rows, gaps "
+    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms at {w['decode_rows_mean']:.0f} rows of "
+            f"{w.get('decode_context_mean', 0):.0f} tokens, gaps "
             f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")

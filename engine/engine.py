@@ -249,7 +249,8 @@ class Engine:
         self._last_step_end = end if out.scheduled and self.has_work else None  # gaps counted only under work
         if out.scheduled:
             rows = out.decode_rows
-            record = StepRecord(rows, out.batch_tokens - rows, (end - start) * 1e3)
+            context = sum(seq.num_tokens for seq in out.scheduled[:rows])
+            record = StepRecord(rows, out.batch_tokens - rows, (end - start) * 1e3, context)
             self.step_log.add(record, gap)
             if self.prefill_budget.active:
                 self.prefill_budget.observe(record)

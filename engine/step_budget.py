@@ -25,7 +25,8 @@ better, and steps stay as short as that allows.
 ``StepLog`` keeps what the recent steps took, for the worker's ``info``
 and tests: decode rows, prompt tokens, milliseconds; and running totals
 that tell where a decode worker's time goes under load: decode-only and
-mixed steps (count, milliseconds) and the gaps between one step's end and
+mixed steps (count, milliseconds; of decode-only steps the rows and their
+context, the tokens their attention reads) and the gaps between one step's end and
 the next one's start while there was work (host time outside steps: the
 control plane, KV arriving, the GIL)."""
 from __future__ import annotations
@@ -43,6 +44,7 @@ class StepRecord:
     decode_rows: int
     prompt_tokens: int
     ms: float
+    context_tokens: int = 0  # the decode rows' tokens so far, summed (what their attention reads)
 
 
 class StepLog:
@@ -50,8 +52,8 @@ class StepLog:
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
-        self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "prompt_steps": 0, "prompt_ms": 0.0,
-                       "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0}
+        self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "decode_context": 0, "prompt_steps": 0,
+                       "prompt_ms": 0.0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0}
 
     def add(self, record: StepRecord, gap_ms: float | None = None) -> None:
         """``gap_ms``: since the step before ended, when this one follows it with work waiting."""
@@ -68,6 +70,7 @@ class StepLog:
             t["decode_steps"] += 1
             t["decode_ms"] += record.ms
             t["decode_rows"] += record.decode_rows
+            t["decode_context"] += record.context_tokens
         if gap_ms is not None:
             t["gaps"] += 1
             t["gap_ms"] += gap_ms
@@ -78,6 +81,7 @@ class StepLog:
         t = self.totals
         return {**t, "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
                 "decode_rows_mean": t["decode_rows"] / max(1, t["decode_steps"]),
+                "decode_context_mean": t["decode_context"] / max(1, t["decode_rows"]),
                 "prompt_step_ms_mean": t["prompt_ms"] / max(1, t["prompt_steps"]),
                 "step_gap_ms_mean": t["gap_ms"] / max(1, t["gaps"])}
 
