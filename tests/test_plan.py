@@ -106,6 +106,7 @@ def test_bench_engine_measures_a_profile_plan_reads(tmp_path):
     prof = Profile.load(str(tmp_path / "tiny-profile.json"))
     assert [p["tokens"] for p in prof.prefill] == [32, 128] and {d["batch"] for d in prof.decode} == {1, 4}
     assert prof.model == "tiny-llama" and prof.kv_capacity_tokens > 0
+    assert all(d["rows"] == d["batch"] for d in prof.decode)  # every sequence advanced every timed step
 
 
 def test_the_mixed_workload_is_seven_short_prompts_to_three_long():

@@ -46,9 +46,10 @@ def measure(engine, batches: list[int], prompts: list[int], contexts: list[int],
             if b * (context + steps + 16) > capacity:
                 continue
             d = decode_rate(engine, b, context, steps, rng)
-            decode.append({"batch": b, "context": context, "step_ms": d["step_ms"]})
-            print(f"profile decode batch {b:>3} x {context:>6}: {d['step_ms']:.2f} ms/step", file=sys.stderr,
-                  flush=True)
+            rows = d["tokens"] / steps  # sequences a step advanced: less than the batch if some were preempted
+            decode.append({"batch": b, "context": context, "step_ms": d["step_ms"], "rows": round(rows, 2)})
+            print(f"profile decode batch {b:>3} x {context:>6}: {d['step_ms']:.2f} ms/step"
+                  + (f" (only {rows:.1f} rows a step)" if rows < 0.99 * b else ""), file=sys.stderr, flush=True)
     tp = engine.group.size if hasattr(engine, "group") else 1
     return Profile(model=engine.name, device=str(engine.device), tp=tp, prefill=prefill, decode=decode,
                    kv_bytes_per_token=int(engine.kv_bytes_per_token) * tp, kv_capacity_tokens=capacity,
