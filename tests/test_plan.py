@@ -158,3 +158,77 @@ def test_plan_candidates_pair_with_goodput_configurations_by_what_they_run(tmp_p
     result = compare(ranked, measured_goodputs([str(tmp_path / "g.json")]))
     assert [r["measured"] for r in result["rows"]] == [9.0, None, 12.0]
     assert result["best_measured"] == "4x colocated tp1" and result["pick_vs_best"] == 0.75
+
+
+def goodput_report(path, workload, steps):
+    """A bench goodput report of one colocated and one 2P2D configuration; ``steps``: per configuration, the
+    decode-only step times of its rates as (rows, context, ms)."""
+    results = []
+    for name, up, goodput in (("4x-colocated", "--colocated --decode 4 --gpus 4", 12.0),
+                              ("2P2D", "--prefill 2 --decode 2 --gpus 4 --transport nccl", 18.0)):
+        rates = [{"rate": 6.0, "step_times": {f"{'colocated' if 'colocated' in up else 'decode'}:tcp://w{i}": {
+            "decode_steps": 500, "decode_step_ms": ms, "decode_rows_mean": rows, "decode_context_mean": context}
+            for i, (rows, context, ms) in enumerate(steps[name])}}]
+        results.append({"name": name, "workload": workload, "goodput_rate": goodput, "up_args": up.split(),
+                        "rates": rates})
+    path.write_text(json.dumps({"results": results, "workload": workload}))
+    return str(path)
+
+
+def test_measured_goodputs_are_those_of_the_workload_planned(tmp_path):
+    from bench.plan.measured import measured_goodputs
+
+    none = {"4x-colocated": [], "2P2D": []}
+    mixed = goodput_report(tmp_path / "m.json", "mixed", none)
+    long = json.loads((tmp_path / "m.json").read_text())
+    for r in long["results"]:
+        r["workload"], r["goodput_rate"] = "long", r["goodput_rate"] / 2
+    (tmp_path / "l.json").write_text(json.dumps(long))
+    got = measured_goodputs([str(tmp_path / "l.json"), mixed], "long")
+    assert sorted(m["goodput"] for m in got.values()) == [6.0, 9.0]
+    assert sorted(m["goodput"] for m in measured_goodputs([str(tmp_path / "l.json"), mixed], "mixed").values()) == [
+        12.0, 18.0]
+
+
+def test_a_kv_read_rate_puts_a_floor_under_long_context_decode_steps():
+    p = profile(0.1)
+    fast = p.decode_ms(32, 8192)
+    assert fast == pytest.approx(5.0 + 0.05 * 32 + 2e-5 * 32 * 8192)
+    p.kv_read_gb_s = 1000.0  # 32 x 7,680 more tokens of 128 KiB: 32.2 GB at 1 TB/s
+    floor = p.measured_decode_ms(32, 512) + 32 * (8192 - 512) * 131072 / 1e9
+    assert p.decode_ms(32, 8192) == pytest.approx(floor) and floor > fast
+    assert p.decode_ms(32, 512) == pytest.approx(p.measured_decode_ms(32, 512))  # the shortest context: as profiled
+    with pytest.raises(ValueError, match="kv_read_gb_s"):
+        Profile(**{**p.to_dict(), "kv_read_gb_s": 0})
+
+
+def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
+    """Steps made at a known K/V read rate beyond the profile's are fitted back to it, the plan uses it, and
+    --calibrate refuses reports with nothing to fit."""
+    from bench.plan.calibrate import kv_read_gb_s, points, row_context
+
+    prof = profile(0.1)
+    rate = 2000.0  # GB/s
+
+    def step(rows, context):
+        return rows, context, prof.measured_decode_ms(rows, 512) + rows * (context - 512) * 131072 / (rate * 1e6)
+
+    steps = {"4x-colocated": [step(6, 2700), step(9, 2900)], "2P2D": [step(16, 2600), step(24, 2800)]}
+    path = goodput_report(tmp_path / "g.json", "mixed", steps)
+    found = points([path], "mixed")
+    assert len(found) == 4 and points([path], "long") == []
+    assert kv_read_gb_s({1: prof}, found) == pytest.approx(rate)
+    assert 2000 < row_context("mixed") < 3500 and 6500 < row_context("long") < 7500
+
+    prof.save(str(tmp_path / "p.json"))
+    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
+                          "2", "--workload", "mixed", "--requests", "60", "--measured", path, "--calibrate",
+                          "--duration", "5", "--max-requests", "60", "--out", str(tmp_path / "plan")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "read K/V at 2,000 GB/s" in run.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["calibration"]["kv_read_gb_s"] == pytest.approx(rate)
+    flat = goodput_report(tmp_path / "f.json", "mixed", {"4x-colocated": [(4, 512, 1.0)], "2P2D": []})
+    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
+                          "4", "--measured", flat, "--calibrate"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "nothing to fit" in bad.stdout

@@ -50,6 +50,10 @@ def add_arguments(p):
     p.add_argument("--validate-requests", type=int, default=60)
     p.add_argument("--measured", action="append", default=[], help="a bench goodput report (repeatable): each "
                    "candidate beside its measured goodput, and the pick's against the best measured")
+    p.add_argument("--calibrate", action="store_true", help="with --measured: fit the decode steps' K/V read rate to "
+                   "the measured reports' serving steps of this workload (``calibrate``) before predicting")
+    p.add_argument("--kv-read-gb-s", type=float, default=None, help="decode steps read K/V at this rate per GPU "
+                   "(GB/s) at least (the profile's own steps alone otherwise)")
     p.add_argument("--out", default="bench/out/plan")
     kinds = p.add_subparsers(dest="plan_kind")
     from . import placement_cli
@@ -97,6 +101,27 @@ def validate(best, args, model: str, slo: SLO, gpu: bool) -> list[dict]:
     return out
 
 
+def read_rate(args, profiles: dict) -> dict | str | None:
+    """Sets every profile's ``kv_read_gb_s`` from ``--kv-read-gb-s`` or ``--calibrate``; what was set (an error
+    message when it cannot be)."""
+    rate, source = args.kv_read_gb_s, "--kv-read-gb-s"
+    if args.calibrate:
+        from . import calibrate
+
+        if not args.measured:
+            return "--calibrate needs --measured REPORT.json (a bench goodput report with step times)"
+        found = calibrate.points(args.measured, args.workload) or calibrate.points(args.measured)
+        rate, source = calibrate.kv_read_gb_s(profiles, found), f"{len(found)} measured step points"
+        if rate is None:
+            return "--calibrate: the reports hold no decode steps slower than the profile's (nothing to fit)"
+    if rate is None:
+        return None
+    for prof in profiles.values():
+        prof.kv_read_gb_s = rate
+    print(f"decode steps read K/V at {rate:,.0f} GB/s per GPU at least ({source})")
+    return {"kv_read_gb_s": rate, "source": source}
+
+
 def run(args) -> int:
     if getattr(args, "plan_kind", None) == "placement":
         from . import placement_cli
@@ -110,6 +135,10 @@ def run(args) -> int:
         work = lengths(args.requests, args.prompt_len, args.max_tokens, args.seed, args.workload, args.trace)
     except (OSError, ValueError) as e:
         print(f"error: {e}")
+        return 2
+    calibration = read_rate(args, profiles)
+    if isinstance(calibration, str):
+        print(f"error: {calibration}")
         return 2
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms, args.attainment)
     cands = candidates(args.gpus, profiles, slo)
@@ -126,7 +155,7 @@ def run(args) -> int:
               "workload": {"kind": "trace" if args.trace else args.workload, "prompt_len": args.prompt_len,
                            "max_tokens": args.max_tokens, "requests": args.requests},
               "candidates": [{"name": c.name, "goodput": c.goodput, "up": c.up_command(model, slo, gpu)} for c in ranked],
-              "recommended": best.name}
+              "recommended": best.name, "calibration": calibration}
     md = table(ranked, slo, gpu, args.max_requests / args.duration)
     print(md)
     print(f"\nrecommended: {best.name} ({best.goodput:.2f} req/s predicted)\n  {best.up_command(model, slo, gpu)}")
@@ -146,7 +175,8 @@ def run(args) -> int:
     if args.measured:
         from . import measured
 
-        report["measured"] = measured.compare(report["candidates"], measured.measured_goodputs(args.measured))
+        report["measured"] = measured.compare(report["candidates"], measured.measured_goodputs(args.measured,
+                                                                                            args.workload))
         md += "\n\nAgainst the measurements (" + ", ".join(args.measured) + "):\n\n" + measured.table(report["measured"])
         print("\n" + measured.table(report["measured"]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -33,13 +33,16 @@ def shape_of(args: list[str]) -> tuple:
             int(_value(args, "--decode-tp", tp)), _value(args, "--disagg", "always"), capped)
 
 
-def measured_goodputs(paths: list[str]) -> dict[tuple, dict]:
-    """Shape -> {name, goodput, report} from ``bench goodput`` reports (the last report naming a shape wins)."""
+def measured_goodputs(paths: list[str], workload: str | None = None) -> dict[tuple, dict]:
+    """Shape -> {name, goodput, report} from ``bench goodput`` reports, of ``workload``'s results only when given
+    (the last report naming a shape wins)."""
     out = {}
     for path in paths:
         with open(path) as f:
             report = json.load(f)
         for result in report["results"]:
+            if workload is not None and result.get("workload", report.get("workload")) != workload:
+                continue
             out[shape_of(list(result["up_args"]))] = {"name": result["name"], "goodput": result["goodput_rate"],
                                                       "report": path}
     return out

@@ -8,11 +8,17 @@ A profile (JSON, ``PROFILE_VERSION``) holds what ``pdserve bench engine
 - ``decode``: ``[{"batch": b, "context": c, "step_ms": t}]``, a decode step
   of ``b`` sequences of ``c`` tokens each;
 - ``kv_bytes_per_token`` (all ranks), ``kv_capacity_tokens`` (the pool),
-  ``max_batched_tokens``, ``tp``, ``device``, ``model``.
+  ``max_batched_tokens``, ``tp``, ``device``, ``model``;
+- ``kv_read_gb_s`` (optional, per GPU): how fast serving's decode steps
+  read K/V, fitted from measured steps (``calibrate``) or given.
 
 Times between the points are interpolated linearly (prefill in the token
 count; decode in the batch, then in the context) and extrapolated from the
-last two points."""
+last two points. With ``kv_read_gb_s`` a decode step takes at least the
+profile's step at its shortest context plus the extra context's K/V bytes at
+that rate: the engine benchmark's decode steps (every sequence of one length)
+ran faster at long contexts than serving's (mixed lengths, session 25: 9.3
+ms at 24.6 rows of ~2,700 tokens against a profile's 6.0 ms at 32 x 2,048)."""
 from __future__ import annotations
 
 import bisect
@@ -34,12 +40,15 @@ class Profile:
     max_batched_tokens: int = 8192
     version: int = PROFILE_VERSION
     notes: dict = field(default_factory=dict)
+    kv_read_gb_s: float | None = None
 
     def __post_init__(self):
         if self.version != PROFILE_VERSION:
             raise ValueError(f"profile version {self.version}, this pdserve reads {PROFILE_VERSION}")
         if self.tp < 1 or self.kv_capacity_tokens < 1 or self.kv_bytes_per_token < 1:
             raise ValueError("a profile needs tp, kv_capacity_tokens and kv_bytes_per_token >= 1")
+        if self.kv_read_gb_s is not None and self.kv_read_gb_s <= 0:
+            raise ValueError("kv_read_gb_s must be positive")
         if len(self.prefill) < 2 or any(p["tokens"] <= 0 or p["ms"] <= 0 for p in self.prefill):
             raise ValueError("a profile needs at least two prefill points with positive tokens and ms")
         if not self.decode or any(p["batch"] < 1 or p["context"] < 1 or p["step_ms"] <= 0 for p in self.decode):
@@ -62,8 +71,20 @@ class Profile:
         """A step of ``batch`` sequences of ``context`` tokens on average (0 for none)."""
         if batch <= 0:
             return 0.0
+        ms = self.measured_decode_ms(batch, context)
+        if self.kv_read_gb_s is None:
+            return ms
+        shortest = self.shortest_context()
+        extra = batch * max(0.0, context - shortest) * self.kv_bytes_per_token
+        return max(ms, self.measured_decode_ms(batch, shortest) + extra / (self.kv_read_gb_s * self.tp * 1e6))
+
+    def measured_decode_ms(self, batch: int, context: float) -> float:
+        """The profile's decode points alone, interpolated."""
         by_batch = [(b, _interpolate(self._decode[b], context)) for b in self._batches]
         return max(1e-3, _interpolate(by_batch, batch))
+
+    def shortest_context(self) -> int:
+        return min(int(p["context"]) for p in self.decode)
 
     def prefill_ms_per_token(self) -> float:
         """The prefill curve's slope between its first and last points."""

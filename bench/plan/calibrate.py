@@ -1,0 +1,74 @@
+"""The planner's decode steps fitted to serving's (``pdserve plan --calibrate --measured REPORT.json``).
+
+A ``bench goodput`` report holds, for every rate and worker, what its
+decode-only steps took under load (``step_times``: steps, mean ms, mean rows
+and, from session 25 on, the rows' mean context). Against the profile's step
+of the same rows at its shortest context, the extra time is the K/V the
+longer contexts read; the bytes over that time, summed over every point,
+give the rate serving's decode steps read K/V at (per GPU), the profile's
+``kv_read_gb_s``. A report without the context gets it from its workload:
+the mean context of a decoding row, each request weighted by the steps it
+decodes (its prompt plus half its output). Fitted on the workload planned
+(the rate differs by workload: on 4x H200, Mistral-7B shape, the mixed
+workload's steps read at about 2.1 TB/s, the long one's at about 4), it is
+what turns two measured configurations into predictions for the others."""
+from __future__ import annotations
+
+import json
+
+from ..workload import lengths
+from .measured import shape_of
+from .profile import Profile
+
+MIN_STEPS = 50  # points of fewer decode-only steps are noise
+
+
+def row_context(workload: str, requests: int = 4000, seed: int = 0) -> float:
+    """Mean tokens a decoding row attends to under ``workload``: prompt + half the output, weighted by output."""
+    work = lengths(requests, "1000:4000", "128:512", seed, workload)
+    return sum((p + o / 2) * o for p, o in work) / sum(o for _, o in work)
+
+
+def points(paths: list[str], workload: str | None = None) -> list[dict]:
+    """Every worker's decode-only steps at every rate (of ``workload``'s results only, when given): {rows, context,
+    ms, steps, tp, colocated}."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        fallback = {}
+        for result in report["results"]:
+            colocated, _, _, _, decode_tp, _, _ = shape_of(list(result["up_args"]))
+            kind = result.get("workload", report.get("workload", "uniform"))
+            if workload is not None and kind != workload:
+                continue
+            for rate in result["rates"]:
+                for key, w in (rate.get("step_times") or {}).items():
+                    if not key.startswith(("decode:", "colocated:")) or w.get("decode_steps", 0) < MIN_STEPS:
+                        continue
+                    context = w.get("decode_context_mean")
+                    if not context:
+                        if kind not in fallback:
+                            fallback[kind] = row_context(kind)
+                        context = fallback[kind]
+                    out.append({"rows": w["decode_rows_mean"], "context": context, "ms": w["decode_step_ms"],
+                                "steps": w["decode_steps"], "tp": decode_tp, "colocated": colocated})
+    return out
+
+
+def kv_read_gb_s(profiles: dict[int, Profile], measured: list[dict]) -> float | None:
+    """Per-GPU K/V read rate (GB/s) that explains the measured steps' time beyond the profile's at its shortest
+    context; None when no point has such time (or none matches a profile's TP)."""
+    gigabytes, seconds = 0.0, 0.0
+    for p in measured:
+        prof = profiles.get(p["tp"])
+        if prof is None or p["rows"] <= 0:
+            continue
+        shortest = prof.shortest_context()
+        extra_ms = p["ms"] - prof.measured_decode_ms(p["rows"], shortest)
+        nbytes = p["rows"] * max(0.0, p["context"] - shortest) * prof.kv_bytes_per_token / p["tp"]
+        if extra_ms > 0 and nbytes > 0:
+            weight = p["steps"]
+            gigabytes += weight * nbytes / 1e9
+            seconds += weight * extra_ms / 1e3
+    return gigabytes / seconds if seconds > 0 else None
