@@ -14,7 +14,9 @@ sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh
 ``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four GPUs)), ``health`` (what a
 cluster's ``/health`` says: nothing in flight, each worker's step times), ``engine_waves`` (``serve``'s closed-loop waves run on the
 engine in-process: steps by kind, under prefill caps) and ``profile_engine`` (torch profiles of decode, prompt and
-mixed steps). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
-``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from;
+mixed steps), ``pool_rows`` (a KV copy between a paged pool and one buffer by views or by index, as the blocks fall
+into more runs). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
+``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from
+(``--calibrate`` fits its long-context decode steps to a ``goodput`` report's serving steps);
 ``serve`` and ``goodput`` share the workloads of ``bench.workload`` (uniform ranges, ``mid``, ``long``, ``mixed``,
 JSONL traces)."""
