@@ -17,6 +17,8 @@
 #   combined   Mistral-7B TP=1 and TP=2 with the three together (lamport, 16 MiB prefetch, the gemv step's picks
 #              if present), one run: the 1.6x bar
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
+#   pushed     the GPU tests of the pushed all-reduce, then Mistral-7B TP=1 and TP=2 with batch 1's all-reduces
+#              one-shot (oneshot) and pushed by the projections (auto, the default), one run
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -69,6 +71,15 @@ for step in $steps; do
         PDSERVE_TP_ALLREDUCE=lamport PDSERVE_L2_PREFETCH_MB=16 PDSERVE_GEMV_CONFIGS=$picks timeout 150 $PY -m deploy.cli \
           bench engine --model mistral-7b --tp $tp $common --out "$OUT/engine-mistral-tp$tp-combined-$TAG" 2>&1 \
           | grep "decode batch\|all-reduce\|L2 prefetch"
+      done ;;
+    pushed)
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_pushed.py tests/test_triton_gemv.py --tb=short 2>&1 \
+        | grep -E "^(E |FAILED)|passed|failed" | tail -12
+      timeout 120 $PY -m deploy.cli bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG" \
+        2>&1 | grep "decode batch"
+      for ar in oneshot auto; do
+        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+          --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
       done ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \

@@ -77,6 +77,11 @@ class Engine:
                 from .parallel.allreduce import one_shot
 
                 self.group.one_shot = one_shot(self.group.group, self.dtype, self.device)
+                if self.dtype == torch.bfloat16:
+                    from .parallel.allreduce import pushed_slots
+
+                    self.group.pushed = pushed_slots(self.group.group, self.model.spec.hidden_size,
+                                                     self.model.span[1] - self.model.span[0], self.device)
         spec = self.model.spec
         self.heads = self.model.heads  # this rank's attention and KV heads (all of them without TP)
         layers = self.model.span[1] - self.model.span[0]  # this stage's (all of them without a pipeline)

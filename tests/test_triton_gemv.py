@@ -188,13 +188,17 @@ def test_the_gemv_builds_for_hopper():
     from tests.triton_env import compile_for_hopper
 
     cases = []
-    for ahead, silu, fp8 in [(1, False, False), (2, False, False), (2, True, False), (2, False, True)]:
+    for ahead, silu, fp8, push in [(1, False, False, False), (2, False, False, False), (2, True, False, False),
+                                   (2, False, True, False), (1, False, False, True)]:
         w = "*fp8e4nv" if fp8 else "*bf16"
         sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": w,
-               "ws_ptr": "*fp32" if fp8 else w, "b_ptr": w, "out_ptr": "*bf16", "eps": "fp32"}
+               "ws_ptr": "*fp32" if fp8 else w, "b_ptr": w, "out_ptr": "*bf16", "eps": "fp32", "push_ptr": "*i64",
+               "step_ptr": "*i32", "site": "i32"}
         flags = dict(N=3072, K=4096, ADD=True, NORM=True, FP8=fp8, SILU=silu, BIAS=False, PDL=True, EARLY=True,
-                     BLOCK_N=8, BLOCK_K=256, AHEAD=ahead)
+                     PUSH=push, RANK=1, WORLD=2, CAP=4096, BLOCK_N=8, BLOCK_K=256, AHEAD=ahead)
         cases.append(("engine.kernels.triton_gemv", "_one_row_kernel", sig, flags))
     for case, built in zip(cases, compile_for_hopper(cases)):
         assert "error" not in built, (case[3], built.get("error"))
         assert built["cubin_bytes"] > 0 and "griddepcontrol.wait" in built["ptx"]
+        if case[3]["PUSH"]:  # the tagged words go out as 32-bit stores
+            assert "st.global.b32" in built["ptx"] or "st.global.u32" in built["ptx"]

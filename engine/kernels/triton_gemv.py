@@ -22,6 +22,9 @@ nothing before), with:
   ``quantize_rows`` + ``_scaled_mm`` (W8A8), without their launch;
 * epilogue ``SILU``: the program reads gate rows ``n`` and up rows ``N + n``
   and writes ``silu(gate) * up``: the MLP is two launches;
+* epilogue ``PUSH`` (a row-parallel projection under TP, ``engine.parallel.pushed``): the program's channels go
+  straight into every rank's slot over NVLink, and a small pull kernel sums them: the all-reduce after the
+  projection without its copy and barriers;
 * programmatic dependent launch (``triton_pdl``, Hopper+), as the
   attention kernels between the projections: the gaps between launches are
   hidden.
@@ -46,6 +49,7 @@ import triton.language as tl
 from . import shipped_picks
 from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options
+from .triton_pushed import push_words
 
 ENABLED = os.environ.get("PDSERVE_GEMV", "1") != "0"
 EARLY = os.environ.get("PDSERVE_PDL_EARLY", "1") == "1"  # the next kernel may start as this one starts (A/B: 0)
@@ -110,8 +114,10 @@ def _row(x_ptr, r_ptr, nw_ptr, k, kmask, rs, xs, ADD: tl.constexpr, NORM: tl.con
 
 @triton.jit(do_not_specialize=["eps"])
 def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, eps,
+                    push_ptr, step_ptr, site,
                     N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                     SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, CAP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     if PDL and EARLY:  # the next kernel may start (and fetch its first weights) once every program here has
@@ -189,7 +195,10 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         if BIAS:
             up = (up + tl.load(b_ptr + N + n, mask=nmask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * up
-    tl.store(out_ptr + n, y.to(dt), mask=nmask)
+    if PUSH:  # a row-parallel projection: its share straight into every rank's slot (``parallel.pushed``)
+        push_words(y, push_ptr, step_ptr, site, n, nmask, RANK, WORLD, CAP)
+    else:
+        tl.store(out_ptr + n, y.to(dt), mask=nmask)
 
 
 def linear(x, layer, silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
@@ -202,16 +211,23 @@ def linear(x, layer, silu: bool = False, config: GemvConfig | None = None) -> to
     fp8 = layer.weight.dtype == FP8
     n_total, k = layer.weight.shape
     n = n_total // 2 if silu else n_total
+    group = getattr(layer, "group", None)
+    slots = getattr(group, "pushed", None)
+    push = slots is not None and slots.takes(rows.shape[0], n, dtype)
     out = torch.empty(rows.shape[0], n, dtype=dtype, device=rows.device)
     add = normed and x.residual is not None
     c = config or config_for(n, k, silu, fp8)
     args = (rows, x.residual if add else rows, x.weight if normed else rows, x.total if add else out, layer.weight,
             layer.weight_scale if fp8 else layer.weight, layer.bias if layer.bias is not None else layer.weight, out,
             x.eps if normed else 0.0)
+    site = slots.site() if push else 0
+    args += (slots.buffers, slots.step, site) if push else (out, out, 0)
+    ranks = dict(RANK=slots.rank, WORLD=slots.world, CAP=slots.cap) if push else dict(RANK=0, WORLD=1, CAP=1)
     flags = dict(N=n, K=k, ADD=add, NORM=normed, FP8=fp8, SILU=silu, BIAS=layer.bias is not None, PDL=PDL,
-                 EARLY=EARLY)
+                 EARLY=EARLY, PUSH=push, **ranks)
     _launch(args, flags, c)
-    group = getattr(layer, "group", None)
+    if push:  # the row-parallel sum: every rank's share is in (or on its way to) this rank's slot
+        return slots.pull(site, out)
     if group is None:
         return out
     ahead = getattr(layer, "l2_next", None)  # (prefetcher, weight): read into L2 during the all-reduce

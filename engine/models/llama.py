@@ -260,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttnMeta, kv_cache: list) -> torch.Tensor:
+        self.group.begin_forward()
         x, residual = self.model.embed_tokens(input_ids), None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_cache)):
             x, residual = layer(x, residual, positions, meta, k_cache, v_cache)
@@ -271,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
         """A pipeline stage's part: token ids (stage 0) or the residual stream from the stage before through this
         stage's layers (``kv_cache``: their pool layers); returns the residual stream after them (``x + residual``,
         added as the next layer's norm would add them, so the split forward equals the whole one)."""
+        self.group.begin_forward()
         if self.ends:
             x = self.model.embed_tokens(x)
         residual = None

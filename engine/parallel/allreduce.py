@@ -8,7 +8,9 @@ CUDA graphs (``python -m bench.allreduce``): 6.4 vs 28.3 us at 16 KiB, 19 vs 46 
 it at the same point of the engine's construction), larger ones (prefill) through NCCL.
 ``PDSERVE_TP_ALLREDUCE=nccl`` turns it off; so does a first call that disagrees with NCCL.
 ``PDSERVE_TP_ALLREDUCE=lamport`` uses ``lamport`` instead (no barriers: each rank writes its values into every
-peer's buffer and polls its own; up to 1 MiB; not yet measured against one-shot on GPUs, hence not the default)."""
+peer's buffer and polls its own; up to 1 MiB; not yet measured against one-shot on GPUs, hence not the default).
+``auto`` also has batch 1's row-parallel all-reduces pushed by the projections (``pushed``; ``pushed_slots`` makes
+the slots); ``oneshot`` is ``auto`` without that (the A/B)."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 MAX_BYTES = 4 << 20
-CHOICES = ("auto", "nccl", "lamport")
+CHOICES = ("auto", "oneshot", "nccl", "lamport")
 LAMPORT_WORDS = 1 << 19  # 1 MiB a row: batch 64 of an 8192-wide model
 
 
@@ -79,3 +81,34 @@ def one_shot(group, dtype: torch.dtype, device: torch.device) -> OneShot | None:
     log.info("%s all-reduce over symmetric memory for tensors up to %d KiB",
              "lamport (barrier-free)" if choice == "lamport" else "one-shot", limit)
     return op
+
+
+def pushed_slots(group, hidden: int, layers: int, device: torch.device):
+    """The slots batch-1 row-parallel projections push into (``pushed``; every rank calls this together), or None:
+    not asked for, not CUDA, or a check against NCCL that failed."""
+    from . import pushed
+
+    if not pushed.enabled() or device.type != "cuda":
+        return None
+    try:
+        from ..kernels.triton_pushed import push_row
+
+        slots = pushed.for_group(group, device, cap=hidden, sites=2 * layers + 2)
+        probe = (torch.arange(hidden, device=device, dtype=torch.float32) / hidden + dist.get_rank(group))[None]
+        want = probe.to(torch.bfloat16).float()
+        dist.all_reduce(want, group=group)
+        slots.begin()
+        site = slots.site()
+        push_row(slots, site, probe)
+        got = slots.pull(site, torch.empty(1, hidden, dtype=torch.bfloat16, device=device))
+        agree = torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2) and not slots.error.item()
+        ok = torch.tensor([int(agree)], device=device)
+    except Exception as e:  # noqa: BLE001 - no symmetric memory or Triton here
+        log.warning("pushed all-reduce unavailable (%s)", e)
+        ok = torch.zeros(1, dtype=torch.long, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        log.warning("pushed all-reduce disagreed with NCCL or failed: off")
+        return None
+    log.info("batch-1 row-parallel all-reduces pushed by the projections (%d sites)", slots.sites)
+    return slots

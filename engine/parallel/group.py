@@ -15,6 +15,12 @@ class TPGroup:
     group: object = None  # the torch.distributed process group
     plan: object = None  # rank 0: the PlanSender; followers: None
     one_shot: object = None  # ``allreduce.OneShot`` for small tensors on GPUs
+    pushed: object = None  # ``pushed.PushSlots``: batch-1 row-parallel GEMVs push their sums into slots
+
+    def begin_forward(self) -> None:
+        """A forward starts (its pushed rows get this step's tag)."""
+        if self.pushed is not None:
+            self.pushed.begin()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (a new tensor, or ``x`` reduced in place)."""
