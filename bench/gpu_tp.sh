@@ -19,6 +19,9 @@
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 #   pushed     the GPU tests of the pushed all-reduce, then Mistral-7B TP=1 and TP=2 with batch 1's all-reduces
 #              one-shot (oneshot) and pushed by the projections (auto, the default), one run
+#   pushed70b  the same A/B for the Llama-3-70B shape (TP=2 only)
+#   servetp    Mistral-7B through pdserve up --colocated --tp 2 under bench serve at concurrency 1 and 16, batch 1's
+#              all-reduces one-shot and pushed (one cluster each)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -80,6 +83,24 @@ for step in $steps; do
       for ar in oneshot auto; do
         PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
+      done ;;
+    pushed70b)
+      for ar in oneshot auto; do
+        PDSERVE_TP_ALLREDUCE=$ar timeout 400 $PY -m deploy.cli bench engine --model llama-3-70b --tp 2 $common \
+          --out "$OUT/engine-llama70b-tp2-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
+      done ;;
+    servetp)
+      for ar in oneshot auto; do
+        PDSERVE_TP_ALLREDUCE=$ar $PY -m deploy.cli up --colocated --tp 2 --model mistral-7b --load-format dummy \
+          --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32 --port 8015 --ready-timeout 300 > "$OUT/up-tp-$ar.log" 2>&1 &
+        up=$!
+        for i in $(seq 300); do curl -sf http://127.0.0.1:8015/health > /dev/null && break; sleep 1; done
+        for c in 1 16; do
+          timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8015 --concurrency $c --prompt-len 512 \
+            --max-tokens 64 --requests $((c == 1 ? 24 : 64)) --seed $c --out "$OUT/serve-mistral-tp2-$ar-c$c-$TAG" \
+            2>&1 | grep "^requests"
+        done
+        kill -INT $up; wait $up
       done ;;
     pp)
       timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \

@@ -6,10 +6,14 @@ engine does: every decoding sequence advances one token, and prompt tokens
 are taken first come first served up to ``max_batched_tokens`` (while
 something decodes and ``slo_tpot_ms`` is set, only as many as keep the
 step within it, or as many as make the step's prompt compute at least its
-fixed cost, at least ``CAP_FLOOR``: as ``--slo-tpot-ms`` does). A step lasts ``decode_ms(rows, mean context)`` plus
-the prompt tokens' prefill time less the fixed cost a step pays once (the
-prefill curve's intercept: the weights are read once per step). A sequence
-is admitted when its prompt and output fit the KV pool.
+fixed cost, at least ``CAP_FLOOR``; no cap where even one prompt token
+would take the step past the SLO: as ``--slo-tpot-ms`` does). A step that
+decodes and takes prompt tokens lasts ``decode_ms(rows, mean context)`` plus
+the prompt tokens' prefill time: the engine runs the decode rows and the
+prompt chunk as two forwards (the decode graph, then the prompt's), each
+reading the weights (measured on an H200: 64 decode rows + a 512-token chunk
+23.5 ms, against 16.6 + 7.8 for the two alone). A sequence is admitted when
+its prompt and output fit the KV pool.
 
 Roles: ``colocated`` instances prefill and decode; ``prefill`` instances
 only prefill, then the KV takes ``tokens x kv_bytes_per_token / link`` to
@@ -82,12 +86,6 @@ class Instance:
     busy: bool = False
     step: tuple = ()  # (decoding rows, [(request, chunk)])
 
-    def fixed_ms(self) -> float:
-        p = self.profile.prefill
-        (x0, y0), (x1, y1) = (p[0]["tokens"], p[0]["ms"]), (p[1]["tokens"], p[1]["ms"])
-        intercept = y0 - (y1 - y0) * x0 / (x1 - x0)
-        return min(max(0.0, intercept), self.profile.decode_ms(1, x0))
-
     def plan(self) -> float | None:
         """The next step's duration (ms), or None when there is nothing to do."""
         while self.arriving and self._fits(self.arriving[0]):
@@ -101,8 +99,9 @@ class Instance:
         if rows and self.slo_tpot_ms is not None:  # as engine.step_budget chooses it
             per_token = self.profile.prefill_ms_per_token()
             fixed = self._mixed_ms(decode_ms, 1)
-            room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
-            budget = int(max(CAP_FLOOR, min(budget, room)))
+            if fixed < self.slo_tpot_ms:
+                room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
+                budget = int(max(CAP_FLOOR, min(budget, room)))
         chunks = []
         for req in self.queue:
             if budget <= 0:
@@ -122,7 +121,7 @@ class Instance:
         return self._mixed_ms(decode_ms, prompt_tokens) if rows else self.profile.prefill_ms(prompt_tokens)
 
     def _mixed_ms(self, decode_ms: float, prompt_tokens: int) -> float:
-        return decode_ms + max(0.0, self.profile.prefill_ms(prompt_tokens) - self.fixed_ms())
+        return decode_ms + self.profile.prefill_ms(prompt_tokens)
 
     def _fits(self, req: SimRequest) -> bool:
         return self.used + req.prompt + req.output <= self.profile.kv_capacity_tokens or not self.used
