@@ -135,7 +135,7 @@ def test_the_all_reduce_choice_is_checked(monkeypatch):
     from engine.parallel.allreduce import one_shot
 
     monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "fastest")
-    with pytest.raises(ValueError, match="auto, nccl, lamport"):
+    with pytest.raises(ValueError, match="auto, oneshot, nccl, lamport"):
         one_shot(None, torch.bfloat16, torch.device("cpu"))
     monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "lamport")
     assert one_shot(None, torch.bfloat16, torch.device("cpu")) is None  # CPU groups all-reduce through gloo
