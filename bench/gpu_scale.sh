@@ -14,8 +14,8 @@
 #   workload at RATE (12) for 12 s, /health sampled every second (health-*.jsonl: queues, blocks, step times),
 #   every worker's stacks dumped (kill -USR1) at 8 s into the up log.
 # plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on
-#   GPU 0), calibrated on and set beside the goodput the mistral step measured (--calibrate --measured): the pick
-#   against the best.
+#   GPU 0), calibrated on and set beside the goodput the mistral step measured (--calibrate --measured; every
+#   report in OUT: plan keeps the results of the workload planned): the pick against the best.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/scale}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -92,7 +92,7 @@ for step in $steps; do
       kill -INT $up; wait $up ;;
     plan)
       for w in ${WORKLOADS//,/ }; do
-        measured=(); for f in "$OUT"/goodput-4gpu-mistral-*"$w".json; do [ -f "$f" ] && measured+=(--measured "$f"); done
+        measured=(); for f in "$OUT"/goodput-4gpu-mistral-*.json; do [ -f "$f" ] && measured+=(--measured "$f"); done
         calibrate=(); [ ${#measured[@]} -gt 0 ] && calibrate=(--calibrate)
         $PY -m deploy.cli plan --profile "$PROFILE" --gpus 4 --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 "${measured[@]}" \
           "${calibrate[@]}" --out "$OUT/plan-4gpu-$w-$TAG" | tail -16
