@@ -66,15 +66,11 @@ def one_shot(group, dtype: torch.dtype, device: torch.device) -> OneShot | None:
         probe = probe + dist.get_rank(group)
         want = probe.clone()
         dist.all_reduce(want, group=group)
-        got = op(probe)
-        flag = getattr(op, "error", None)  # lamport: a read that gave up
-        agree = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2) and (flag is None or not flag.item())
-        ok = torch.tensor([int(agree)], device=device)
+        agree = _matches(op(probe), want, getattr(op, "error", None))  # lamport's flag: a read that gave up
     except Exception as e:  # noqa: BLE001 - an older torch, no peer access: NCCL it is
         log.warning("one-shot all-reduce unavailable (%s): NCCL for every all-reduce", e)
         return None
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
+    if not _everywhere(agree, group, device):
         log.warning("one-shot all-reduce disagreed with NCCL: NCCL for every all-reduce")
         return None
     limit = (op.numel if isinstance(op, OneShot) else op.cap) * dtype.itemsize >> 10
@@ -100,15 +96,25 @@ def pushed_slots(group, hidden: int, layers: int, device: torch.device):
         slots.begin()
         site = slots.site()
         push_row(slots, site, probe)
-        got = slots.pull(site, torch.empty(1, hidden, dtype=torch.bfloat16, device=device))
-        agree = torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2) and not slots.error.item()
-        ok = torch.tensor([int(agree)], device=device)
+        agree = _matches(slots.pull(site, torch.empty(1, hidden, dtype=torch.bfloat16, device=device)), want,
+                         slots.error)
     except Exception as e:  # noqa: BLE001 - no symmetric memory or Triton here
         log.warning("pushed all-reduce unavailable (%s)", e)
-        ok = torch.zeros(1, dtype=torch.long, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
+        agree = False
+    if not _everywhere(agree, group, device):
         log.warning("pushed all-reduce disagreed with NCCL or failed: off")
         return None
     log.info("batch-1 row-parallel all-reduces pushed by the projections (%d sites)", slots.sites)
     return slots
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor, error: torch.Tensor | None) -> bool:
+    """A start-up check's sums equal NCCL's (within bf16 rounding) and no read gave up."""
+    return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2) and (error is None or not error.item())
+
+
+def _everywhere(agree: bool, group, device: torch.device) -> bool:
+    """Whether every rank's check agreed (a collective: every rank calls it)."""
+    ok = torch.tensor([int(agree)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item())

@@ -108,16 +108,13 @@ def buffer_words(world: int, cap: int) -> int:
 def for_group(group, dtype: torch.dtype, device: torch.device, cap: int) -> Lamport:
     """Every rank calls this together: its symmetric buffer, set to the sentinel, the peers' addresses."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
+
+    from .symmetric import symmetric_buffer
 
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the lamport all-reduce moves 16-bit values, not {dtype}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    buffer = symm_mem.empty(buffer_words(world, cap), dtype=torch.int16, device=device)
-    handle = symm_mem.rendezvous(buffer, group.group_name)
-    buffer.fill_(SENTINEL)
-    torch.cuda.synchronize(device)
-    dist.barrier(group)  # no peer writes before every buffer holds the sentinel
-    op = Lamport(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device), rank, world, cap, dtype)
+    buffer, ptrs = symmetric_buffer(group, buffer_words(world, cap), torch.int16, SENTINEL, device)
+    op = Lamport(ptrs, rank, world, cap, dtype)
     op.buffer = buffer  # kept alive with the op
     return op

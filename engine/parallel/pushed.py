@@ -67,15 +67,11 @@ def enabled() -> bool:
 def for_group(group, device: torch.device, cap: int, sites: int) -> PushSlots:
     """Every rank calls this together: its symmetric buffer of zeros (no step's tag), the peers' addresses."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
+
+    from .symmetric import symmetric_buffer
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    buffer = symm_mem.empty(sites * world * cap, dtype=torch.int32, device=device)
-    handle = symm_mem.rendezvous(buffer, group.group_name)
-    buffer.zero_()
-    torch.cuda.synchronize(device)
-    dist.barrier(group)  # nobody pushes before every buffer is zero
-    slots = PushSlots(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device), rank, world, cap,
-                      sites)
+    buffer, ptrs = symmetric_buffer(group, sites * world * cap, torch.int32, 0, device)
+    slots = PushSlots(ptrs, rank, world, cap, sites)
     slots.buffer = buffer  # kept alive with the slots
     return slots
