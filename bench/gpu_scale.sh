@@ -5,7 +5,8 @@
 # mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
 #   (CONFIGS picks them: colocated colocated-capped 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto; -capped: steps
 #   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms.
-# llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas (plain and capped), Llama-3-70B shape
+# llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas (plain and capped; CONFIGS70 picks: 1p1d
+#   colocated colocated-capped), Llama-3-70B shape
 #   (WORKLOADS70, default mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
 #   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
@@ -40,6 +41,14 @@ config() {  # NAME -> "NAME=pdserve up arguments" on 4 GPUs
   esac
 }
 
+config70() {  # NAME TPOT -> "NAME=pdserve up arguments": TP=2 roles or replicas on 4 GPUs
+  case $1 in
+    1p1d) echo "1P1D-tp2=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl" ;;
+    colocated) echo "2x-colocated-tp2=--colocated --decode 2 --tp 2 --gpus 4" ;;
+    colocated-capped) echo "2x-colocated-tp2-capped=--colocated --decode 2 --tp 2 --gpus 4 --slo-tpot-ms $2" ;;
+  esac
+}
+
 for step in $steps; do
   case $step in
     profile)
@@ -54,13 +63,11 @@ for step in $steps; do
         --out "$OUT/goodput-4gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     llama70b)
       tpot=25; nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && tpot=36
+      args=(); for c in ${CONFIGS70:-1p1d colocated colocated-capped}; do args+=(--config "$(config70 "$c" $tpot)"); done
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$llama --max-num-seqs 32" \
         --slo-ttft-ms 2000 --slo-tpot-ms $tpot --workload "${WORKLOADS70:-mixed}" --search ${START70:-0.5} \
         --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --ttft-concurrency "" \
-        --config "1P1D-tp2=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl" \
-        --config "2x-colocated-tp2=--colocated --decode 2 --tp 2 --gpus 4" \
-        --config "2x-colocated-tp2-capped=--colocated --decode 2 --tp 2 --gpus 4 --slo-tpot-ms $tpot" \
-        --out "$OUT/goodput-4gpu-llama70b-tp2-$TAG" 2>&1 | grep -v "^  requests" ;;
+        "${args[@]}" --out "$OUT/goodput-4gpu-llama70b-tp2-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     hetero)
       for layout in "p-tp2-to-2d=--prefill 1 --prefill-tp 2 --decode 2" "2p-to-d-tp2=--prefill 2 --decode 1 --decode-tp 2"; do
         name=${layout%%=*}
