@@ -36,6 +36,9 @@ class Pair:
         with self._lock:
             if self._pg is None:
                 if self.backend == "nccl":
+                    # NCCL allocates a communicator's buffers with cudaMalloc, outside PyTorch's cache: give the
+                    # cache's unused blocks back first (on a nearly full card its first operation failed otherwise)
+                    torch.cuda.empty_cache()
                     options = dist.ProcessGroupNCCL.Options()
                     options._timeout = self.timeout
                     self._pg = dist.ProcessGroupNCCL(self.store, self.me, 2, options)

@@ -56,14 +56,17 @@ A KV the prefill engine wrote into ``alloc``'s region of the sender's
 GPU slab (``nccl_pool_bytes``, allocated on first use) goes straight from
 there; other layers are first gathered into a pooled staging buffer in the
 canonical layout (device copy, reported as serialize; ``staged_bytes``). A
-receiver without blocks takes the whole KV into a pooled buffer. The
+receiver without blocks takes the whole KV into a pooled buffer. Pooled
+buffers share the GPU with the engine: at most ``nccl_keep_bytes`` (2 GiB) of
+released ones are kept, and a full device gives them back before a transfer
+fails (a 70B TP=2 rank on an 80 GB card has ~8 GB beside its weights). The
 receiver's record ends when its operations have completed: the bytes are in
 place then. Operations are posted on a high-priority side stream of the GPU, not the
 engine's (its blocks are scheduled ahead of a busy decode engine's): KV handed to a transfer is already computed (the step that made it
 was read back), so a send need not wait behind the engine's next step, and
 the wait for completion sleeps between looks, leaving the GIL to the engine.
 Options: ``device`` (default: the worker's engine device, else ``cuda``),
-``nccl_pool_bytes``, ``nccl_eager``, ``nccl_direct_cuts``, ``nccl_stream``; ``nccl_backend=gloo`` runs the same protocol
+``nccl_pool_bytes``, ``nccl_keep_bytes``, ``nccl_eager``, ``nccl_direct_cuts``, ``nccl_stream``; ``nccl_backend=gloo`` runs the same protocol
 between CPU processes (how CI tests it without GPUs)."""
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ from ..tensors import check_layer
 log = logging.getLogger(__name__)
 _order = threading.Lock()
 DEFAULT_POOL_BYTES = 1 << 30
+DEFAULT_KEEP_BYTES = 2 << 30  # released staging / landing buffers kept on the GPU for reuse
 
 
 def init(cfg) -> torch.device:
@@ -110,7 +114,8 @@ def _attach(endpoint) -> None:
     endpoint.device = init(endpoint.cfg)
     endpoint.pairs = Pairs(endpoint.cfg.host, endpoint.cfg.options.get("nccl_backend", "nccl"), endpoint.device,
                            endpoint.cfg.timeout_s * 4)
-    endpoint.pool = BufferPool(endpoint.cfg.pool_bytes, device=endpoint.device)
+    endpoint.pool = BufferPool(endpoint.cfg.pool_bytes, device=endpoint.device,
+                               keep_bytes=int(endpoint.cfg.options.get("nccl_keep_bytes", DEFAULT_KEEP_BYTES)))
 
 
 class NcclSender(SocketSender):
