@@ -47,7 +47,8 @@ class DisaggPolicy:
             raise ValueError("disagg_local_tokens must be >= 0 and disagg_prefill_queue >= 1")
 
     def decide(self, uncached_tokens: int, prefill_workers: list, decode_worker) -> Decision:
-        """``prefill_workers``: those in the picks (``outstanding``: prompts the router has in flight there);
+        """``prefill_workers``: those in the picks (``outstanding``: prompts the router has in flight there, until
+        their first token);
         ``decode_worker``: the one this request will decode on (its ``info["prefilling"]``: local prompts it has
         not finished)."""
         if self.mode == "always":

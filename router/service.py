@@ -219,11 +219,15 @@ class Service:
         rid, timing = run.attempt_rid, run.timing
         inbox = self.inboxes[rid] = asyncio.Queue()
         run.workers, involved, finished = {}, [], False
+        released = set()  # involved workers whose part is done (counted out of ``outstanding`` already)
         try:
             first_worker = await self._send_prompt(run, rid, inbox, involved)
             fresh = None
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
                 fresh = await self._first(inbox, timing, first_worker)
+            if not run.local and first_worker in involved:
+                first_worker.outstanding -= 1  # its prompt is done: a prefill worker's load is prompts, not streams
+                released.add(first_worker)
             if run.first is None:
                 first = run.first = fresh
                 timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
@@ -257,7 +261,7 @@ class Service:
             self.inboxes.pop(rid, None)
             self.admission.release(rid)
             for worker in involved:
-                worker.outstanding -= 1
+                worker.outstanding -= worker not in released
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)

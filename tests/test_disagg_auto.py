@@ -176,6 +176,34 @@ def test_local_prefill_next_to_a_decoding_stream_keeps_to_the_step_cap(pair):
     assert decode["mixed_steps"] >= 1 and 0 < decode["step_prompt_tokens_max"] <= 16
 
 
+def test_a_prefill_worker_counts_prompts_not_the_streams_it_handed_on(pair):
+    """Streams prefilled remotely leave the prefill worker's count once their first token is out: with more of
+    them decoding than ``--disagg-prefill-queue`` (4), a long prompt still goes remote (it once went local as
+    ``prefill_busy``, the decode workers then prefilling long prompts between their steps)."""
+    auto, colocated = pair
+    long = "a long prompt for the prefill worker " * 6
+    started = [threading.Event() for _ in range(5)]
+
+    def stream_on(i):
+        client = openai.OpenAI(base_url=auto.url + "/v1", api_key="none")
+        for _ in client.completions.create(model="tiny-llama", prompt=f"{i} {long}", max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            started[i].set()
+
+    with ThreadPoolExecutor(5) as pool:
+        streams = [pool.submit(stream_on, i) for i in range(5)]
+        assert all(e.wait(60) for e in started)
+        workers = httpx.get(auto.url + "/health").json()["workers"]
+        busy = [w["outstanding"] for w in workers["prefill"]], [w["outstanding"] for w in workers["decode"]]
+        got = complete(auto.url, "another " + long)
+        for f in streams:
+            f.result(120)
+    assert busy[0] == [0] and busy[1][0] >= 4  # the prompts are done; the streams decode
+    block = got.model_extra["pdserve"]
+    assert (block["disagg"], block["disagg_reason"]) == ("remote", "long")
+    assert got.choices[0].text == complete(colocated.url, "another " + long).choices[0].text
+
+
 def test_never_with_no_prefill_worker_serves_from_the_decode_workers():
     cluster = Cluster("--prefill", "0", "--disagg", "never").wait_ready()
     try:
