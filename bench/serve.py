@@ -26,7 +26,7 @@ from .stats import summary
 from .stats import quantile
 from .workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
 
-PHASES = ("queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
+PHASES = ("admit", "queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")
 
 

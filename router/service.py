@@ -276,15 +276,22 @@ class Service:
         same, colocated); returns the latter. Records both in ``run.workers`` as soon as they are chosen."""
         payload, first = run.payload, run.first
         max_new = (first or payload)["params"].get("max_tokens") or 1 << 20
-        tokens = (first["prompt_tokens"] if first else estimate_prompt_tokens(payload)) + max_new
         prompt = await self._prompt(payload)
+        if first:
+            known = first["prompt_tokens"]
+        else:  # the ids when the router tokenized the prompt (kv-aware routing), else an upper bound from its bytes
+            known = len(prompt.ids) if prompt is not None and prompt.ids else estimate_prompt_tokens(payload)
+        tokens = known + max_new
         run.local = self.colocated
+        t0 = time.perf_counter()
         if self.colocated:
             worker = run.workers["colocated"] = await self.admission.acquire(self.groups["colocated"], rid, tokens,
                                                                               prompt, run.avoid)
+            run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
             return await self._generate_here(run, worker, rid, involved)
         decode = run.workers["decode"] = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt,
                                                                       run.avoid)
+        run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
         if await self._decide(run, decode, prompt) == "local":
             run.local = True
             return await self._generate_here(run, decode, rid, involved)

@@ -53,11 +53,14 @@ def test_queued_request_is_served_when_memory_frees():
         first, second = StreamClient(f.url, LONG), StreamClient(f.url, LONG)
         first.start()
         first.wait_tokens(3)
+        second_sent = time.monotonic()
         second.start()
         first.join(60)
         second.join(60)
         assert first.finished and second.finished and not second.error
         assert second.first_at > first.ended_at - 0.5
+        waited_ms = (first.ended_at - second_sent) * 1e3  # the second waited for the first's KV room
+        assert first.pdserve["admit"] < 200 and second.pdserve["admit"] > waited_ms - 500
 
 
 def test_decode_refuses_beyond_its_budget_even_behind_two_routers():
