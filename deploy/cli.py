@@ -107,6 +107,9 @@ def _add_disagg(p: argparse.ArgumentParser, default):
                    help="auto: uncached prompts of at most this many tokens are prefilled on the decode worker")
     p.add_argument("--disagg-prefill-queue", type=int, default=None,
                    help="auto: prompts in flight on every prefill worker that make them busy (default 4)")
+    p.add_argument("--warm-pairs", choices=["auto", "always", "never"], default=None,
+                   help="a short request through each prefill -> decode pair before /health says ready (auto: pairs "
+                        "over the nccl transport, whose first transfer forms an NCCL communicator)")
 
 
 def _parser(with_bench: bool = True) -> argparse.ArgumentParser:

@@ -166,6 +166,8 @@ def plan(args) -> list[list[str]]:
                      "--disagg-local-tokens", str(getattr(args, "disagg_local_tokens", 512))]
     if getattr(args, "disagg_prefill_queue", None):
         router += ["--disagg-prefill-queue", str(args.disagg_prefill_queue)]
+    if getattr(args, "warm_pairs", None):
+        router += ["--warm-pairs", args.warm_pairs]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]

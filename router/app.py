@@ -1,5 +1,6 @@
 """The router's FastAPI application: its state (workers, service, admission, metrics), the lifespan that
-connects to the workers and runs the periodic work (admission wake-ups, expired waits, membership), the API-key
+connects to the workers and runs the periodic work (admission wake-ups, expired waits, membership, the pairs'
+warm-up), the API-key
 dependency and the route modules of ``router.routes``."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .metrics import Metrics
 from .routes import errors, generation, status
 from .routes.state import RouterState, check_key
 from .service import Service
+from .warmup import PairWarmer
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2  # admission wake-ups, queue gauge, expired waits
@@ -32,6 +34,7 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
                       retry_wait_s=cfg.retry_wait_s,
                       disagg=DisaggPolicy(cfg.disagg, cfg.disagg_local_tokens, cfg.disagg_prefill_queue))
     service.inboxes = inboxes
+    service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
     return RouterState(cfg, service, metrics, admission, groups, api_key)
 
 
@@ -42,7 +45,7 @@ def lifespan_of(st: RouterState, membership: Membership):
         clients = [c for group in st.groups.values() for c in group.clients]
         for client in clients:
             client.start(ctx)
-        tasks = [asyncio.create_task(tick(st))]
+        tasks = [asyncio.create_task(tick(st)), asyncio.create_task(st.service.warmer.run())]
         if st.cfg.workers_file:
             tasks.append(asyncio.create_task(membership.watch(ctx)))
         yield

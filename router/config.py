@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 from .disagg import DisaggPolicy
 from .policy import POLICIES
+from .warmup import MODES as WARM_MODES
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RouterConfig:
     disagg: str = "always"  # always | never | auto: where prompts are prefilled (router.disagg)
     disagg_local_tokens: int = 512  # auto: uncached prompts of at most this many tokens prefill on decode
     disagg_prefill_queue: int = 4  # auto: prompts in flight on every prefill worker that count as busy
+    warm_pairs: str = "auto"  # auto | always | never: a request through each prefill -> decode pair first (router.warmup)
     workers_file: str = ""  # JSON {"prefill": [...], "decode": [...], "colocated": [...]}, re-read every second
 
     def __post_init__(self):
@@ -46,6 +48,8 @@ class RouterConfig:
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
         DisaggPolicy(self.disagg, self.disagg_local_tokens, self.disagg_prefill_queue)  # raises if invalid
+        if self.warm_pairs not in WARM_MODES:
+            raise ValueError(f"warm_pairs {self.warm_pairs!r} not in {WARM_MODES}")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated workers or prefill+decode workers, not both")
         if not self.colocated and not (self.prefill or self.disagg != "always") and not self.workers_file:

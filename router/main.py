@@ -23,7 +23,8 @@ def run_router(args) -> int:
                      dead_after_s=max(3.0, args.heartbeat * 6) if args.heartbeat else None,
                      retries=getattr(args, "retries", None), disagg=getattr(args, "disagg", None),
                      disagg_local_tokens=getattr(args, "disagg_local_tokens", None),
-                     disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None))
+                     disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None),
+                     warm_pairs=getattr(args, "warm_pairs", None))
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)
     else:

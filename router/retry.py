@@ -62,6 +62,7 @@ class RequestRun:
     reasons: list = field(default_factory=list)
     timing: dict = field(default_factory=dict)
     local: bool = False  # this attempt's prompt is computed where it decodes (colocated, or --disagg local)
+    warm: bool = False  # a pair's warm-up (router.warmup): pinned by ``avoid``, counted in no metric
 
     @property
     def attempt_rid(self) -> str:

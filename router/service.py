@@ -26,6 +26,7 @@ from .prompts import PromptKeys, load_tokens, prompt_ids
 from .retry import RequestRun, StreamError, WorkerFailure
 from .inbox import coalesce
 from .timing import close_timing, note_hops
+from .warmup import PairWarmer
 from .workers import SOURCE, pair_mismatch
 
 _ids = itertools.count()
@@ -70,6 +71,7 @@ class Service:
         self._tokens_tried = False
         self.groups = groups
         self.metrics = metrics
+        self.warmer = PairWarmer(self, groups, "never")  # the router's app sets its own (router.warmup)
         self.admission = admission
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.waits: dict[int, tuple] = {}  # inboxes awaited: (inbox, deadline, timeout, what)
@@ -203,6 +205,17 @@ class Service:
                     raise
                 raise StreamError(e.status, e.message) from None  # the response has started: end it with an error
 
+    async def warm_pair(self, prefill, decode, payload: dict) -> tuple[str, str]:
+        """One request through ``prefill`` -> ``decode`` (``router.warmup``), every other worker avoided; the
+        addresses of the pair that served it. Raises what a request would (no retry)."""
+        others = {c for g in self.groups.values() for c in g.clients if c is not prefill and c is not decode}
+        run = RequestRun(f"warm-{next(_ids)}", payload, time.perf_counter(), avoid=others, warm=True,
+                         timing={"_warm": True})
+        async with contextlib.aclosing(self._attempt(run)) as events:
+            async for _ in events:
+                pass
+        return run.workers["prefill"].address, run.workers["decode"].address
+
     async def _await_workers(self) -> bool:
         """Before a retry: whether a worker of each role it needs is in the picks, waiting ``retry_wait_s`` at
         most (for a restart, or the death of a hung worker to be noticed)."""
@@ -246,7 +259,8 @@ class Service:
                 finished = True
                 if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
-                yield Finished(first["finish_reason"], first["prompt_tokens"], 1, close_timing(run, self.metrics))
+                yield Finished(first["finish_reason"], first["prompt_tokens"], 1,
+                               close_timing(run, None if run.warm else self.metrics))
                 return
             if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
@@ -318,6 +332,8 @@ class Service:
 
     async def _decide(self, run: RequestRun, decode, prompt) -> str:
         """Local or remote prefill (``router.disagg``); recorded in the timing (the response's ``pdserve``)."""
+        if run.warm:
+            return "remote"
         if self.disagg.mode == "auto":
             keys = prompt if prompt is not None and prompt.ids is not None else await self._prompt(run.payload, True)
             total = len(keys.ids) if keys is not None and keys.ids is not None else estimate_prompt_tokens(run.payload)
@@ -367,10 +383,12 @@ class Service:
                 note_hops(run, "decode", msg.get("timing"))
                 if msg.get("phases"):
                     timing["kv"] = msg["phases"]
-                    self.metrics.observe_transfer(timing["transport"], msg["phases"])
+                    if not run.warm:
+                        self.metrics.observe_transfer(timing["transport"], msg["phases"])
                 if not run.local and "overlap" not in timing:
                     await self._await_kv_sent(inbox, timing)
-                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion, close_timing(run, self.metrics))
+                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
+                               close_timing(run, None if run.warm else self.metrics))
                 return
 
     def _kv_sent(self, timing: dict, msg: dict) -> None:
@@ -378,7 +396,8 @@ class Service:
         if isinstance(stream, dict):
             timing.update({k: float(stream[k]) for k in ("overlap", "exposed") if isinstance(stream.get(k), (int, float))})
             timing["streamed"] = stream.get("streamed") is True
-            self.metrics.observe_stream(timing["transport"], stream)
+            if not timing.get("_warm"):
+                self.metrics.observe_stream(timing["transport"], stream)
 
     async def _await_kv_sent(self, inbox, timing: dict) -> None:
         """The decode side can finish before prefill's ``kv_sent`` (sent after the receiver's ACK) arrives."""

@@ -81,15 +81,40 @@ def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(colocated, stre
             reported = httpx.get(cluster.url + "/health").json()["workers"]
             return reported["prefill"][0], reported["decode"][0]
 
+        n = len(prompts) + httpx.get(cluster.url + "/health").json()["pairs"]["warm"]  # and the pair's warm-up
+
         def settled():
             prefill, decode = workers()
-            return prefill["kv_from_blocks"] and decode["kv_landed_in_blocks"] == len(prompts)
+            return prefill["kv_from_blocks"] and decode["kv_landed_in_blocks"] == n
         eventually(settled, 10)
         prefill, decode = workers()
-        assert prefill["kv_from_blocks"] == len(prompts) and prefill["kv_staged_bytes"] == 0
-        assert decode["kv_landed_in_blocks"] == len(prompts)
+        assert prefill["kv_from_blocks"] == n and prefill["kv_staged_bytes"] == 0
+        assert decode["kv_landed_in_blocks"] == n
     finally:
         cluster.stop()
+
+
+def test_up_over_nccl_warms_every_pair_before_it_says_ready():
+    """Each prefill -> decode pair forms its NCCL group (gloo here) with a warm-up request before /health is 200;
+    the warm-ups count in no router metric; ``--warm-pairs never`` leaves the pairs to the first requests."""
+    cluster = Cluster("--prefill", "2", "--transport", "nccl", "--device", "cpu", "--kv-option", "nccl_backend=gloo")
+    cold = Cluster("--transport", "nccl", "--device", "cpu", "--kv-option", "nccl_backend=gloo", "--warm-pairs", "never")
+    try:
+        health = httpx.get(cluster.wait_ready().url + "/health").json()
+        assert health["status"] == "ok" and health["pairs"] == {"warm": 2, "failed": 0, "pending": 0, "ready": True}
+        assert eventually(lambda: httpx.get(cluster.url + "/health").json()["workers"]["decode"][0]
+                          ["kv_landed_in_blocks"] == 2, 5)
+        metrics = httpx.get(cluster.url + "/metrics").text
+        assert "pdserve_kv_transfer_bytes_total{" not in metrics and "pdserve_requests_total{" not in metrics
+        body = {"model": "tiny-llama", "prompt": "after the warm-up", "max_tokens": 6, "temperature": 0}
+        answer = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 6 and answer["pdserve"]["kv_bytes"] > 0
+        health = httpx.get(cold.wait_ready().url + "/health").json()
+        assert health["status"] == "ok" and health["pairs"]["warm"] == 0
+        assert httpx.get(cold.url + "/health").json()["workers"]["decode"][0]["kv_landed_in_blocks"] == 0
+    finally:
+        cluster.stop()
+        cold.stop()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the same-GPU path needs a CUDA GPU")

@@ -1,5 +1,6 @@
-"""``/v1/models``, ``/health`` (200 when a worker of every role a request needs is in the picks, with what
-each worker last reported) and ``/metrics`` (Prometheus)."""
+"""``/v1/models``, ``/health`` (200 when a worker of every role a request needs is in the picks and the pairs
+seen at start-up are warm (``router.warmup``; 503 with status ``warming`` until then), with what each worker last
+reported) and ``/metrics`` (Prometheus)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -22,13 +23,14 @@ async def health(st: RouterState = Depends(router_state)):
     workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding, **c.info}
                       for c in g.clients] for role, g in st.groups.items() if g.clients}
     st.metrics.observe_workers(st.groups)
-    ok = st.service.ready()
+    ok, warm = st.service.ready(), st.service.warmer.status()
     problems = st.service.mismatches()
-    return JSONResponse({"status": "ok" if ok else "unavailable", "mode": st.mode, "workers": workers,
+    status = "ok" if ok and warm["ready"] else "warming" if ok else "unavailable"
+    return JSONResponse({"status": status, "mode": st.mode, "workers": workers, "pairs": warm,
                          **({"problems": problems} if problems else {}),
                          "admission": {"queued": st.admission.queued, "in_flight": len(st.service.inboxes),
                                        "reserved": len(st.admission.reserved)}},
-                        status_code=200 if ok else 503)
+                        status_code=200 if status == "ok" else 503)
 
 
 @routes.get("/metrics")
