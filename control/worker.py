@@ -126,12 +126,22 @@ class WorkerLoop:
         can only hang or fail now."""
         log.error("%s %d of this %s worker exited (code %s): failing %d requests and exiting",
                   what, rank, self.role, code, len(self.reply_to))
+        self._give_up(f"{what} {rank} of the {self.role} worker died; it restarts",
+                      "pp_stage_lost" if what == "pipeline stage" else "tp_rank_lost")
+
+    def _rank_stuck(self, rank: int) -> None:
+        """(A sender thread) A rank of this worker's group stopped answering for its KV pushes (``GroupPushes``)."""
+        log.error("rank %d of this %s worker sent no report on its last KV pushes: stuck in a transfer; failing %d "
+                  "requests and exiting", rank, self.role, len(self.reply_to))
+        self._give_up(f"rank {rank} of the {self.role} worker is stuck in a KV transfer; it restarts", "tp_rank_lost")
+
+    def _give_up(self, message: str, stage: str) -> None:
+        """Out of every router's picks, every request failed (retryable), then exit 70 (``pdserve up`` restarts)."""
         self.draining_since = time.monotonic()  # out of every router's picks now, not when its pings go unanswered
         for identity in list(self.peers):
             self.server.send(identity, "pong", info=self.describe(), t=None)
         for rid in list(self.reply_to):
-            self.fail(rid, 503, f"{what} {rank} of the {self.role} worker died; it restarts",
-                      stage="pp_stage_lost" if what == "pipeline stage" else "tp_rank_lost")
+            self.fail(rid, 503, message, stage=stage)
         time.sleep(0.3)  # let the errors leave
         os._exit(70)
 

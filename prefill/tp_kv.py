@@ -129,10 +129,17 @@ def cancel_slices(sender, rid: str, heads: int, span: tuple = (0, 0)) -> None:
             sender.cancel(f"{base}:L{first}")
 
 
-class GroupPushes:
-    """Rank 0's side: plan each push, collect the followers' reports."""
+STUCK_AFTER = 2  # pushes in a row on which one follower never reported: it is stuck in a transfer
 
-    def __init__(self, engine):
+
+class GroupPushes:
+    """Rank 0's side: plan each push, collect the followers' reports. A follower that sends no report at all for
+    ``STUCK_AFTER`` pushes in a row (its sender thread blocked: an NCCL group whose other end failed while forming
+    it never returns) is taken as stuck: ``on_stuck(rank)`` (the worker fails its requests and exits, and ``pdserve
+    up`` restarts the group) rather than every later push waiting out its timeout behind it."""
+
+    def __init__(self, engine, on_stuck=None):
+        self.on_stuck, self.silent = on_stuck, {}  # rank -> pushes in a row it did not report on
         self.plan, self.followers = engine.group.plan, engine.group.size - 1
         stages = getattr(getattr(engine, "stage", None), "stages", None)
         if stages is not None:  # a pipeline: every stage pushes its layers
@@ -173,12 +180,20 @@ class GroupPushes:
         with self._cond:
             done = self._cond.wait_for(lambda: len(self.reports.get(rid, ())) >= self.followers, timeout_s)
             reports = self.reports.pop(rid, [])
+        self._count_silent(reports)
         failed = [r for r in reports if not r.get("ok")]
         if failed:
             raise TransferError(f"rank {failed[0]['rank']}: {failed[0].get('error')}")
         if not done:
             raise TransferError(f"{self.followers - len(reports)} ranks did not report within {timeout_s:.0f}s")
         return reports
+
+    def _count_silent(self, reports: list[dict]) -> None:
+        heard = {r.get("rank") for r in reports}
+        for rank in range(1, self.followers + 1):
+            self.silent[rank] = 0 if rank in heard else self.silent.get(rank, 0) + 1
+            if self.silent[rank] >= STUCK_AFTER and self.on_stuck is not None:
+                self.on_stuck(rank)
 
 
 def push_group(worker, rid, dests, table, layout, computed) -> None:

@@ -63,7 +63,7 @@ class PrefillWorker(WorkerLoop):
                                          {transport_spec.ENV: transport_spec.dump(transport, self.cfg)}))
         self.watch_group(self.engine)
         getattr(self.engine, "warm_up", lambda: None)()  # before on_schedule is set and before ready
-        self.group_pushes = GroupPushes(self.engine)
+        self.group_pushes = GroupPushes(self.engine, on_stuck=self._rank_stuck)
         self.paged = getattr(self.engine, "paged", True)
         self.engine.on_schedule = self._scheduled
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
