@@ -16,11 +16,11 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from .admission import estimate_prompt_tokens
 from .disagg import Decision, DisaggPolicy
 from .errors import ApiError
+from .events import Delta, Finished
 from .policy import cached_blocks
 from .prompts import PromptKeys, load_tokens, prompt_ids
 from .retry import RequestRun, StreamError, WorkerFailure
@@ -38,24 +38,6 @@ KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent 
 
 def new_rid() -> str:
     return f"{os.getpid():x}-{next(_ids):x}-{os.urandom(4).hex()}"
-
-
-@dataclass
-class Delta:
-    text: str
-    ids: list
-    logprobs: list | None = None
-    prompt_text: str | None = None
-    prompt_logprobs: list | None = None
-    prompt_tokens: int | None = None
-
-
-@dataclass
-class Finished:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    timing: dict = field(default_factory=dict)
 
 
 class Service:

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import ApiError, error_body
 from ..responses import SSE_DONE, Choice, Shaper, sse, usage_of
 from ..schemas import ChatRequest, CompletionRequest
-from ..service import Delta, Finished, StreamError, new_rid
+from ..events import Delta, Finished
+from ..service import StreamError, new_rid
 from ..streams import merged
 from ..tools.parse import Release, parse_auto, parse_forced
 from .state import RouterState, router_state
