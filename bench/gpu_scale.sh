@@ -6,7 +6,8 @@
 #   (CONFIGS picks them: colocated colocated-capped 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto; -capped: steps
 #   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms.
 # llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas (plain and capped; CONFIGS70 picks: 1p1d
-#   colocated colocated-capped), Llama-3-70B shape
+#   colocated colocated-capped 1p1d-fp8kv colocated-fp8kv: an FP8 KV cache doubles the pools, which bound 70B on
+#   80 GB cards), Llama-3-70B shape
 #   (WORKLOADS70, default mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
 #   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
@@ -44,6 +45,8 @@ config() {  # NAME -> "NAME=pdserve up arguments" on 4 GPUs
 config70() {  # NAME TPOT -> "NAME=pdserve up arguments": TP=2 roles or replicas on 4 GPUs
   case $1 in
     1p1d) echo "1P1D-tp2=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl" ;;
+    1p1d-fp8kv) echo "1P1D-tp2-fp8kv=--prefill-tp 2 --decode-tp 2 --gpus 4 --transport nccl --kv-cache-dtype fp8" ;;
+    colocated-fp8kv) echo "2x-colocated-tp2-fp8kv=--colocated --decode 2 --tp 2 --gpus 4 --kv-cache-dtype fp8" ;;
     colocated) echo "2x-colocated-tp2=--colocated --decode 2 --tp 2 --gpus 4" ;;
     colocated-capped) echo "2x-colocated-tp2-capped=--colocated --decode 2 --tp 2 --gpus 4 --slo-tpot-ms $2" ;;
   esac
