@@ -60,3 +60,20 @@ def test_one_late_report_is_not_stuck_when_the_next_push_is_answered():
     with pytest.raises(TransferError):
         group.wait("again", 0.05)
     assert stuck == []  # silent once, answered, silent once: never twice in a row
+
+
+def test_a_stuck_rank_fails_the_workers_requests_as_retryable_and_exits_for_a_restart(monkeypatch):
+    from control import worker as worker_module
+
+    failed, exits, pongs = [], [], []
+    fake = SimpleNamespace(role="prefill", reply_to={"r1": 0, "r2": 0}, peers=[b"router"], draining_since=None,
+                           server=SimpleNamespace(send=lambda *a, **k: pongs.append(a)), describe=lambda: {},
+                           fail=lambda rid, status, msg, stage: failed.append((rid, status, stage, msg)))
+    fake._give_up = lambda msg, stage: worker_module.WorkerLoop._give_up(fake, msg, stage)
+    monkeypatch.setattr(worker_module.os, "_exit", exits.append)
+    monkeypatch.setattr(worker_module.time, "sleep", lambda s: None)
+    worker_module.WorkerLoop._rank_stuck(fake, 1)
+    assert fake.draining_since is not None and pongs  # out of the routers' picks first
+    assert [(rid, status, stage) for rid, status, stage, _ in failed] == [("r1", 503, "tp_rank_lost"),
+                                                                           ("r2", 503, "tp_rank_lost")]
+    assert "stuck in a KV transfer" in failed[0][3] and exits == [70]
