@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "always", "never")
 WARM_TICK_S = 0.5
 WARM_WAIT_S = 30.0  # after ready, how long /health waits for workers that have not answered yet
+WARM_TIMEOUT_S = 120.0  # one pair's warm-up at most (a pair that hangs is left to real requests)
 WARM_PROMPT_TOKENS = 40  # token ids 20..58 after a first id per pair (distinct prompts: no prefix-cache hit)
 
 
@@ -101,8 +102,9 @@ class PairWarmer:
     async def warm(self, prefill, decode) -> str:
         t0 = time.perf_counter()
         try:
-            where = await self.service.warm_pair(prefill, decode, warm_payload(len(self.done)))
-        except Exception as e:  # noqa: BLE001 - a failed warm-up leaves the pair to the first real request
+            where = await asyncio.wait_for(self.service.warm_pair(prefill, decode, warm_payload(len(self.done))),
+                                           WARM_TIMEOUT_S)
+        except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - a failed warm-up leaves the pair to real requests
             log.warning("warm-up of the pair %s -> %s failed: %s", prefill.address, decode.address, e)
             return f"failed: {e}"
         if where != (prefill.address, decode.address):
