@@ -14,8 +14,12 @@ def step_times(url: str) -> dict:
             workers = json.loads(r.read()).get("workers", {})
     except (OSError, ValueError):
         return {}
-    return {f"{role}:{w.get('address')}": w["step_times"] for role, ws in workers.items() if isinstance(ws, list)
+    return {f"{role}:{w.get('address')}": {**w["step_times"], **{k: w[k] for k in CAP_KEYS if k in w}}
+            for role, ws in workers.items() if isinstance(ws, list)
             for w in ws if isinstance(w, dict) and isinstance(w.get("step_times"), dict)}
+
+
+CAP_KEYS = ("step_prefill_cap", "mixed_step_fixed_ms", "step_ms_per_prompt_token", "step_base_ms")  # step_budget's
 
 
 BUSY_KEYS = ("outstanding", "active", "waiting", "queued", "pushing", "prefilling")
@@ -39,7 +43,8 @@ def wait_idle(url: str, limit_s: float = 120.0) -> float | None:
 
 
 def step_delta(before: dict, after: dict) -> dict:
-    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps."""
+    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps, and the
+    prompt-token cap of steps that decode (``step_budget``) with its fit, where the worker has one."""
     out = {}
     for key, a in after.items():
         b = before.get(key, {})
@@ -51,7 +56,8 @@ def step_delta(before: dict, after: dict) -> dict:
                         "decode_rows_mean": round(d["decode_rows"] / max(1, d["decode_steps"]), 2),
                         "decode_context_mean": round(d["decode_context"] / max(1, d["decode_rows"])),
                         "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
-                        "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"]}
+                        "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"],
+                        **{k: a[k] for k in CAP_KEYS if a.get(k) is not None}}  # the cap as the rate left it
     return out
 
 

@@ -76,3 +76,14 @@ def test_each_rate_gets_its_own_prompts_so_none_hits_the_prefix_cache():
     heads = {p[:48] for p in a}
     assert len(heads) == len(a) and not heads & {p[:48] for p in b} and not heads & {p[:48] for p in
                                                                                    prompts("mixed", 4.0)}
+
+
+def test_a_rates_step_times_carry_the_prompt_cap_as_the_rate_left_it():
+    from bench.health import step_delta
+
+    before = {"colocated:a": {"decode_steps": 10, "decode_ms": 60.0, "prompt_steps": 1, "prompt_ms": 30.0}}
+    after = {"colocated:a": {"decode_steps": 20, "decode_ms": 130.0, "prompt_steps": 3, "prompt_ms": 100.0,
+                             "step_prefill_cap": 256, "mixed_step_fixed_ms": 7.5, "step_base_ms": None}}
+    (w,) = step_delta(before, after).values()
+    assert w["decode_step_ms"] == 7.0 and w["prompt_step_ms"] == 35.0
+    assert w["step_prefill_cap"] == 256 and w["mixed_step_fixed_ms"] == 7.5 and "step_base_ms" not in w
