@@ -8,7 +8,11 @@ scheduler caps the prompt tokens of such steps at ``tokens()``; steps with
 nothing to decode take the full ``max_batched_tokens``.
 
 The cap is either fixed (``step_prefill_tokens``) or learned from the
-steps themselves to keep them within ``slo_tpot_ms``. A step that only
+steps themselves to keep them within ``slo_tpot_ms``: ``FIRST_CAP`` tokens
+until a mixed step was measured, then ``PROBE_CAP`` until one of a second
+size was (a 7k-token prompt in 256-token chunks gave the second size only at
+its 28th step: on 4x H100 the first rate of a long-prompt sweep ran ~30 mixed
+steps of 35 ms per worker before the fit found that no cap serves best). A step that only
 decodes takes ``base`` (the mean of recent ones); a step that also takes
 ``n`` prompt tokens takes ``fixed + per_token x n``, fitted by least squares
 over the recent mixed steps (``fixed`` holds the decode rows and what any
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 ALPHA = 0.2  # weight of the newest decode-only step in its average
 FIRST_CAP = 256  # learned cap before mixed steps of two sizes were measured
+PROBE_CAP = 2048  # then this, for the second size the fit needs (a long prompt would give it only at its last chunk)
 WINDOW = 64  # mixed steps the fit looks at
 
 
@@ -114,8 +119,10 @@ class PrefillBudget:
             return min(self.fixed, self.ceiling)
         if self.slo_ms is None:
             return None
-        if self.fit is None or self.base_ms is None:
-            return max(self.floor, min(FIRST_CAP, self.ceiling))
+        if self.fit is None or self.base_ms is None:  # learning: a second size as soon as one was measured
+            first = max(self.floor, min(FIRST_CAP, self.ceiling))
+            tried = {n for n, _ in self.mixed}
+            return first if first not in tried else max(self.floor, min(PROBE_CAP, self.ceiling))
         fixed_ms, per_token = self.fit
         if fixed_ms >= self.slo_ms:  # no chunk keeps a mixed step within the SLO: the fewest mixed steps
             return self.ceiling

@@ -61,6 +61,18 @@ def test_the_learned_cap_keeps_the_modelled_step_within_the_slo():
     assert budget.tokens() == pytest.approx(300, abs=2)
 
 
+def test_learning_measures_a_second_chunk_size_at_the_second_mixed_step():
+    """A long prompt chunked at the first cap gives the fit its second size at once, not at its last chunk."""
+    budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
+    budget.observe(StepRecord(8, 0, 6.0))
+    sizes = []
+    for _ in range(3):
+        n = budget.tokens()
+        sizes.append(n)
+        budget.observe(StepRecord(8, n, 34.0 + 0.03 * n))  # an eager chunk beside the decode graph (GPU-like)
+    assert sizes == [256, 2048, 8192]  # then no cap: no chunk keeps a mixed step within 10 ms
+
+
 def test_where_any_step_with_a_prompt_chunk_breaks_the_slo_prompts_are_not_capped():
     # as measured on an H100 (Mistral-7B shape): a decode step from a CUDA graph 6.5 ms, a step with a prompt
     # chunk an eager forward of ~34 ms plus 30 us a token: no chunk keeps a step within 15 ms, and each mixed step
