@@ -257,7 +257,8 @@ class Service:
             self.inboxes.pop(rid, None)
             self.admission.release(rid)
             for worker in involved:
-                worker.outstanding -= worker not in released
+                if worker not in released:
+                    worker.outstanding -= 1
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)
