@@ -191,8 +191,7 @@ class Service:
         """One request through ``prefill`` -> ``decode`` (``router.warmup``), every other worker avoided; the
         addresses of the pair that served it. Raises what a request would (no retry)."""
         others = {c for g in self.groups.values() for c in g.clients if c is not prefill and c is not decode}
-        run = RequestRun(f"warm-{next(_ids)}", payload, time.perf_counter(), avoid=others, warm=True,
-                         timing={"_warm": True})
+        run = RequestRun(f"warm-{next(_ids)}", payload, time.perf_counter(), avoid=others, warm=True)
         async with contextlib.aclosing(self._attempt(run)) as events:
             async for _ in events:
                 pass
@@ -219,7 +218,7 @@ class Service:
             first_worker = await self._send_prompt(run, rid, inbox, involved)
             fresh = None
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
-                fresh = await self._first(inbox, timing, first_worker)
+                fresh = await self._first(inbox, run, first_worker)
             if not run.local and first_worker in involved:
                 first_worker.outstanding -= 1  # its prompt is done: a prefill worker's load is prompts, not streams
                 released.add(first_worker)
@@ -242,7 +241,7 @@ class Service:
                 if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
                 yield Finished(first["finish_reason"], first["prompt_tokens"], 1,
-                               close_timing(run, None if run.warm else self.metrics))
+                               close_timing(run, self._metrics(run)))
                 return
             if decode_worker is not None:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
@@ -280,15 +279,13 @@ class Service:
             known = len(prompt.ids) if prompt is not None and prompt.ids else estimate_prompt_tokens(payload)
         tokens = known + max_new
         run.local = self.colocated
+        role = "colocated" if self.colocated else "decode"
         t0 = time.perf_counter()
-        if self.colocated:
-            worker = run.workers["colocated"] = await self.admission.acquire(self.groups["colocated"], rid, tokens,
-                                                                              prompt, run.avoid)
-            run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
-            return await self._generate_here(run, worker, rid, involved)
-        decode = run.workers["decode"] = await self.admission.acquire(self.groups["decode"], rid, tokens, prompt,
-                                                                      run.avoid)
+        held = run.workers[role] = await self.admission.acquire(self.groups[role], rid, tokens, prompt, run.avoid)
         run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
+        if self.colocated:
+            return await self._generate_here(run, held, rid, involved)
+        decode = held
         if await self._decide(run, decode, prompt) == "local":
             run.local = True
             return await self._generate_here(run, decode, rid, involved)
@@ -335,7 +332,11 @@ class Service:
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where
 
-    async def _first(self, inbox, timing: dict, first_worker) -> dict:
+    def _metrics(self, run: RequestRun):
+        """Where ``run``'s figures go: nowhere for a pair's warm-up."""
+        return None if run.warm else self.metrics
+
+    async def _first(self, inbox, run: RequestRun, first_worker) -> dict:
         """The ``first`` message (a streamed KV can be in place before the first token is out)."""
         while True:
             msg = await self._next(inbox, self.first_timeout_s, "the first token")
@@ -343,7 +344,7 @@ class Service:
                 return msg
             if msg["op"] == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
-                self._kv_sent(timing, msg)
+                self._kv_sent(run, msg)
 
     async def _relay(self, run: RequestRun, inbox, first_worker):
         """Decode's tokens up to ``done``, then ``Finished``."""
@@ -352,7 +353,7 @@ class Service:
             msg = await self._next(inbox, self.token_timeout_s, "the next token")
             if msg["op"] == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
-                self._kv_sent(timing, msg)
+                self._kv_sent(run, msg)
             elif msg["op"] == "tokens":
                 msg = coalesce(msg, inbox)
                 completion += len(msg["ids"])
@@ -366,29 +367,29 @@ class Service:
                 note_hops(run, "decode", msg.get("timing"))
                 if msg.get("phases"):
                     timing["kv"] = msg["phases"]
-                    if not run.warm:
+                    if self._metrics(run) is not None:
                         self.metrics.observe_transfer(timing["transport"], msg["phases"])
                 if not run.local and "overlap" not in timing:
-                    await self._await_kv_sent(inbox, timing)
+                    await self._await_kv_sent(inbox, run)
                 yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
-                               close_timing(run, None if run.warm else self.metrics))
+                               close_timing(run, self._metrics(run)))
                 return
 
-    def _kv_sent(self, timing: dict, msg: dict) -> None:
-        stream = msg.get("stream")
+    def _kv_sent(self, run: RequestRun, msg: dict) -> None:
+        stream, timing = msg.get("stream"), run.timing
         if isinstance(stream, dict):
             timing.update({k: float(stream[k]) for k in ("overlap", "exposed") if isinstance(stream.get(k), (int, float))})
             timing["streamed"] = stream.get("streamed") is True
-            if not timing.get("_warm"):
+            if self._metrics(run) is not None:
                 self.metrics.observe_stream(timing["transport"], stream)
 
-    async def _await_kv_sent(self, inbox, timing: dict) -> None:
+    async def _await_kv_sent(self, inbox, run: RequestRun) -> None:
         """The decode side can finish before prefill's ``kv_sent`` (sent after the receiver's ACK) arrives."""
         try:
-            while "overlap" not in timing:
+            while "overlap" not in run.timing:
                 msg = await asyncio.wait_for(inbox.get(), KV_SENT_GRACE_S)
                 if msg.get("op") == "kv_sent":
-                    self._kv_sent(timing, msg)
+                    self._kv_sent(run, msg)
         except asyncio.TimeoutError:
             pass
 
