@@ -150,9 +150,13 @@ class Engine:
         budget = cfg.kv_budget_bytes
         if not budget:
             whole = cfg.max_num_seqs * self.max_len * self.kv_bytes_per_token
-            budget = min(whole, free_memory(self.device) // 2)
+            free = free_memory(self.device)
+            budget = min(whole, free // 2)
             if self.device.type == "cpu":
                 budget = min(budget, CPU_DEFAULT_BUDGET)
+            else:
+                log.info("KV pool on %s: %.1f GiB free (%.1f allocated), %.1f wanted: %.1f GiB", self.device,
+                         free / 2**30, torch.cuda.memory_allocated(self.device) / 2**30, whole / 2**30, budget / 2**30)
         return max(budget // self.block_bytes, 2)
 
     def _fit_context(self) -> None:
@@ -392,6 +396,9 @@ def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: 
 
 
 def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``; on a GPU after the allocator gives back what it caches unused (loading leaves
+    freed temporaries there: a dummy checkpoint draws each tensor whole before its shard is kept)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
