@@ -5,7 +5,8 @@
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
 #   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
-#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; serve1p1d needs two GPUs)
+#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; serve1p1d needs two GPUs:
+#   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 128)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -87,13 +88,14 @@ for step in $steps; do
       timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 0 --out "$OUT/router-128x0ms-$TAG" 2>&1 | tail -1 ;;
     serve1p1d)  # two GPUs: prefill on cuda:0, decode on cuda:1, KV over NCCL
       $PY -m deploy.cli up --transport nccl $model --max-model-len 4096 --max-num-seqs 64 --port 8012 \
-        --ready-timeout 300 > "$OUT/up-1p1d.log" 2>&1 &
+        --ready-timeout 300 ${UP1P1D:-} > "$OUT/up-1p1d${NAME1P1D:-}.log" 2>&1 &
       up=$!
       for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break
         kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d.log"; break; }; sleep 1; done
       for wave in first:0 second:1; do
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
-          --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-1p1d-nccl-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
+          --max-tokens 64 --requests ${REQUESTS:-128} --seed ${wave#*:} \
+          --out "$OUT/serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
       done
       kill -INT $up; wait $up ;;
   esac
