@@ -43,13 +43,15 @@ def wait_idle(url: str, limit_s: float = 120.0) -> float | None:
 
 
 def step_delta(before: dict, after: dict) -> dict:
-    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps, and the
-    prompt-token cap of steps that decode (``step_budget``) with its fit, where the worker has one."""
+    """Per worker, during one rate: decode-only and prompt steps, their mean ms, the gaps between steps, the device
+    time of a decode graph replay (``graph_ms``, where graphs were timed), and the prompt-token cap of steps that
+    decode (``step_budget``) with its fit, where the worker has one."""
     out = {}
     for key, a in after.items():
         b = before.get(key, {})
         d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "decode_context",
-                                                   "prompt_steps", "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms")}
+                                                   "prompt_steps", "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms",
+                                                   "graph_replays", "graph_ms")}
         if d["decode_steps"] or d["prompt_steps"]:
             out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
                         "decode_step_ms": round(d["decode_ms"] / max(1, d["decode_steps"]), 3),
@@ -57,6 +59,7 @@ def step_delta(before: dict, after: dict) -> dict:
                         "decode_context_mean": round(d["decode_context"] / max(1, d["decode_rows"])),
                         "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
                         "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"],
+                        **({"graph_ms": round(d["graph_ms"] / d["graph_replays"], 3)} if d["graph_replays"] else {}),
                         **{k: a[k] for k in CAP_KEYS if a.get(k) is not None}}  # the cap as the rate left it
     return out
 
@@ -66,6 +69,7 @@ def busiest(steps: dict) -> str:
     if not steps:
         return ""
     key, w = max(steps.items(), key=lambda kv: kv[1]["decode_step_ms"])
-    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms at {w['decode_rows_mean']:.0f} rows of "
+    graph = f" (replay {w['graph_ms']:.1f} ms on the device)" if "graph_ms" in w else ""
+    return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms{graph} at {w['decode_rows_mean']:.0f} rows of "
             f"{w.get('decode_context_mean', 0):.0f} tokens, gaps "
             f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")

@@ -256,6 +256,9 @@ class Engine:
         out = self._step()
         end = time.perf_counter()
         self._last_step_end = end if out.scheduled and self.has_work else None  # gaps counted only under work
+        timer = self.runner.graphs.timer if self.runner.graphs is not None else None
+        if timer is not None:
+            self.step_log.add_replays(timer.done())
         if out.scheduled:
             rows = out.decode_rows
             context = sum(seq.num_tokens for seq in out.scheduled[:rows])

@@ -19,6 +19,7 @@ import time
 import torch
 
 from .attention import AttnMeta
+from .replay_timer import ReplayTimer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = self.replays = 0
+        self.timer: ReplayTimer | None = None  # device time of each replay (``replay_timer``), once captured
         self.mempool = None  # the captures' memory pool (``prompt_graphs`` captures into it too)
         self.prompts = None  # ``prompt_graphs.PromptGraphs``: fresh prompts' first chunks, where captured
         if capture:
@@ -92,6 +94,7 @@ class DecodeGraphs:
             self.graphs[n] = graph
         torch.cuda.synchronize(self.device)
         self.mempool = mempool
+        self.timer = ReplayTimer()
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - start)
 
     def fits(self, n: int) -> bool:
@@ -129,6 +132,9 @@ class DecodeGraphs:
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
+        timing = self.timer.start() if self.timer is not None else None
         graph.replay()
+        if timing is not None:
+            self.timer.stop(timing)
         self.replays += 1
         return self.outputs[size][:n]

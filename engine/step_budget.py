@@ -36,9 +36,11 @@ req/s within TTFT 2 s / TPOT 10 ms, the same replicas uncapped 10.
 and tests: decode rows, prompt tokens, milliseconds; and running totals
 that tell where a decode worker's time goes under load: decode-only and
 mixed steps (count, milliseconds; of decode-only steps the rows and their
-context, the tokens their attention reads) and the gaps between one step's end and
+context, the tokens their attention reads), the gaps between one step's end and
 the next one's start while there was work (host time outside steps: the
-control plane, KV arriving, the GIL)."""
+control plane, KV arriving, the GIL), and the device time of the decode graph
+replays (``replay_timer``: a step's wall time well above its replay's is host
+time the device waited for)."""
 from __future__ import annotations
 
 from collections import deque
@@ -64,7 +66,8 @@ class StepLog:
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
         self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "decode_context": 0, "prompt_steps": 0,
-                       "prompt_ms": 0.0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0}
+                       "prompt_ms": 0.0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0, "graph_replays": 0,
+                       "graph_ms": 0.0}
 
     def add(self, record: StepRecord, gap_ms: float | None = None) -> None:
         """``gap_ms``: since the step before ended, when this one follows it with work waiting."""
@@ -87,6 +90,11 @@ class StepLog:
             t["gap_ms"] += gap_ms
             t["gaps_over_5ms"] += gap_ms > 5.0
 
+    def add_replays(self, times_ms: list[float]) -> None:
+        """Device time of decode graph replays (``replay_timer``), as their events complete."""
+        self.totals["graph_replays"] += len(times_ms)
+        self.totals["graph_ms"] += sum(times_ms)
+
     def info(self) -> dict:
         """Totals and means (ms) since start: decode-only steps, steps with prompt tokens, gaps between steps."""
         t = self.totals
@@ -94,7 +102,8 @@ class StepLog:
                 "decode_rows_mean": t["decode_rows"] / max(1, t["decode_steps"]),
                 "decode_context_mean": t["decode_context"] / max(1, t["decode_rows"]),
                 "prompt_step_ms_mean": t["prompt_ms"] / max(1, t["prompt_steps"]),
-                "step_gap_ms_mean": t["gap_ms"] / max(1, t["gaps"])}
+                "step_gap_ms_mean": t["gap_ms"] / max(1, t["gaps"]),
+                "graph_ms_mean": t["graph_ms"] / max(1, t["graph_replays"])}
 
 
 class PrefillBudget:
@@ -138,6 +147,11 @@ class PrefillBudget:
             return
         self.mixed.append((record.prompt_tokens, record.ms))
         self.fit = _line(self.mixed) or self.fit
+
+    def add_replays(self, times_ms: list[float]) -> None:
+        """Device time of decode graph replays (``replay_timer``), as their events complete."""
+        self.totals["graph_replays"] += len(times_ms)
+        self.totals["graph_ms"] += sum(times_ms)
 
     def info(self) -> dict:
         fixed_ms, per_token = self.fit or (None, None)
