@@ -188,6 +188,12 @@ def test_measured_goodputs_are_those_of_the_workload_planned(tmp_path):
     assert sorted(m["goodput"] for m in got.values()) == [6.0, 9.0]
     assert sorted(m["goodput"] for m in measured_goodputs([str(tmp_path / "l.json"), mixed], "mixed").values()) == [
         12.0, 18.0]
+    finer = json.loads((tmp_path / "m.json").read_text())  # a second run at rates above: one met nothing
+    finer["results"][0]["goodput_rate"], finer["results"][1]["goodput_rate"] = 0.0, 20.0
+    (tmp_path / "f.json").write_text(json.dumps(finer))
+    both = measured_goodputs([mixed, str(tmp_path / "f.json")], "mixed")
+    assert sorted((m["goodput"], m["report"].endswith("f.json")) for m in both.values()) == [(12.0, False),
+                                                                                           (20.0, True)]
 
 
 def test_a_kv_read_rate_puts_a_floor_under_long_context_decode_steps():

@@ -34,8 +34,9 @@ def shape_of(args: list[str]) -> tuple:
 
 
 def measured_goodputs(paths: list[str], workload: str | None = None) -> dict[tuple, dict]:
-    """Shape -> {name, goodput, report} from ``bench goodput`` reports, of ``workload``'s results only when given
-    (the last report naming a shape wins)."""
+    """Shape -> {name, goodput, report} from ``bench goodput`` reports, of ``workload``'s results only when given.
+    Where several reports measured a shape, the highest goodput stands: each is a rate the shape served within the
+    SLO, and a run of finer rates above it that met none (goodput 0) does not undo it."""
     out = {}
     for path in paths:
         with open(path) as f:
@@ -43,8 +44,9 @@ def measured_goodputs(paths: list[str], workload: str | None = None) -> dict[tup
         for result in report["results"]:
             if workload is not None and result.get("workload", report.get("workload")) != workload:
                 continue
-            out[shape_of(list(result["up_args"]))] = {"name": result["name"], "goodput": result["goodput_rate"],
-                                                      "report": path}
+            shape = shape_of(list(result["up_args"]))
+            if shape not in out or result["goodput_rate"] > out[shape]["goodput"]:
+                out[shape] = {"name": result["name"], "goodput": result["goodput_rate"], "report": path}
     return out
 
 
