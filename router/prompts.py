@@ -1,4 +1,5 @@
-"""The router's view of a prompt's token ids, for KV-aware routing only: the
+"""The router's view of a prompt's token ids, for KV-aware routing and for
+``--disagg auto``'s decisions (``PromptTokenizer``): the
 same tokenizer the workers use (the built-in byte tokenizer, or a Hugging
 Face ``tokenizer.json`` read with ``tokenizers`` and its chat template
 rendered with ``jinja2``, so the router never imports torch). A prompt the
@@ -6,6 +7,7 @@ router tokenizes differently from the worker only routes worse: the workers
 check every reused block against their own token ids."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -90,3 +92,29 @@ def prompt_ids(tokens, payload: dict) -> list[int] | None:
     except Exception as e:
         log.debug("cannot tokenize a prompt for routing: %s", e)
         return None
+
+
+class PromptTokenizer:
+    """The tokenizer the router uses: the one configured (``--tokenizer``), else the one the first healthy worker
+    reports, loaded once when first needed."""
+
+    def __init__(self, spec: str | None, groups: dict):
+        self.spec, self.groups = spec, groups
+        self._tokens, self._tried = None, False
+
+    def tokens(self):
+        if not self._tried:
+            spec = self.spec or next((c.info["tokenizer"] for g in self.groups.values() for c in g.healthy()
+                                      if c.info.get("tokenizer")), None)
+            if spec is None:
+                return None
+            self._tokens, self._tried = load_tokens(spec), True
+            if self._tokens is None:
+                log.warning("kv_aware routing has no tokenizer (%s is not readable here; give --tokenizer): "
+                            "it balances load only", spec)
+        return self._tokens
+
+    async def keys(self, payload: dict) -> PromptKeys:
+        """The prompt's ids (None where no tokenizer is usable), tokenized off the event loop."""
+        tokens = self.tokens()
+        return PromptKeys(await asyncio.to_thread(prompt_ids, tokens, payload) if tokens is not None else None)

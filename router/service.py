@@ -22,7 +22,7 @@ from .disagg import Decision, DisaggPolicy
 from .errors import ApiError
 from .events import Delta, Finished
 from .policy import cached_blocks
-from .prompts import PromptKeys, load_tokens, prompt_ids
+from .prompts import PromptTokenizer
 from .retry import RequestRun, StreamError, WorkerFailure
 from .inbox import coalesce
 from .timing import close_timing, note_hops
@@ -48,9 +48,7 @@ class Service:
         self.retries = retries
         self.retry_wait_s = retry_wait_s
         self.kv_aware = kv_aware
-        self.tokenizer_spec = tokenizer
-        self._tokens = None
-        self._tokens_tried = False
+        self.prompts = PromptTokenizer(tokenizer, groups)
         self.groups = groups
         self.metrics = metrics
         self.warmer = PairWarmer(self, groups, "never")  # the router's app sets its own (router.warmup)
@@ -132,24 +130,8 @@ class Service:
                 del self.waits[key]
                 inbox.put_nowait({"op": EXPIRED, "timeout": timeout, "what": what})
 
-    def _router_tokens(self):
-        """The tokenizer KV-aware routing uses: the configured one, else the one the first worker reports."""
-        if not self._tokens_tried:
-            spec = self.tokenizer_spec or next((c.info["tokenizer"] for g in self.groups.values() for c in g.healthy()
-                                                if c.info.get("tokenizer")), None)
-            if spec is None:
-                return None
-            self._tokens, self._tokens_tried = load_tokens(spec), True
-            if self._tokens is None:
-                log.warning("kv_aware routing has no tokenizer (%s is not readable here; give --tokenizer): "
-                            "it balances load only", spec)
-        return self._tokens
-
     async def _prompt(self, payload: dict, always: bool = False):
-        if not (self.kv_aware or always):
-            return None
-        tokens = self._router_tokens()
-        return PromptKeys(await asyncio.to_thread(prompt_ids, tokens, payload) if tokens is not None else None)
+        return await self.prompts.keys(payload) if self.kv_aware or always else None
 
     async def _hold(self, decode, prefill, rid, inbox, prompt) -> list:
         """Ask the decode worker to keep the cached blocks of the prompt's prefix it reported; the keys of those it
