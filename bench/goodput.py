@@ -9,7 +9,8 @@ shared ``--up-args``), e.g. ``1p1d=--transport nccl`` and
 ``--workload`` (``uniform`` in the ranges given, ``mid``, ``long``, ``mixed``,
 comma-separated) runs against it in turn. Per workload, after a short
 warm-up, Poisson arrivals at each rate (``--requests`` each, or
-``--duration`` seconds of them; the first ``--warmup-requests`` not counted;
+``--duration`` seconds of them, stretched at low rates until ``--min-timed``
+requests count; the first ``--warmup-requests`` not counted;
 the same seeded workload everywhere, distinct prompts at each rate: a
 prompt repeated from an earlier rate would hit the prefix cache) give the SLO
 attainment (errors count as
@@ -49,6 +50,8 @@ def add_arguments(p):
     p.add_argument("--requests", type=int, default=200, help="requests per rate")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (instead)")
     p.add_argument("--warmup-requests", type=int, default=10, help="first requests of each rate not counted")
+    p.add_argument("--min-timed", type=int, default=20, help="requests each rate counts at least: a low rate's "
+                   "--duration is stretched to send them (0: as given)")
     p.add_argument("--workload", default="uniform", help=f"one or more of {', '.join(WORKLOADS)}, comma-separated "
                    "(each configuration started once, every workload run against it)")
     p.add_argument("--search", type=float, default=None, help="instead of --rates: from this rate, double while the "
@@ -126,12 +129,23 @@ def rates_to_try(args, probe) -> None:
             return
 
 
+def probe_length(args, rate: float) -> tuple[int, float | None]:
+    """Requests and seconds of arrivals for one rate: enough for ``--min-timed`` requests after the warm-up ones
+    (the 70B sweeps of session 28 judged rates of 0.25-0.5 req/s by one to five requests)."""
+    least = getattr(args, "warmup_requests", 0) + getattr(args, "min_timed", 0)
+    duration = getattr(args, "duration", None)
+    if duration is not None:
+        return args.requests, max(duration, least / rate)
+    return max(args.requests, least), None
+
+
 def point_of(rows, wall, rate, args) -> dict:
     warmup = getattr(args, "warmup_requests", 0)
     timed = [r for r in rows if "ttft_ms" in r and r.get("index", warmup) >= warmup]
     where = [r["pdserve"].get("disagg") for r in timed if r["pdserve"].get("disagg")]
     return {"rate": rate, "attainment": attained(rows, slo_of(args), warmup),
             "errors": sum(1 for r in rows if r["error"]), "wall_s": wall, "requests": len(rows),
+            "timed": sum(1 for r in rows if r.get("index", warmup) >= warmup),
             "abandoned": sum(1 for r in rows if (r["error"] or "").startswith("abandoned")),
             "ttft_ms": summary(r["ttft_ms"] for r in timed), "tpot_ms": summary(r["tpot_ms"] for r in timed),
             "itl_p99_ms": summary(r["itl_p99_ms"] for r in timed), "stall_ms": summary(r["stall_ms"] for r in timed),
@@ -162,14 +176,15 @@ def sweep(name: str, url: str, args, workload: str) -> dict:
     def probe(rate):
         drained = wait_idle(url)
         before = step_times(url)
-        rows, wall = _load(args, url, rate, 100_000, args.requests, probe_seed(args.seed, workload, rate),
-                           getattr(args, "duration", None),
+        requests, duration = probe_length(args, rate)
+        rows, wall = _load(args, url, rate, 100_000, requests, probe_seed(args.seed, workload, rate), duration,
                            workload, give_up_s(args, workload))
         point = point_of(rows, wall, rate, args)
         point["step_times"] = step_delta(before, step_times(url))
         point["waited_idle_s"] = drained
         result["rates"].append(point)
-        print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} within SLO (TTFT p90 "
+        print(f"  {name} [{workload}]: {rate:g} req/s -> {point['attainment']:.0%} of {point['timed']} within SLO "
+              f"(TTFT p90 "
               f"{(point['ttft_ms'] or {}).get('p90', 0):.0f} ms, TPOT p90 {(point['tpot_ms'] or {}).get('p90', 0):.1f}"
               f" ms, ITL p99 median {(point['itl_p99_ms'] or {}).get('median', 0):.1f} ms, second token p90 "
               f"{(point['second_token_ms'] or {}).get('p90', 0):.0f} ms, {point['abandoned']} "

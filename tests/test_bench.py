@@ -78,12 +78,13 @@ def test_bench_goodput_small(tmp_path):
     out = tmp_path / "g"
     assert main(["bench", "goodput", "--config", "tcp=--transport tcp", "--rates", "4,8,16", "--requests", "4",
                  "--prompt-len", "16:64", "--max-tokens", "4:8", "--slo-ttft-ms", "20000", "--slo-tpot-ms", "0.001",
-                 "--ttft-concurrency", "2", "--warmup-requests", "1", "--out", str(out)]) == 0
+                 "--ttft-concurrency", "2", "--warmup-requests", "1", "--min-timed", "3", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "g.json").read_text())
     (result,) = report["results"]
     # nobody meets a 1 us TPOT: goodput 0, and the sweep stops after two rates below half the target
     assert [p["attainment"] for p in result["rates"]] == [0.0, 0.0] and result["goodput_rate"] == 0.0
-    assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 3 and p["stall_ms"]["n"] == 3 for p in result["rates"])
+    assert all(p["errors"] == 0 and p["ttft_ms"]["n"] == 3 == p["timed"] and p["stall_ms"]["n"] == 3
+               for p in result["rates"])
     assert result["ttft_under_load"]["2"]["n"] >= 4
     # per rate, the decode worker's step times over that rate alone (from /health): steps ran, gaps measured
     (steps,) = [w for key, w in result["rates"][0]["step_times"].items() if key.startswith("decode:")]

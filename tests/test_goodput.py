@@ -87,3 +87,18 @@ def test_a_rates_step_times_carry_the_prompt_cap_as_the_rate_left_it():
     (w,) = step_delta(before, after).values()
     assert w["decode_step_ms"] == 7.0 and w["prompt_step_ms"] == 35.0
     assert w["step_prefill_cap"] == 256 and w["mixed_step_fixed_ms"] == 7.5 and "step_base_ms" not in w
+
+
+def test_a_low_rate_runs_long_enough_to_count_min_timed_requests():
+    from types import SimpleNamespace
+
+    from bench.goodput import probe_length
+
+    args = SimpleNamespace(requests=200, duration=18.0, warmup_requests=4, min_timed=20)
+    assert probe_length(args, 10.0) == (200, 18.0)  # 180 arrivals: plenty
+    assert probe_length(args, 0.5) == (200, 48.0)  # 24 arrivals (4 warm-up + 20 counted) need 48 s at 0.5/s
+    args.min_timed = 0
+    assert probe_length(args, 0.5) == (200, 18.0)
+    args.duration, args.min_timed = None, 20
+    assert probe_length(args, 0.5) == (200, None) and probe_length(SimpleNamespace(
+        requests=8, duration=None, warmup_requests=4, min_timed=20), 1.0) == (24, None)
