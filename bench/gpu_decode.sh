@@ -5,7 +5,8 @@
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
 #   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
-#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; serve1p1d needs two GPUs:
+#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; the fused decode attention
+#   (one launch a layer): AB="three:PDSERVE_ROPE_DECODE=0 one:PDSERVE_ROPE_DECODE=1" ... test ab; serve1p1d needs two GPUs:
 #   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 128)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
@@ -15,7 +16,8 @@ steps=${*:-test kernels engine serve router}
 model="--model mistral-7b --load-format dummy --dtype bfloat16"
 for step in $steps; do
   case $step in
-    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py ${TESTS:-tests/test_overlap.py} 2>&1 | tail -3 ;;
+    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_rope_decode.py \
+            ${TESTS:-tests/test_overlap.py} 2>&1 | tail -3 ;;
     kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
     engine) fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] && export PDSERVE_FEWROW_CONFIGS=$fpicks

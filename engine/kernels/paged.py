@@ -4,7 +4,7 @@ slot (a negative slot is a padding row: it writes nothing of its own);
 ``rope_store`` rotates the new tokens' queries and keys and stores keys and
 values the same way; ``decode`` attends each sequence's query over its
 first ``lens[b]`` tokens, found through its row of ``tables`` (``[batch,
-max_blocks]`` block ids). These are the torch versions (any device; the
+max_blocks]`` block ids); ``rope_decode`` is the two in a row. These are the torch versions (any device; the
 reference in tests); ``triton_attention`` has the same functions as CUDA
 kernels."""
 from __future__ import annotations
@@ -60,6 +60,14 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0, sca
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bkgt,btkd->bkgd", probs, values)
     return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, tables, lens, scale: float,
+                window: int = 0, scales=None) -> torch.Tensor:
+    """A decode step's attention from its qkv rows: ``rope_store``, then ``decode`` (``triton_rope_decode`` runs
+    both as one kernel)."""
+    q = rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, scales)
+    return decode(q, k_cache, v_cache, tables, lens, scale, window, scales=scales)
 
 
 def precompile(*args, **kw) -> None:

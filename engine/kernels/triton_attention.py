@@ -278,3 +278,16 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
                                     BLOCK_S=max(triton.next_power_of_2(splits), 2), D=dim, BLOCK_D=block_d, PDL=PDL,
                                     **launch_options())
     return out
+
+
+def rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, tables, lens, scale: float,
+                window: int = 0, scales=None) -> torch.Tensor:
+    """``rope_store`` then ``decode``; one launch instead of three with ``PDSERVE_ROPE_DECODE=1``
+    (``triton_rope_decode``)."""
+    from . import triton_rope_decode as fused
+
+    if fused.takes(qkv, k_cache):
+        return fused.rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, tables, lens, scale,
+                                 window, scales)
+    q = rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, scales)
+    return decode(q, k_cache, v_cache, tables, lens, scale, window, scales=scales)

@@ -137,10 +137,8 @@ class Attention(nn.Module):
             l2 = self.l2 if n == 1 else None
             if l2 is not None:  # o's weights into L2 while attention leaves memory idle
                 l2.fork(self.o_proj.weight)
-            q = meta.paged.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
-                                      self.kv_heads, self.kv_scales)
-            out = meta.paged.decode(q, k_cache, v_cache, meta.tables, meta.lens, self.scale, meta.window,
-                                    scales=self.kv_scales)
+            out = meta.paged.rope_decode(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
+                                         self.kv_heads, meta.tables, meta.lens, self.scale, meta.window, self.kv_scales)
             if l2 is not None:
                 l2.join()
             return project(self.gemv, self.o_proj, out.reshape(n, -1))
