@@ -10,6 +10,7 @@
 #   80 GB cards), Llama-3-70B shape
 #   (WORKLOADS70, default mixed), TTFT <= 2 s and TPOT <= 25 ms on H200; on H100 the TPOT SLO scales by the two cards' weight-read floors
 #   (3.35 vs 4.8 TB/s: 36 ms), since 25 ms is below an H100 pair's bs1 step for 70B (~27 ms measured).
+#   Each rate counts at least MIN_TIMED (20) requests after the warm-up ones: a low rate runs longer than DURATION.
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
 #   c32 over nccl: errors and per-phase wire times.
 # stall: why a P/D decode worker falls behind (3P1D stalled whole rates in session 24): 3P1D under the mixed
@@ -62,14 +63,14 @@ for step in $steps; do
       args=(); for c in $CONFIGS; do args+=(--config "$(config "$c")"); done
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$mistral --max-num-seqs 64" \
         --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" --search ${START:-6} --probes $PROBES \
-        --duration $DURATION --warmup-requests 10 --ttft-concurrency "" "${args[@]}" \
+        --duration $DURATION --warmup-requests 10 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" "${args[@]}" \
         --out "$OUT/goodput-4gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     llama70b)
       tpot=25; nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && tpot=36
       args=(); for c in ${CONFIGS70:-1p1d colocated colocated-capped}; do args+=(--config "$(config70 "$c" $tpot)"); done
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$llama --max-num-seqs 32" \
         --slo-ttft-ms 2000 --slo-tpot-ms $tpot --workload "${WORKLOADS70:-mixed}" --search ${START70:-0.5} \
-        --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --ttft-concurrency "" \
+        --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" \
         "${args[@]}" --out "$OUT/goodput-4gpu-llama70b-tp2-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     hetero)
       for layout in "p-tp2-to-2d=--prefill 1 --prefill-tp 2 --decode 2" "2p-to-d-tp2=--prefill 2 --decode 1 --decode-tp 2"; do
