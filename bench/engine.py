@@ -96,15 +96,32 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: in
     for _ in range(warmup):
         engine.step()
     _sync(engine.device)
+    replays = _replays(engine)
     start, made = time.perf_counter(), 0
     for _ in range(steps):
         made += len(engine.step().tokens)
     _sync(engine.device)
     elapsed = time.perf_counter() - start
+    replay_ms = _replay_ms(engine, replays)
     for s in seqs:
         engine.free(s)
     return {"batch": batch, "tokens": made, "seconds": elapsed, "tok_per_s": made / elapsed,
-            "step_ms": elapsed / steps * 1e3}
+            "step_ms": elapsed / steps * 1e3, **({"replay_ms": replay_ms} if replay_ms is not None else {})}
+
+
+def _replays(engine) -> tuple[int, float]:
+    """The engine's decode graph replays timed so far (``replay_timer``), every completed one read."""
+    timer = engine.runner.graphs.timer if engine.runner.graphs is not None else None
+    if timer is not None:
+        engine.step_log.add_replays(timer.done())
+    t = engine.step_log.totals
+    return t["graph_replays"], t["graph_ms"]
+
+
+def _replay_ms(engine, before: tuple[int, float]) -> float | None:
+    """Device time of one replay since ``before``: beside ``step_ms``, what the step spends off the device."""
+    count, ms = _replays(engine)
+    return (ms - before[1]) / (count - before[0]) if count > before[0] else None
 
 
 def offline(engine, requests: int, input_len, output_len, rng) -> dict:
@@ -186,7 +203,8 @@ def run(args) -> int:
         if limit:
             d["hbm_limit_tok_per_s"] = limit["tok_per_s"](d["batch"], args.prompt_len + args.decode_steps // 2 + 10)
             d["fraction_of_limit"] = d["tok_per_s"] / d["hbm_limit_tok_per_s"]
-        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step)"
+        replay = f", replay {d['replay_ms']:.2f} ms on the device" if "replay_ms" in d else ""
+        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step{replay})"
               + (f", {d['fraction_of_limit']:.0%} of the HBM limit {d['hbm_limit_tok_per_s']:.0f}" if limit else ""),
               file=sys.stderr)
     eager = []

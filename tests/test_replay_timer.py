@@ -68,19 +68,19 @@ def test_the_step_log_sums_replays_and_health_reports_their_mean_beside_the_step
     assert "graph_ms" not in w and "replay" not in busiest({"decode:a": w})  # a CPU worker: no graphs timed
 
 
-def test_decode_steps_that_replay_a_graph_are_timed_into_the_engine_step_log():
-    """The replay path with a stand-in for the captured graph (it runs the same forward eagerly): each replay
-    records a pair of events, and the engine's steps read the completed ones into ``step_times``."""
-    from engine import EngineConfig, SamplingParams
+class Done(FakeEvent):
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return 2.5
+
+
+def engine_with_timed_replays():
+    """A tiny engine whose decode steps go through the replay path, with a stand-in for each captured graph (it runs
+    the same forward eagerly) and a timer whose replays all took 2.5 ms."""
+    from engine import EngineConfig
     from engine.engine import Engine
-    from engine.sequence import Sequence
-
-    class Done(FakeEvent):
-        def query(self):
-            return True
-
-        def elapsed_time(self, end):
-            return 2.5
 
     engine = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs="eager", warmup=False))
     graphs = engine.runner.graphs
@@ -95,6 +95,25 @@ def test_decode_steps_that_replay_a_graph_are_timed_into_the_engine_step_log():
 
     graphs.graphs = {size: EagerGraph(size) for size in graphs.sizes}
     graphs.timer = ReplayTimer(Done, ring=4)
+    return engine
+
+
+def test_bench_engine_reports_the_replay_beside_the_step():
+    import random
+
+    from bench.engine import decode_rate
+
+    row = decode_rate(engine_with_timed_replays(), 2, 8, 6, random.Random(0), warmup=2)
+    assert row["replay_ms"] == 2.5 and row["step_ms"] > 0
+
+
+def test_decode_steps_that_replay_a_graph_are_timed_into_the_engine_step_log():
+    """Each replay records a pair of events, and the engine's steps read the completed ones into ``step_times``."""
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    engine = engine_with_timed_replays()
+    graphs = engine.runner.graphs
     seq = Sequence.create("r", "hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                           engine.tokenizer, engine.max_len)
     engine.add(seq)
