@@ -119,6 +119,22 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int
     return (q, k, v) if keep else q
 
 
+@triton.jit
+def attend_tile(q, k_ptr, v_ptr, rows, d, valid, kv_mask, m, l_sum, acc, scale, PRECISION: tl.constexpr):
+    """One tile of the online softmax: keys and values at the pool ``rows`` (``valid`` tokens) read as ``q``'s
+    dtype (an FP8 pool widens), scores, the running max ``m``, sum ``l_sum`` and output ``acc`` updated."""
+    k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_sum, acc
+
+
 @triton.jit(do_not_specialize=["scale", "v_scale", "window", "stride_qb", "stride_qh", "stride_tb"])  # one variant for any
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, scale, v_scale, window,
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
@@ -155,17 +171,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_o, part_ml, s
         valid = pos < hi
         block = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 -> q's dtype
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l_sum, acc = attend_tile(q, k_ptr, v_ptr, rows, d, valid, valid[:, None] & dmask[None, :], m, l_sum, acc,
+                                    scale, PRECISION)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     at = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + split

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _fp8, _quantized, config_for, splits_for
+from .triton_attention import _fp8, _quantized, attend_tile, config_for, splits_for
 from .triton_pdl import ENABLED as PDL, launch_options
 
 ENABLED = os.environ.get("PDSERVE_ROPE_DECODE", "0") == "1"
@@ -96,16 +96,7 @@ def _rope_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, tabl
         valid = pos < tl.minimum(hi, last)
         block = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kvh * D
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l_sum, acc = attend_tile(q, k_ptr, v_ptr, rows, d, valid, valid[:, None], m, l_sum, acc, scale, PRECISION)
     if (last >= lo) & (last < hi):
         s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32)[None, :], axis=1) * scale
         m_new = tl.maximum(m, s_new)
