@@ -111,9 +111,7 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: in
 
 def _replays(engine) -> tuple[int, float]:
     """The engine's decode graph replays timed so far (``replay_timer``), every completed one read."""
-    timer = engine.runner.graphs.timer if engine.runner.graphs is not None else None
-    if timer is not None:
-        engine.step_log.add_replays(timer.done())
+    engine.step_log.read_replays(engine.runner.graphs)
     t = engine.step_log.totals
     return t["graph_replays"], t["graph_ms"]
 

@@ -11,7 +11,6 @@ after its first token with its blocks kept, so its KV can be sent, then
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ import torch
 
 from .blocks import BlockManager
 from .config import EngineConfig
-from .kv_pool import KVPool
+from .kv_pool import KVPool, free_memory
 from .decode_path import engine_graphs
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
@@ -256,9 +255,7 @@ class Engine:
         out = self._step()
         end = time.perf_counter()
         self._last_step_end = end if out.scheduled and self.has_work else None  # gaps counted only under work
-        timer = self.runner.graphs.timer if self.runner.graphs is not None else None
-        if timer is not None:
-            self.step_log.add_replays(timer.done())
+        self.step_log.read_replays(self.runner.graphs)
         if out.scheduled:
             rows = out.decode_rows
             context = sum(seq.num_tokens for seq in out.scheduled[:rows])
@@ -396,12 +393,3 @@ def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: 
             values, ids = torch.topk(row, k)
             top = list(zip(ids.tolist(), values.tolist()))
         plist.append((float(row[seq.prompt_ids[pos]]), top))
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free on ``device``; on a GPU after the allocator gives back what it caches unused (loading leaves
-    freed temporaries there: a dummy checkpoint draws each tensor whole before its shard is kept)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

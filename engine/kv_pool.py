@@ -8,6 +8,8 @@ range of the pool's heads too: the slice one rank of a tensor-parallel
 group exchanges with a rank of a group of another size)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .attention import block_slots
@@ -92,3 +94,12 @@ class KVPool:
                     raise ValueError(f"{new.dtype} KV into a {cache.dtype} pool: convert it first")
                 kv_fp8.put(cache.view(-1, self.kv_heads, self.head_dim)[:, h0:h1], slots,
                            new.to(cache.device, cache.dtype))
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``; on a GPU after the allocator gives back what it caches unused (loading leaves
+    freed temporaries there: a dummy checkpoint draws each tensor whole before its shard is kept)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -90,6 +90,12 @@ class StepLog:
             t["gap_ms"] += gap_ms
             t["gaps_over_5ms"] += gap_ms > 5.0
 
+    def read_replays(self, graphs) -> None:
+        """The decode graph replays of ``graphs`` (``DecodeGraphs`` or None) timed since the last read."""
+        timer = graphs.timer if graphs is not None else None
+        if timer is not None:
+            self.add_replays(timer.done())
+
     def add_replays(self, times_ms: list[float]) -> None:
         """Device time of decode graph replays (``replay_timer``), as their events complete."""
         self.totals["graph_replays"] += len(times_ms)
@@ -147,6 +153,12 @@ class PrefillBudget:
             return
         self.mixed.append((record.prompt_tokens, record.ms))
         self.fit = _line(self.mixed) or self.fit
+
+    def read_replays(self, graphs) -> None:
+        """The decode graph replays of ``graphs`` (``DecodeGraphs`` or None) timed since the last read."""
+        timer = graphs.timer if graphs is not None else None
+        if timer is not None:
+            self.add_replays(timer.done())
 
     def add_replays(self, times_ms: list[float]) -> None:
         """Device time of decode graph replays (``replay_timer``), as their events complete."""
