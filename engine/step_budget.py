@@ -154,17 +154,6 @@ class PrefillBudget:
         self.mixed.append((record.prompt_tokens, record.ms))
         self.fit = _line(self.mixed) or self.fit
 
-    def read_replays(self, graphs) -> None:
-        """The decode graph replays of ``graphs`` (``DecodeGraphs`` or None) timed since the last read."""
-        timer = graphs.timer if graphs is not None else None
-        if timer is not None:
-            self.add_replays(timer.done())
-
-    def add_replays(self, times_ms: list[float]) -> None:
-        """Device time of decode graph replays (``replay_timer``), as their events complete."""
-        self.totals["graph_replays"] += len(times_ms)
-        self.totals["graph_ms"] += sum(times_ms)
-
     def info(self) -> dict:
         fixed_ms, per_token = self.fit or (None, None)
         return {"step_prefill_cap": self.tokens(), "slo_tpot_ms": self.slo_ms,
