@@ -153,7 +153,7 @@ class Engine:
             budget = min(whole, free // 2)
             if self.device.type == "cpu":
                 budget = min(budget, CPU_DEFAULT_BUDGET)
-            else:
+            elif self.device.type == "cuda":
                 log.info("KV pool on %s: %.1f GiB free (%.1f allocated), %.1f wanted: %.1f GiB", self.device,
                          free / 2**30, torch.cuda.memory_allocated(self.device) / 2**30, whole / 2**30, budget / 2**30)
         return max(budget // self.block_bytes, 2)
