@@ -355,7 +355,7 @@ def begin_then_hang_up(dest, layout, pair: str):
 
 def hung_up_sender_fails_fast(r) -> dict:
     from kvtransfer import TransferError
-    from kvtransfer.nccl import pairs as nccl_pairs
+    from kvtransfer.transports.nccl import pairs as nccl_pairs
     start = time.monotonic()
     try:
         r.wait("hangup", 30)

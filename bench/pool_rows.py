@@ -26,7 +26,7 @@ import torch
 from engine.blocks import BlockManager
 from engine.kv_pool import KVPool
 from kvtransfer import KVLayout, PiecewiseKV, PoolRows
-from kvtransfer.nccl.ops import gather, scatter
+from kvtransfer.transports.nccl.ops import gather, scatter
 
 
 def table_of(blocks: int, runs: int) -> list[int]:

@@ -179,7 +179,7 @@ class DecodeWorker(WorkerLoop):
         if device.type != "cpu":
             return None
         if self.transport == "shm":
-            from kvtransfer.shm import SharedMemory
+            from kvtransfer.transports.shm import SharedMemory
 
             self.shared_pool = SharedMemory(nbytes)
             return self.shared_pool.tensor

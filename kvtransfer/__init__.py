@@ -1,5 +1,6 @@
-"""KV-cache transfer between prefill and decode: a canonical layout, a small
-transport interface, and transports loaded lazily by name."""
+"""KV-cache transfer between prefill and decode: a canonical layout (``layout``), a small transport interface
+(``base``), what the transports share (``frames``, ``sockets``, ``pieces``, ``pool``, ``arena``, ...), and the
+transports themselves (``transports/``), loaded lazily by name (``registry``)."""
 from .base import KVReceiver, KVSender, ReceivedKV, SourceKV, TransferError, TransferStatus, TransportConfig
 from .layout import KVLayout, LayoutError
 from .phases import PHASES, PhaseTimes

@@ -17,15 +17,15 @@ class TransportSpec:
 
 
 TRANSPORTS: dict[str, TransportSpec] = {
-    "tcp": TransportSpec("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
-    "shm": TransportSpec("kvtransfer.shm", "ShmSender", "ShmReceiver"),
-    "pickle": TransportSpec("kvtransfer.pickle_tcp", "PickleSender", "PickleReceiver"),
-    "mlx": TransportSpec("kvtransfer.mlx_dist", "MlxSender", "MlxReceiver", "pip install 'pdserve[mlx]' (mlx[cpu] on Linux)"),
-    "nixl": TransportSpec("kvtransfer.nixl_ucx", "NixlSender", "NixlReceiver",
+    "tcp": TransportSpec("kvtransfer.transports.tcp", "TcpSender", "TcpReceiver"),
+    "shm": TransportSpec("kvtransfer.transports.shm", "ShmSender", "ShmReceiver"),
+    "pickle": TransportSpec("kvtransfer.transports.pickle_tcp", "PickleSender", "PickleReceiver"),
+    "mlx": TransportSpec("kvtransfer.transports.mlx_dist", "MlxSender", "MlxReceiver", "pip install 'pdserve[mlx]' (mlx[cpu] on Linux)"),
+    "nixl": TransportSpec("kvtransfer.transports.nixl_ucx", "NixlSender", "NixlReceiver",
                           "pip install --no-deps nixl nixl-cu12 (plain `nixl` pulls CUDA torch)"),
-    "nccl": TransportSpec("kvtransfer.nccl.transport", "NcclSender", "NcclReceiver", "a CUDA build of torch with NCCL"),
-    "arrow": TransportSpec("kvtransfer.arrow_flight", "ArrowSender", "ArrowReceiver", "pip install 'pdserve[arrow]'"),
-    "ray": TransportSpec("kvtransfer.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
+    "nccl": TransportSpec("kvtransfer.transports.nccl.transport", "NcclSender", "NcclReceiver", "a CUDA build of torch with NCCL"),
+    "arrow": TransportSpec("kvtransfer.transports.arrow.flight", "ArrowSender", "ArrowReceiver", "pip install 'pdserve[arrow]'"),
+    "ray": TransportSpec("kvtransfer.transports.ray_store", "RaySender", "RayReceiver", "pip install 'pdserve[ray]'"),
 }
 
 

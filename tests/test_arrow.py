@@ -71,7 +71,7 @@ def test_a_part_that_never_arrives_fails_the_transfer_and_frees_the_landing(rece
     import pyarrow as pa
     import pyarrow.flight as fl
 
-    from kvtransfer.arrow_wire import VERSION, aligning_metadata, column, schema_for
+    from kvtransfer.transports.arrow.wire import VERSION, aligning_metadata, column, schema_for
 
     layout = KVLayout(2, 1, 4, 8, "float32")
     released = threading.Event()
@@ -106,7 +106,7 @@ def test_a_stream_without_the_layout_in_its_schema_is_refused_and_the_receiver_k
     import pyarrow as pa
     import pyarrow.flight as fl
 
-    from kvtransfer.arrow_wire import SCHEMA, VERSION, layout_dict, schema_for
+    from kvtransfer.transports.arrow.wire import SCHEMA, VERSION, layout_dict, schema_for
 
     layout = KVLayout(2, 1, 4, 8, "bfloat16")
     assert layout_dict(schema_for(layout)) == layout.to_dict()

@@ -243,7 +243,7 @@ def test_arrow_flight_refuses_a_wrong_or_missing_token_and_keeps_serving(token):
 def test_arrow_flight_proof_is_never_the_token_and_cannot_be_replayed():
     import pyarrow.flight as fl
 
-    from kvtransfer import arrow_wire
+    from kvtransfer.transports.arrow import wire as arrow_wire
 
     value = arrow_wire.auth_value(TOKEN.encode())
     assert TOKEN not in value

@@ -1,4 +1,4 @@
-"""The nccl transport's same-GPU path (``kvtransfer.nccl.same_gpu``) on the CPU: the protocol (a GRANT saying
+"""The nccl transport's same-GPU path (``kvtransfer.transports.nccl.same_gpu``) on the CPU: the protocol (a GRANT saying
 ``ipc``, the sender's export note, the receiver's ``copied``, END, ACK) with the CUDA IPC mapping replaced by the
 buffer's bytes in the note, sender and receiver in one process. Bit-exact KV from layers, from the sender's slab
 and from pool blocks into a buffer and into pool blocks; no pair formed, never an eager send. The real mapping runs
@@ -8,7 +8,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from kvtransfer import Landing, PiecewiseKV, TransportConfig, make_receiver, make_sender
-from kvtransfer.nccl import same_gpu as nccl_same_gpu
+from kvtransfer.transports.nccl import same_gpu as nccl_same_gpu
 from kvtransfer.tensors import layout_of, materialize
 
 

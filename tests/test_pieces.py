@@ -150,7 +150,7 @@ def test_pieces_that_do_not_fit_the_layout_are_refused(tcp):
 
 @pytest.mark.parametrize("source", ["pieces", "tensors"])
 def test_shm_writes_straight_into_a_shared_pool(source):
-    from kvtransfer.shm import SharedMemory
+    from kvtransfer.transports.shm import SharedMemory
 
     layout = KVLayout(3, 2, 8, 37, "bfloat16")
     dtype, shape = torch.bfloat16, (6, BLOCK, 2, 8)

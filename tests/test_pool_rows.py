@@ -7,7 +7,7 @@ import torch
 from engine.blocks import BlockManager
 from engine.kv_pool import KVPool
 from kvtransfer import PiecewiseKV, PoolRows
-from kvtransfer.nccl.ops import gather, scatter
+from kvtransfer.transports.nccl.ops import gather, scatter
 from kvtransfer.pieces import piece_tokens
 from kvtransfer.tensors import layout_of
 

@@ -21,7 +21,7 @@ def test_transfer_between_two_ray_nodes(ray_cluster):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvtransfer import TransportConfig, make_receiver, make_sender
-    from kvtransfer.ray_store import connect
+    from kvtransfer.transports.ray_store import connect
     from kvtransfer.tensors import layout_of, materialize
 
     connect(TransportConfig())

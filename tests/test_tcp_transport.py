@@ -8,7 +8,7 @@ import torch
 
 from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
 from kvtransfer import frames
-from kvtransfer.tcp import parse_address
+from kvtransfer.transports.tcp import parse_address
 from kvtransfer.tensors import layout_of, materialize
 
 

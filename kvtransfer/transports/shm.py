@@ -21,12 +21,12 @@ import threading
 
 import torch
 
-from . import frames
-from .arena import Arena
-from .base import ReceivedKV
-from .pieces import PiecewiseKV, block_map, block_runs
-from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
-from .tensors import check_layer, host_layers, to_host
+from .. import frames
+from ..arena import Arena
+from ..base import ReceivedKV
+from ..pieces import PiecewiseKV, block_map, block_runs
+from ..sockets import SocketReceiver, SocketSender, read_grant, timed_layers
+from ..tensors import check_layer, host_layers, to_host
 
 DEFAULT_SEGMENT_BYTES = 1 << 30
 

@@ -27,11 +27,11 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .base import KVSender, ReceivedKV, TransferError, TransportConfig
-from .layout import KVLayout
-from .phases import PhaseTimes
-from .sockets import TableReceiver, timed_layers
-from .tensors import TORCH_DTYPES, check_layer, to_host
+from ..base import KVSender, ReceivedKV, TransferError, TransportConfig
+from ..layout import KVLayout
+from ..phases import PhaseTimes
+from ..sockets import TableReceiver, timed_layers
+from ..tensors import TORCH_DTYPES, check_layer, to_host
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdserve"

@@ -1,4 +1,4 @@
-"""Arrow Flight transport, sending side (the protocol: ``arrow_wire``)."""
+"""Arrow Flight transport, sending side (the protocol: ``wire``)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +11,15 @@ import msgpack
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .arrow_receiver import ArrowReceiver
-from .arrow_wire import (AUTH_HEADER, GRPC_OPTIONS, MAX_STREAMS, VERSION, aligning_metadata, auth_value, column,
+from .receiver import ArrowReceiver
+from .wire import (AUTH_HEADER, GRPC_OPTIONS, MAX_STREAMS, VERSION, aligning_metadata, auth_value, column,
                          schema_for)
-from .base import KVSender, TransferError, TransportConfig
-from .layout import KVLayout
-from .phases import PhaseTimes
-from .pieces import PiecewiseKV
-from .sockets import parse_address, timed_layers
-from .tensors import as_bytes, check_layer, host_layers, to_host
+from ...base import KVSender, TransferError, TransportConfig
+from ...layout import KVLayout
+from ...phases import PhaseTimes
+from ...pieces import PiecewiseKV
+from ...sockets import parse_address, timed_layers
+from ...tensors import as_bytes, check_layer, host_layers, to_host
 
 __all__ = ["ArrowSender", "ArrowReceiver"]
 

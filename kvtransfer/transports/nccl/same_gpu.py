@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from .. import frames
-from ..base import ReceivedKV
+from ... import frames
+from ...base import ReceivedKV
 from .ops import gather, scatter, side_stream, sync_device, use_device
-from ..pieces import PiecewiseKV
-from ..pool import PoolExhausted
-from ..sockets import read_grant
+from ...pieces import PiecewiseKV
+from ...pool import PoolExhausted
+from ...sockets import read_grant
 
 EXPORT = {"handle": bytes, "size": int, "offset": int, "counter": bytes, "counter_offset": int, "start": int,
           "nbytes": int}

@@ -7,10 +7,10 @@ import io
 
 import torch
 
-from . import frames
-from .base import ReceivedKV
-from .sockets import SocketReceiver, SocketSender, timed_layers
-from .tensors import check_layer, to_host
+from .. import frames
+from ..base import ReceivedKV
+from ..sockets import SocketReceiver, SocketSender, timed_layers
+from ..tensors import check_layer, to_host
 
 PICKLE_OVERHEAD = 1 << 20
 

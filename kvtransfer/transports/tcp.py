@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from . import frames
-from .base import ReceivedKV, TransferStatus
-from .pieces import PiecewiseKV
-from .sockets import SocketReceiver, SocketSender, parse_address, timed_layers
-from .tensors import as_bytes, check_layer, host_layers, to_host
+from .. import frames
+from ..base import ReceivedKV, TransferStatus
+from ..pieces import PiecewiseKV
+from ..sockets import SocketReceiver, SocketSender, parse_address, timed_layers
+from ..tensors import as_bytes, check_layer, host_layers, to_host
 
 __all__ = ["TcpSender", "TcpReceiver", "parse_address"]
 

@@ -27,11 +27,11 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from . import frames
-from .arena import Arena
-from .base import ReceivedKV, TransferError
-from .sockets import SocketReceiver, SocketSender, read_grant, timed_layers
-from .tensors import TORCH_DTYPES, check_layer, from_mlx, is_mlx, to_host
+from .. import frames
+from ..arena import Arena
+from ..base import ReceivedKV, TransferError
+from ..sockets import SocketReceiver, SocketSender, read_grant, timed_layers
+from ..tensors import TORCH_DTYPES, check_layer, from_mlx, is_mlx, to_host
 
 _group = None
 _group_lock = threading.Lock()

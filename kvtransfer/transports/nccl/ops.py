@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from ..base import TransferError
-from ..pieces import common_cuts, segments
-from ..pool_rows import PoolRows
-from ..sockets import peer_hung_up
-from ..tensors import TORCH_DTYPES, unpack
+from ...base import TransferError
+from ...pieces import common_cuts, segments
+from ...pool_rows import PoolRows
+from ...sockets import peer_hung_up
+from ...tensors import TORCH_DTYPES, unpack
 
 log = logging.getLogger(__name__)
 lock = threading.Lock()

@@ -42,12 +42,12 @@ import uuid
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from . import frames
-from .base import ReceivedKV, TransferError
-from .arena import Arena
-from .pieces import PiecewiseKV, block_map, block_runs
-from .sockets import SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
-from .tensors import check_layer, to_host
+from .. import frames
+from ..base import ReceivedKV, TransferError
+from ..arena import Arena
+from ..pieces import PiecewiseKV, block_map, block_runs
+from ..sockets import SocketReceiver, SocketSender, peer_hung_up, read_grant, timed_layers
+from ..tensors import check_layer, to_host
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Arrow Flight transport, receiving side: a Flight server whose ``do_put``
-calls are the parts of transfers (the protocol: ``arrow_wire``). The first
+calls are the parts of transfers (the protocol: ``wire``). The first
 part of a transfer to arrive claims its id and its landing; each part lands
 its layers; the part that completes the set finishes the transfer, and every
 part is answered once all have landed (or fails with the transfer)."""
@@ -17,15 +17,15 @@ import torch
 
 from control.auth import require_token_for
 
-from .arrow_wire import MAX_STREAMS, VERSION, AuthFactory, aligned, layout_dict
-from .base import ReceivedKV, TransferStatus
-from .heap import keep_freed_memory
-from .layout import KVLayout, LayoutError
-from .phases import PhaseTimes
-from .pieces import PiecewiseKV
-from .pool import BufferPool
-from .sockets import TableReceiver
-from .tensors import TORCH_DTYPES, as_bytes, unpack
+from .wire import MAX_STREAMS, VERSION, AuthFactory, aligned, layout_dict
+from ...base import ReceivedKV, TransferStatus
+from ...heap import keep_freed_memory
+from ...layout import KVLayout, LayoutError
+from ...phases import PhaseTimes
+from ...pieces import PiecewiseKV
+from ...pool import BufferPool
+from ...sockets import TableReceiver
+from ...tensors import TORCH_DTYPES, as_bytes, unpack
 
 
 class _Server(fl.FlightServerBase):

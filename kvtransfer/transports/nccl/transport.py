@@ -76,17 +76,17 @@ import time
 
 import torch
 
-from .. import frames
-from ..arena import Arena
-from ..base import ReceivedKV, TransferError
-from ..pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
-from ..pool import BufferPool, PoolExhausted
-from ..sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
+from ... import frames
+from ...arena import Arena
+from ...base import ReceivedKV, TransferError
+from ...pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
+from ...pool import BufferPool, PoolExhausted
+from ...sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
 from .ops import (await_all, count_cuts, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
 from . import same_gpu
 from .pairs import Pairs
-from ..tensors import check_layer
+from ...tensors import check_layer
 
 log = logging.getLogger(__name__)
 _order = threading.Lock()
