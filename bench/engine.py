@@ -110,7 +110,7 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: in
 
 
 def _replays(engine) -> tuple[int, float]:
-    """The engine's decode graph replays timed so far (``replay_timer``), every completed one read."""
+    """The engine's decode graph replays timed so far (``cuda_graphs.replay_timer``), every completed one read."""
     engine.step_log.read_replays(engine.runner.graphs)
     t = engine.step_log.totals
     return t["graph_replays"], t["graph_ms"]

@@ -6,7 +6,7 @@ import logging
 import os
 
 from .config import EngineConfig
-from .graphs import DecodeGraphs
+from .cuda_graphs.decode import DecodeGraphs
 from .kernels import paged
 from .models.llama import use_kernels
 from .models.moe import SparseMoE
@@ -67,7 +67,7 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
 def prompt_graphs(self, cfg: EngineConfig, mempool):
     """A prompt chunk's step as a CUDA graph (``prompt_graphs``), captured into the decode graphs' memory pool;
     None where the engine cannot capture one (logged)."""
-    from .prompt_graphs import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
+    from .cuda_graphs.prompt import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
 
     why = supported(self.model, cfg)
     if why is not None:

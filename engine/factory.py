@@ -16,7 +16,7 @@ def engine_kind(cfg: EngineConfig) -> str:
 
 def make_engine(cfg: EngineConfig, **kw):
     if engine_kind(cfg) == "mlx":
-        from .mlx_engine import MlxEngine
+        from .mlx.engine import MlxEngine
 
         kw.pop("pool_memory", None)
         kw.pop("tp_kv", None)

@@ -8,8 +8,8 @@ batch): plain data, so rank 0 of a tensor-parallel group sends the same
 rows to every other rank and all run the same forward.
 
 Where the engine captured CUDA graphs: a step of decodes only replays its
-decode graph (``graphs``); a single prompt chunk replays a prompt graph
-(``prompt_graphs``), and so does one beside decode rows, after their decode
+decode graph (``cuda_graphs.decode``); a single prompt chunk replays a prompt graph
+(``cuda_graphs.prompt``), and so does one beside decode rows, after their decode
 graph (two replays beat one eager forward, which is host-bound there);
 everything else runs as one eager forward, decode rows first."""
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ModelRunner:
     def run(self, rows: list[StepRow], on_layer=None, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling rows in order, {row index: prompt-position scores})``.
         With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly in the
-        same forward, or, for one prompt chunk a prompt graph takes (``prompt_graphs``), through that graph.
+        same forward, or, for one prompt chunk a prompt graph takes (``cuda_graphs.prompt``), through that graph.
         ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
         in flight, which rows with a ``feed`` index take as input (only through the graphs)."""
         decode = [i for i, r in enumerate(rows) if self.decodes(r)] if self.graphs is not None else []
@@ -199,7 +199,7 @@ class ModelRunner:
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
     def _prompt_graph_takes(self, rows: list[StepRow]) -> bool:
-        """One prompt chunk that samples, wants no prompt scores and has a graph (``prompt_graphs``)."""
+        """One prompt chunk that samples, wants no prompt scores and has a graph (``cuda_graphs.prompt``)."""
         prompts = getattr(self.graphs, "prompts", None)
         return (prompts is not None and len(rows) == 1 and rows[0].samples and not rows[0].prompt_scores
                 and prompts.shape_for(len(rows[0].ids), rows[0].start) is not None)

@@ -39,7 +39,7 @@ mixed steps (count, milliseconds; of decode-only steps the rows and their
 context, the tokens their attention reads), the gaps between one step's end and
 the next one's start while there was work (host time outside steps: the
 control plane, KV arriving, the GIL), and the device time of the decode graph
-replays (``replay_timer``: a step's wall time well above its replay's is host
+replays (``cuda_graphs.replay_timer``: a step's wall time well above its replay's is host
 time the device waited for)."""
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class StepLog:
             self.add_replays(timer.done())
 
     def add_replays(self, times_ms: list[float]) -> None:
-        """Device time of decode graph replays (``replay_timer``), as their events complete."""
+        """Device time of decode graph replays (``cuda_graphs.replay_timer``), as their events complete."""
         self.totals["graph_replays"] += len(times_ms)
         self.totals["graph_ms"] += sum(times_ms)
 

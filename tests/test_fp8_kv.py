@@ -172,7 +172,7 @@ def test_every_cpu_transport_moves_fp8_kv_as_it_is(transport):
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("mlx_lm"), reason="mlx-lm not installed")
 def test_mlx_engine_takes_fp8_kv_converted_and_refuses_an_fp8_cache_of_its_own():
-    from engine.mlx_engine import MlxEngine
+    from engine.mlx.engine import MlxEngine
 
     with pytest.raises(ValueError, match="quantized form"):
         MlxEngine(EngineConfig(threads=1, kv_cache_dtype="fp8"))

@@ -17,7 +17,7 @@ from tests.test_paged_engine import GREEDY, prompts, staggered, write_family  # 
 
 
 def mlx_engine(model, **kw):
-    from engine.mlx_engine import MlxEngine
+    from engine.mlx.engine import MlxEngine
 
     engine_kw = kw.pop("engine_kw", {})
     return MlxEngine(EngineConfig(model=model, threads=1, **kw), **engine_kw)

@@ -1,4 +1,4 @@
-"""A prompt chunk through ``engine.prompt_graphs`` (padded to a token bucket, the padding a second sequence that
+"""A prompt chunk through ``engine.cuda_graphs.prompt`` (padded to a token bucket, the padding a second sequence that
 writes no K/V; after a cached prefix, its keys gathered from the pool up to a context bucket): here its CPU form,
 the same padded forward without capture. The same tokens and logprobs (1e-4) as the eager step, for fresh prompts
 under, at and over a bucket and for chunks after cached prefixes, with and without a sliding window; prompt
@@ -9,7 +9,7 @@ import torch
 from engine import SamplingParams
 from engine.generate import generate_many
 from engine.kernels import paged
-from engine.prompt_graphs import PromptGraphs, context_buckets, token_buckets
+from engine.cuda_graphs.prompt import PromptGraphs, context_buckets, token_buckets
 from tests.test_paged_engine import GREEDY, engine_for, write_family
 
 

@@ -1,6 +1,6 @@
 """The decode graph replay timer: device time read only from completed events, a ring that never blocks, and the
 mean that /health and bench goodput report beside the step's wall time."""
-from engine.replay_timer import ReplayTimer
+from engine.cuda_graphs.replay_timer import ReplayTimer
 from engine.step_budget import StepLog
 
 

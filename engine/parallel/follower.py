@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from ..factory import engine_kind
 
     if engine_kind(cfg) == "mlx":
-        from ..mlx_engine import MlxEngine
+        from ..mlx.engine import MlxEngine
         from .group import TPGroup
         from .mlx_group import join as mlx_join
 

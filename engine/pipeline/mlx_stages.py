@@ -16,7 +16,7 @@ its hop (``{kind: hop, step, hop, wire, bytes}``); rank 0 collects every
 hop of a forward when it lands, so each sequence's ``pp_hops`` has every
 hop of every step it was in. A forward is ``launch`` (this stage's part)
 then, on rank 0, ``land``: decode keeps one micro-batch in flight per stage
-(``engine.mlx_batches``), so the stages work on different micro-batches at
+(``engine.mlx.batches``), so the stages work on different micro-batches at
 once; a prompt's forward goes through alone.
 
 KV leaves and enters through rank 0: ``gather`` collects every rank's

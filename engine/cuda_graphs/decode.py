@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .attention import AttnMeta
+from ..attention import AttnMeta
 from .replay_timer import ReplayTimer
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = self.replays = 0
         self.timer: ReplayTimer | None = None  # device time of each replay (``replay_timer``), once captured
-        self.mempool = None  # the captures' memory pool (``prompt_graphs`` captures into it too)
-        self.prompts = None  # ``prompt_graphs.PromptGraphs``: fresh prompts' first chunks, where captured
+        self.mempool = None  # the captures' memory pool (``prompt`` captures into it too)
+        self.prompts = None  # ``prompt.PromptGraphs``: fresh prompts' first chunks, where captured
         if capture:
             self._capture()
 

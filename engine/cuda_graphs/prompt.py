@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from .attention import AttnMeta, varlen_kernel
+from ..attention import AttnMeta, varlen_kernel
 
 log = logging.getLogger(__name__)
 MAX_TOKENS = int(os.environ.get("PDSERVE_PROMPT_GRAPH_TOKENS", "1024"))

@@ -6,9 +6,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .config import EngineConfig
-from .tiny import TINY_NAME, tiny_weights
-from .tokenizer import ByteTokenizer, HFTokenizer
+from ..config import EngineConfig
+from ..tiny import TINY_NAME, tiny_weights
+from ..tokenizer import ByteTokenizer, HFTokenizer
 
 
 def _mx():

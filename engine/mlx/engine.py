@@ -31,17 +31,17 @@ from collections import deque
 import numpy as np
 import torch
 
-from .blocks import BlockManager
-from .config import EngineConfig
-from .engine import StepOutput
-from .errors import RequestError
-from .guided.grammars import engine_guides
-from .parallel.group import SINGLE, TPGroup
-from .sampler import TokenChoice, choose
-from .scheduler import Batch
-from .sequence import Sequence
-from .mlx_batches import Chunk, MlxBatches
-from .mlx_loader import _mx, load_mlx
+from ..blocks import BlockManager
+from ..config import EngineConfig
+from ..engine import StepOutput
+from ..errors import RequestError
+from ..guided.grammars import engine_guides
+from ..parallel.group import SINGLE, TPGroup
+from ..sampler import TokenChoice, choose
+from ..scheduler import Batch
+from ..sequence import Sequence
+from .batches import Chunk, MlxBatches
+from .loader import _mx, load_mlx
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class MlxEngine:
         if group is None and (cfg.tp > 1 or cfg.pp > 1):
             import dataclasses
 
-            from .parallel.launch import start_group
+            from ..parallel.launch import start_group
 
             group = start_group(dataclasses.replace(cfg, engine="mlx"), torch.device("cpu"))
         self.group, self.plan, self.plan_in = group or SINGLE, (group or SINGLE).plan, plan_in
@@ -83,12 +83,12 @@ class MlxEngine:
         self.model_kv_shape = self.kv_shape
         self.pipeline = None
         if self.group.size > 1 and cfg.pp > 1:
-            from .pipeline.mlx_stages import MlxStages
+            from ..pipeline.mlx_stages import MlxStages
 
             self.pipeline = MlxStages(self.model, self.group, cfg.pp_layers, self.plan,
                                       plan_in.report if plan_in is not None else None)
         elif self.group.size > 1:
-            from .parallel.mlx_group import check
+            from ..parallel.mlx_group import check
 
             check(self.model, self.group.size)
             self.model.shard(self.group.group)
@@ -175,7 +175,7 @@ class MlxEngine:
     def _share(self, seq, layers) -> list:
         """(Rank 0) Send every other rank its heads (its layers, in a pipeline) of this KV with the sequence
         (``mlx_prefilled``); keep ours."""
-        from .parallel.mlx_group import heads_slice
+        from ..parallel.mlx_group import heads_slice
 
         mx, size = self.mx, self.group.size
         full = [tuple(self._canonical(t) for t in kv) for kv in layers]
@@ -218,7 +218,7 @@ class MlxEngine:
 
     def _mirror(self, rid: str, prompt_ids: list) -> Sequence:
         """A follower's copy of rank 0's sequence: its tokens come from rank 0, it never finishes on its own."""
-        from .sampling import SamplingParams
+        from ..sampling import SamplingParams
 
         params = SamplingParams(max_tokens=self.max_len, temperature=0, ignore_eos=True)
         seq = self.mirrors[rid] = Sequence(rid, list(prompt_ids), params, self.tokenizer, self.max_len)
@@ -237,7 +237,7 @@ class MlxEngine:
 
     def step(self) -> StepOutput:
         """A decode step of the running micro-batches and a chunk of the oldest waiting prompt (which joins a
-        micro-batch once it has its first token); in a pipeline they are launched and landed as ``mlx_batches``
+        micro-batch once it has its first token); in a pipeline they are launched and landed as ``batches``
         says."""
         self._tell("mlx_step")
         out = StepOutput()
@@ -291,7 +291,7 @@ class MlxEngine:
 
     def add_step_hops(self, seqs) -> None:
         """(Rank 0 of a pipeline) The hops of the forward that just landed, added to each of its sequences."""
-        from .pipeline.driver import add_hops
+        from ..pipeline.driver import add_hops
 
         for seq in seqs:
             seq.pp_hops = seq.pp_hops or []
@@ -354,6 +354,6 @@ class MlxEngine:
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing otherwise)."""
         if self.plan is not None:
-            from .parallel.launch import stop_group
+            from ..parallel.launch import stop_group
 
             stop_group(self.group)
