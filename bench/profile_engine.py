@@ -68,11 +68,34 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
             q = torch.randn(n, spec.num_heads, spec.head_dim, device=engine.device, dtype=engine.dtype)
             kernel_ms = timed(lambda: triton_ops.decode(q, k_cache, v_cache, graphs.tables[:n], graphs.lens[:n],
                                                         spec.head_dim ** -0.5), 50)
-            out[-1].update(graph_replay_ms=replay_ms, decode_kernel_ms_one_layer=kernel_ms, host_ms=step_ms - replay_ms)
+            out[-1].update(graph_replay_ms=replay_ms, decode_kernel_ms_one_layer=kernel_ms, host_ms=step_ms - replay_ms,
+                           **replay_kernels(graphs.graphs[size].replay, replay_ms))
         for s in seqs:
             engine.free(s)
         print(out[-1], flush=True)
     return out
+
+
+def replay_kernels(replay, replay_ms: float, reps: int = 20) -> dict:
+    """The kernels of one graph replay (a torch profile of ``reps`` replays): device time per replay summed over
+    them against the replay's wall time. What is left is the chain's gaps (launch, ramp and tail of each kernel
+    waiting on the one before); a table of the kernels, per replay, is printed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / reps / 1e3
+    count = sum(e.count for e in kernels) / reps
+    print(f"replay {replay_ms:.3f} ms: kernels {busy_ms:.3f} ms busy ({count:.0f} a replay), gaps "
+          f"{replay_ms - busy_ms:.3f} ms ({(replay_ms - busy_ms) / max(count, 1) * 1e3:.2f} us a kernel)")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:16]:
+        print(f"  {e.self_device_time_total / reps:9.1f} us  x{e.count / reps:5.0f}  {e.key[:110]}")
+    return {"replay_kernel_ms": busy_ms, "replay_kernels": count, "replay_gap_ms": replay_ms - busy_ms}
 
 
 def prefill_profile(engine, rng, n: int, length: int) -> dict:
