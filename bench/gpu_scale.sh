@@ -1,7 +1,10 @@
 #!/bin/bash
-# Four GPUs of one host (issue 32): xPyD splits vs colocated replicas at equal GPU count, 70B P/D with TP=2 roles,
-# heterogeneous TP across roles, and pdserve plan's pick against what was measured. Random weights made on the GPU.
-#   OUT=bench/out/scale TAG=4xh100 bash bench/gpu_scale.sh [steps...]
+# Four or eight GPUs of one host (issue 32): xPyD splits vs colocated replicas at equal GPU count, 70B P/D with TP=2
+# roles, heterogeneous TP across roles, and pdserve plan's pick against what was measured. Random weights made on
+# the GPU.
+#   OUT=bench/out/scale TAG=4xh100 [GPUS=4] bash bench/gpu_scale.sh [steps...]
+# GPUS (4 or 8) sizes the mistral, plan and colocated configurations (on 8 the default CONFIGS are colocated 2p6d
+#   4p4d 6p2d and their -auto variants) and names the files (goodput-8gpu-...).
 # mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
 #   (CONFIGS picks them: colocated colocated-capped 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto; -capped: steps
 #   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms.
@@ -13,6 +16,9 @@
 #   Each rate counts at least MIN_TIMED (20) requests after the warm-up ones: a low rate runs longer than DURATION.
 # hetero: prefill TP=2 -> two decode TP=1 workers, and two prefill TP=1 -> decode TP=2 (Mistral shape), bench serve
 #   c32 over nccl: errors and per-phase wire times.
+# hetero8 (8 GPUs, run 4): Llama-3-70B shape, prefill TP=4 -> two decode TP=2 groups and two prefill TP=2 groups ->
+#   decode TP=4 over nccl: bench serve c32 (errors, each rank's wire time), then bench.tp_handoff's llama8 part
+#   (greedy tokens and logprobs of both layouts held to colocated TP=4 and TP=2).
 # stall: why a P/D decode worker falls behind (3P1D stalled whole rates in session 24): 3P1D under the mixed
 #   workload at RATE (12) for 12 s, /health sampled every second (health-*.jsonl: queues, blocks, step times),
 #   every worker's stacks dumped (kill -USR1) at 8 s into the up log.
@@ -22,8 +28,10 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/scale}; mkdir -p "$OUT"
 PY=${PY:-python3}
-TAG=${TAG:-4xgpu}
-CONFIGS=${CONFIGS:-colocated 3p1d 2p2d 2p2d-auto}
+GPUS=${GPUS:-4}
+TAG=${TAG:-${GPUS}xgpu}
+if [ "$GPUS" = 8 ]; then CONFIGS=${CONFIGS:-colocated 2p6d 4p4d 6p2d 2p6d-auto 4p4d-auto 6p2d-auto}
+else CONFIGS=${CONFIGS:-colocated 3p1d 2p2d 2p2d-auto}; fi
 WORKLOADS=${WORKLOADS:-long,mixed}
 PROBES=${PROBES:-5}
 DURATION=${DURATION:-10}
@@ -32,14 +40,14 @@ steps=${*:-mistral}
 mistral="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216"
 llama="--model llama-3-70b --load-format dummy --dtype bfloat16 --max-model-len 8704"
 
-config() {  # NAME -> "NAME=pdserve up arguments" on 4 GPUs
+config() {  # NAME -> "NAME=pdserve up arguments" on GPUS GPUs
   case $1 in
-    colocated) echo "4x-colocated=--colocated --decode 4 --gpus 4" ;;
-    colocated-capped) echo "4x-colocated-capped=--colocated --decode 4 --gpus 4 --slo-tpot-ms 10" ;;
+    colocated) echo "${GPUS}x-colocated=--colocated --decode $GPUS --gpus $GPUS" ;;
+    colocated-capped) echo "${GPUS}x-colocated-capped=--colocated --decode $GPUS --gpus $GPUS --slo-tpot-ms 10" ;;
     *p*d*)
       x=${1%%p*}; rest=${1#*p}; y=${rest%%d*}
       extra=""; [[ $1 == *-auto ]] && extra=" --disagg auto --slo-tpot-ms 10"
-      echo "${x}P${y}D${1#*d}=--prefill $x --decode $y --gpus 4 --transport nccl$extra" ;;
+      echo "${x}P${y}D${1#*d}=--prefill $x --decode $y --gpus $GPUS --transport nccl$extra" ;;
   esac
 }
 
@@ -64,7 +72,7 @@ for step in $steps; do
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$mistral --max-num-seqs 64" \
         --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" --search ${START:-6} --probes $PROBES \
         --duration $DURATION --warmup-requests 10 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" "${args[@]}" \
-        --out "$OUT/goodput-4gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
+        --out "$OUT/goodput-${GPUS}gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     llama70b)
       tpot=25; nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && tpot=36
       args=(); for c in ${CONFIGS70:-1p1d colocated colocated-capped}; do args+=(--config "$(config70 "$c" $tpot)"); done
@@ -84,6 +92,22 @@ for step in $steps; do
           2>&1 | grep -v "^  requests" | tail -22
         kill -INT $up; wait $up
       done ;;
+    hetero8)
+      for layout in "p-tp4-to-2d-tp2=--prefill 1 --prefill-tp 4 --decode 2 --decode-tp 2" \
+                    "2p-tp2-to-d-tp4=--prefill 2 --prefill-tp 2 --decode 1 --decode-tp 4"; do
+        name=${layout%%=*}
+        $PY -m deploy.cli up ${layout#*=} --gpus 8 --transport nccl $llama --max-num-seqs 32 --port 8042 \
+          --ready-timeout 500 > "$OUT/up-hetero8-$name.log" 2>&1 &
+        up=$!
+        for i in $(seq 500); do curl -sf http://127.0.0.1:8042/health > /dev/null && break
+          kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-hetero8-$name.log"; break; }; sleep 1; done
+        timeout 300 $PY -m deploy.cli bench serve --url http://127.0.0.1:8042 --concurrency 32 --requests 96 \
+          --prompt-len 512:4096 --max-tokens 32:128 --warmup-requests 8 --out "$OUT/serve-hetero8-llama70b-$name-$TAG" \
+          2>&1 | grep -v "^  requests" | tail -22
+        kill -INT $up; wait $up
+      done
+      timeout 1500 $PY -m bench.tp_handoff --skip tiny,mistral --transports nccl --out "$OUT/tp-handoff-llama70b-$TAG" \
+        2>&1 | tail -3 ;;
     stall)
       PDSERVE_LOG_LEVEL=INFO $PY -m deploy.cli up --prefill 3 --decode 1 --gpus 4 --transport nccl $mistral \
         --max-num-seqs 64 --port 8041 --ready-timeout 300 > "$OUT/up-stall-$TAG.log" 2>&1 &
@@ -103,10 +127,10 @@ for step in $steps; do
       kill -INT $up; wait $up ;;
     plan)
       for w in ${WORKLOADS//,/ }; do
-        measured=(); for f in "$OUT"/goodput-4gpu-mistral-*.json; do [ -f "$f" ] && measured+=(--measured "$f"); done
+        measured=(); for f in "$OUT"/goodput-${GPUS}gpu-mistral-*.json; do [ -f "$f" ] && measured+=(--measured "$f"); done
         calibrate=(); [ ${#measured[@]} -gt 0 ] && calibrate=(--calibrate)
-        $PY -m deploy.cli plan --profile "$PROFILE" --gpus 4 --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 "${measured[@]}" \
-          "${calibrate[@]}" --out "$OUT/plan-4gpu-$w-$TAG" | tail -16
+        $PY -m deploy.cli plan --profile "$PROFILE" --gpus $GPUS --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 "${measured[@]}" \
+          "${calibrate[@]}" --out "$OUT/plan-${GPUS}gpu-$w-$TAG" | tail -16
       done ;;
   esac
 done

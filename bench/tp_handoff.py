@@ -7,7 +7,10 @@
   engine on the CPU (fp32: equal token for token);
 * Mistral-7B shape, bf16, ``--load-format dummy`` (the same weights at any TP): prefill TP=2 -> decode TP=1 (over
   the last of ``--transports``) and colocated TP=2 against colocated TP=1 on one GPU: how many greedy tokens agree
-  and the largest logprob gap while they do; TP=2's gap is the bf16 noise the handoff's is judged by."""
+  and the largest logprob gap while they do; TP=2's gap is the bf16 noise the handoff's is judged by;
+* ``--skip tiny,mistral`` on 8 GPUs (``llama8``, issue 32's run 4): Llama-3-70B shape, prefill TP=4 -> two decode
+  groups of TP=2 and two prefill groups of TP=2 -> decode TP=4 over nccl, each held to colocated TP=4 and TP=2
+  (``cross_tp``, which ``tests/test_tp_serving.py`` runs on the CPU with the tiny model)."""
 from __future__ import annotations
 
 import argparse
@@ -98,16 +101,49 @@ def mistral(report: dict, tokens: int = 16) -> None:
     print(json.dumps(report["mistral_7b_bf16"]), flush=True)
 
 
+LAYOUTS8 = {  # issue 32's run 4: groups of four hand KV to groups of two and back, on 8 GPUs
+    "prefill-tp4-to-two-decode-tp2": ["--prefill", "1", "--prefill-tp", "4", "--decode", "2", "--decode-tp", "2",
+                                      "--gpus", "8"],
+    "two-prefill-tp2-to-decode-tp4": ["--prefill", "2", "--prefill-tp", "2", "--decode", "1", "--decode-tp", "4",
+                                      "--gpus", "8"],
+}
+
+
+def cross_tp(shape: list[str], model: str, refs: dict, layouts: dict, transport: str, tokens: int = 16,
+             prompts: list[str] | None = None) -> dict:
+    """Colocated references (``refs``: name -> ``pdserve up`` arguments, the first the one each is held to), then
+    each handoff layout: greedy tokens and logprobs, how far each follows each reference. Two references of
+    different TP differ by the bf16 noise a handoff is judged against (fp32: by nothing)."""
+    prompts = prompts or [p * 8 for p in PROMPTS]
+    runs = {name: served([*args, *shape], model, prompts, tokens, 5) for name, args in refs.items()}
+    first = next(iter(refs))
+    out = {"of": tokens, "references": {name: agreement(runs[first], runs[name]) for name in list(refs)[1:]}}
+    for name, args in layouts.items():
+        got = served(["--transport", transport, *args, *shape], model, prompts, tokens, 5)
+        out[name] = {ref: agreement(runs[ref], got) for ref in refs}
+    return out
+
+
+def llama8(report: dict) -> None:
+    """Llama-3-70B shape on 8 GPUs: colocated TP=4 and TP=2 as references, then the two layouts of ``LAYOUTS8``."""
+    shape = ["--model", "llama-3-70b", "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+             "--max-num-seqs", "16"]
+    refs = {"colocated-tp4": ["--colocated", "--tp", "4", "--device", "cuda:0"],
+            "colocated-tp2": ["--colocated", "--tp", "2", "--device", "cuda:4"]}
+    report["llama_70b_bf16_8gpu"] = cross_tp(shape, "llama-3-70b", refs, LAYOUTS8, TRANSPORTS[0])
+    print(json.dumps(report["llama_70b_bf16_8gpu"]), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/out/tp-handoff")
-    ap.add_argument("--skip", default="", help="tiny,mistral")
+    ap.add_argument("--skip", default="llama8", help="parts not to run, of tiny,mistral,llama8 (llama8: 8 GPUs)")
     ap.add_argument("--transports", default="nccl,tcp")
     args = ap.parse_args(argv)
     TRANSPORTS[:] = args.transports.split(",")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     report = {"command": "python -m bench.tp_handoff " + " ".join(sys.argv[1:]), "tiny": {}}
-    for name, fn in (("tiny", tiny), ("mistral", mistral)):
+    for name, fn in (("tiny", tiny), ("mistral", mistral), ("llama8", llama8)):
         if name not in args.skip.split(","):
             try:
                 fn(report)

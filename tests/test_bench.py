@@ -114,6 +114,26 @@ def test_up_spreads_workers_over_gpus():
     assert all(cmd.count("--device") == 1 for cmd in plan(_parser().parse_args(["up", "--decode", "2"]))[:-1])
 
 
+def test_up_places_the_eight_gpu_cross_tp_layouts_one_gpu_a_rank():
+    """Issue 32's run 4 layouts (``bench.tp_handoff.LAYOUTS8``): groups of four and of two side by side on 8 GPUs,
+    every rank on a GPU of its own."""
+    from bench.tp_handoff import LAYOUTS8
+    from deploy.cli import _parser
+    from deploy.up import plan
+
+    def last(cmd, flag):  # a later flag wins, as argparse reads it
+        return cmd[len(cmd) - cmd[::-1].index(flag)]
+
+    def gpus(layout):
+        cmds = plan(_parser().parse_args(["up", *layout, "--transport", "nccl"]))[:-1]
+        return [(cmd[5], int(last(cmd, "--tp")), last(cmd, "--device")) for cmd in cmds]
+
+    assert gpus(LAYOUTS8["prefill-tp4-to-two-decode-tp2"]) == [("prefill", 4, "cuda:0"), ("decode", 2, "cuda:4"),
+                                                                ("decode", 2, "cuda:6")]
+    assert gpus(LAYOUTS8["two-prefill-tp2-to-decode-tp4"]) == [("prefill", 2, "cuda:0"), ("prefill", 2, "cuda:2"),
+                                                               ("decode", 4, "cuda:4")]
+
+
 def test_bench_kernels_small(tmp_path):
     """Every section runs and gives a time and a fraction of the limits measured in the same run (CPU: the torch
     forms; the checks of decode attention against the fp32 reference pass)."""
