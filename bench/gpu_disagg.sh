@@ -32,10 +32,13 @@ for step in $steps; do
         kill -INT $up; wait $up
       done ;;
     goodput)  # every configuration started once; mid, long and mixed against it; distinct prompts per rate
-      timeout 1500 $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo --workload mid,long,mixed \
-        --search ${START:-2} --probes ${PROBES:-5} --duration ${DURATION:-15} --warmup-requests 10 --ttft-concurrency "" \
+      # WORKLOADS (default mid,long,mixed; one call per workload fits a 10-minute limit), START, PROBES, DURATION
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo \
+        --workload ${WORKLOADS:-mid,long,mixed} --search ${START:-2} --probes ${PROBES:-5} --duration ${DURATION:-15} \
+        --warmup-requests 10 --ttft-concurrency "" \
         --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
-        --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-$TAG" ;;
+        --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-${NAME:-$TAG}" 2>&1 \
+        | grep -v "^  requests" ;;
     plan)
       $PY -m deploy.cli plan --profile "$OUT/engine-mistral7b-$TAG-profile.json" --gpus 2 --workload mixed $slo \
         --validate 2 --up-args "$model --max-num-seqs 64" --out "$OUT/plan-mixed-$TAG" ;;
