@@ -71,8 +71,8 @@ def decode_part(args, rng) -> dict:
     import torch
 
     from .engine import decode_rate
-    from .kernel_cases import limits
-    from .kernel_steps import weight_bytes
+    from .kernels.cases import limits
+    from .kernels.steps import weight_bytes
 
     out = {}
     for name, kw in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
@@ -113,7 +113,7 @@ def gemm_part(args) -> list:
     from engine.models.llama import ModelSpec
     from engine.quant.fp8_linear import quantize_rows
 
-    from .kernel_cases import timed
+    from .kernels.cases import timed
 
     spec = ModelSpec.from_hf(_config(EngineConfig(model=args.model, load_format=args.load_format)))
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size

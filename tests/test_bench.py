@@ -210,7 +210,7 @@ def test_bench_pipeline_small(tmp_path):
 def test_kernel_sweep_shapes_are_one_tp_ranks():
     """``bench kernels --only fused --tp N`` sweeps the projections one rank of a TP=N group runs: q/k/v and gate/up
     split by output (a KV head replicated when there are more ranks than KV heads), o and down by input."""
-    from bench.kernel_fused import projection_shapes
+    from bench.kernels.fused import projection_shapes
     from engine.models.llama import ModelSpec
     from engine.models.presets import preset_config
 

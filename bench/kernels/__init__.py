@@ -9,13 +9,16 @@ read + written per second), read bandwidth (a sum) and the dense matmul rate.
 * the fused layer kernels (RMSNorm, residual add + RMSNorm, rotary + KV store, SiLU-times-up) per token count;
 * the step's GEMMs at the model's shapes (weights read once: a bandwidth fraction at small batch);
 * the batch-1 projections with their norm / SiLU-times-up fused (``engine.kernels.triton_gemv``, bf16 and FP8
-  weights) against the launches they replace (``bench.kernel_fused``; ``--sweep``: their tiles too);
+  weights) against the launches they replace (``bench.kernels.fused``; ``--sweep``: their tiles too);
 * ``--only fewrow``: the few-row GEMM (``engine.kernels.triton_fewrow``, tiles and K splits) at 1-64 rows against
-  cuBLAS / the FP8 tile held before (``bench.kernel_fewrow``; picks to ``<out>-picks.json``);
+  cuBLAS / the FP8 tile held before (``bench.kernels.fewrow``; picks to ``<out>-picks.json``);
 * whole decode steps of the engine (dummy weights of ``--model``, a named shape): the captured graph's replay and
   ``Engine.step`` (host work included), against (weights + K/V bytes) / measured bandwidth.
 
-    pdserve bench kernels [--model mistral-7b] [--sweep] [--out bench/out/kernels]"""
+    pdserve bench kernels [--model mistral-7b] [--sweep] [--out bench/out/kernels]
+
+The command is here; its parts beside it: ``cases`` (one measurement per kind of kernel, and the device's limits),
+``fused`` and ``fewrow`` (the projection kernels and their tile sweeps), ``steps`` (whole decode steps)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +27,7 @@ import platform
 import sys
 import time
 
-from .report import command_line
+from ..report import command_line
 
 
 def add_arguments(p):
@@ -113,7 +116,7 @@ def run(args) -> int:
               "machine": {"platform": platform.platform(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
               "limits": lim, "alternatives": alternatives()}
-    from . import kernel_cases as kc
+    from . import cases as kc
 
     if "decode" in only:
         configs = sweep_configs(ops) if args.sweep and device.type == "cuda" else None
@@ -133,7 +136,7 @@ def run(args) -> int:
         report["gemms"] = fractions(kc.gemms(spec, tokens, dtype, device), lim)
         _say("gemms", report["gemms"])
     if "fused" in only and device.type == "cuda":
-        from .kernel_fused import fused, write_picks
+        from .fused import fused, write_picks
 
         rows, picks = fused(spec, dtype, device, args.sweep, args.tp)
         report["fused_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
@@ -145,8 +148,8 @@ def run(args) -> int:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             write_picks(picks, args.out)
     if "fewrow" in only and device.type == "cuda":
-        from .kernel_fewrow import fewrow_sweep
-        from .kernel_fused import write_picks
+        from .fewrow import fewrow_sweep
+        from .fused import write_picks
 
         rows, picks = fewrow_sweep(spec, dtype, device)
         report["fewrow_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
@@ -157,7 +160,7 @@ def run(args) -> int:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         write_picks(picks, args.out)
     if "steps" in only:
-        from .kernel_steps import decode_steps
+        from .steps import decode_steps
 
         report["decode_steps"] = fractions(decode_steps(args, _cases(args.step_cases), lim), lim)
         _say("decode steps", report["decode_steps"])
@@ -166,7 +169,7 @@ def run(args) -> int:
 
 
 def limits_now(device, dtype, mib: int) -> dict:
-    from .kernel_cases import limits
+    from .cases import limits
 
     lim = limits(device, dtype, mib)
     print(f"limits: copy {lim['copy_GBps']:.0f} GB/s, read {lim['read_GBps']:.0f} GB/s, "

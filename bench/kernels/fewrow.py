@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernel_cases import timed_rotating
-from .kernel_fused import rotating_layers, projection_shapes, timed_or_error
+from .cases import timed_rotating
+from .fused import rotating_layers, projection_shapes, timed_or_error
 
 BF16_ROWS, FP8_ROWS = (16, 32, 64), (1, 16, 32)
 

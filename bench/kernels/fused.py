@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from .kernel_cases import copies_past_l2, timed_rotating
+from .cases import copies_past_l2, timed_rotating
 
 
 def projection_shapes(spec, tp: int = 1) -> dict:

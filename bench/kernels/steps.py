@@ -38,7 +38,7 @@ def _engine(args, cases):
 def decode_steps(args, cases, lim) -> list:
     import torch
 
-    from .engine import _seqs, _sync, _vocab
+    from ..engine import _seqs, _sync, _vocab
 
     engine = _engine(args, cases)
     rng = random.Random(0)
@@ -63,7 +63,7 @@ def decode_steps(args, cases, lim) -> list:
         size = next((s for s in graphs.sizes if s >= batch), None) if graphs else None
         replay_ms = None
         if size in (graphs.graphs if graphs else {}):
-            from .kernel_cases import timed
+            from .cases import timed
 
             replay_ms = timed(graphs.graphs[size].replay, engine.device, reps=10, graph=False)
         nbytes = weights + batch * (ctx + args.step_count) * kv
