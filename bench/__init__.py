@@ -10,11 +10,11 @@ agreement with a perturbation control), ``guided`` (structured outputs against f
 device against ``--pp 2`` against ``--tp 2`` over a shaped link, per-hop phases; on GPUs with token and logprob
 agreement) and ``router`` (tokens/s one router process streams, fed by ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
-sizes, checked), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
-``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four GPUs)), ``health`` (what a
+sizes, checked; on 8 GPUs groups of four and of two), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
+``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four or eight GPUs)), ``health`` (what a
 cluster's ``/health`` says: nothing in flight, each worker's step times), ``engine_waves`` (``serve``'s closed-loop waves run on the
-engine in-process: steps by kind, under prefill caps) and ``profile_engine`` (torch profiles of decode, prompt and
-mixed steps), ``pool_rows`` (a KV copy between a paged pool and one buffer by views or by index, as the blocks fall
+engine in-process: steps by kind, under prefill caps), ``profile_engine`` (torch profiles of decode, prompt and
+mixed steps; the kernels of one decode graph replay against its wall time), ``pool_rows`` (a KV copy between a paged pool and one buffer by views or by index, as the blocks fall
 into more runs). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
 ``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from
 (``--calibrate`` fits its long-context decode steps to a ``goodput`` report's serving steps);
