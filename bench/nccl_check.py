@@ -5,7 +5,7 @@
 Rank 0 (prefill, cuda:0) sends, rank 1 (decode, cuda:1; cuda:0 too with ``--same-gpu``, where the transport copies
 through CUDA IPC and the raw reference is a device copy within one process) receives. Checks
 bit-exact round trips (fp32/fp16/bf16, 1 and 80 layers, 1..4096 tokens, odd
-and non-contiguous shapes), 8 transfers in flight, abort, the size limit;
+and non-contiguous shapes), 8 transfers in flight, abort (before BEGIN, and as the KV lands: ``nccl_blocks``), the size limit;
 then times the 109 MB Mistral-7B KV (and two larger ones) through the transport (wall clock from the
 sender's ``send`` call to the receiver holding the result; one host, one clock) against a raw
 ``dist.send``/``dist.recv`` of the same bytes in the same run: produced in the sender's own
@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .nccl_blocks import (in_pool, kv, land_in_blocks, mid_abort_received, mid_abort_sent, receive_pieces, same,
+                          send_pieces)
+
 CASES = [(1, 1, 1, 1), (1, 8, 4096, 128), (80, 2, 3, 8), (3, 5, 1000, 7)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PAYLOADS = {"mistral-7b@871": (32, 8, 871, 128, torch.float16),
@@ -37,25 +40,6 @@ REPS = 20
 ROUNDS = 4
 CPU_PAYLOADS = {"small": (4, 2, 64, 16, torch.float16), "small/staged": (4, 2, 64, 16, torch.float16),
                 "small/blocks": (4, 2, 64, 16, torch.float16)}
-BLOCK = 16  # "/blocks" payloads: sent from the blocks of a paged pool into the blocks of another (as the workers do)
-
-
-def kv(shape, dtype, seed, device, strided=False):
-    g = torch.Generator(device=device).manual_seed(seed)
-    layers, heads, tokens, dim = shape
-    out = []
-    for _ in range(layers):
-        pair = []
-        for _ in range(2):
-            t = torch.randn(tokens, heads, dim * (2 if strided else 1), generator=g, device=device).to(dtype)
-            pair.append(t[:, :, ::2] if strided else t)
-        out.append(tuple(pair))
-    return out
-
-
-def same(want, got) -> bool:
-    return all(torch.equal(a.contiguous().view(torch.uint8), b.view(torch.uint8))
-               for pa, pb in zip(want, got) for a, b in zip(pa, pb))
 
 
 _copy_source: dict = {}
@@ -140,6 +124,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
             report["checks"]["abort"] = False
         except TransferError:
             report["checks"]["abort"] = True
+        report["checks"].update(mid_abort_received(r, device))
         report["drained"], report["scattered_bytes"] = r.drained, r.scattered_bytes
         report["ipc_receives"] = r.ipc_receives
         dist.barrier()
@@ -208,6 +193,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
         results["pieces_staged_bytes"] = send_pieces(s, dest, device)
         dist.barrier()
         dist.barrier()
+        results.update(mid_abort_sent(s, dest, device))
         for name, seed in (("aborted", 55), ("after-abort", 56)):
             source = s.alloc(layout_of(want), str(device)).fill(kv((6, 2, 37, 8), torch.bfloat16, seed, device))
             try:
@@ -254,92 +240,6 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
         dist.distributed_c10d._abort_process_group()
     if backend == "gloo" or same_gpu:
         os._exit(0)  # gloo cannot abort the receive the hang-up left pending; its destructor would terminate()
-
-
-PIECES = (6, 2, 100, 8)  # layers, kv heads, tokens, head dim
-SRC_TABLE = [3, 4, 5, 9, 10, 20, 0]  # 16-token blocks of the sender's pool, three runs
-DST_TABLES = {"pieces-into-blocks": [40, 41, 42, 7, 8, 9, 10, 30, 31, 2, 3, 4, 60],  # 8-token blocks
-              "whole-into-blocks": [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]}
-
-
-def send_pieces(s, dest, device) -> int:
-    """KV in the blocks of a paged pool sent as pieces (into blocks of another block size, into a buffer), and
-    whole tensors into blocks; returns the bytes the piece sends staged (none expected)."""
-    from engine.kv_pool import KVPool
-    from kvtransfer import PiecewiseKV, PoolRows
-    from kvtransfer.tensors import layout_of
-
-    L, H, T, D = PIECES
-    want = kv(PIECES, torch.bfloat16, 77, device)
-    pool = KVPool(L, 32, 16, H, D, torch.bfloat16, device)
-    pool.scatter(SRC_TABLE, want)
-    layout, before = layout_of(want), s.staged_bytes
-    rows = PiecewiseKV(layout, PoolRows(pool.flat, pool.spans(SRC_TABLE, T), index_above=0))  # copied by index
-    pieces = PiecewiseKV(layout, pool.pieces(SRC_TABLE, T))  # a list of views: copied by ``cat``
-    s.send(dest, "pieces-into-blocks", layout, rows)
-    s.send(dest, "pieces-into-buffer", layout, pieces)
-    staged = s.staged_bytes - before
-    s.send(dest, "whole-into-blocks", layout, want)
-    return staged
-
-
-def in_pool(layers, device):
-    """``layers`` copied into consecutive blocks of a paged pool, as a ``PiecewiseKV`` of those blocks."""
-    from engine.kv_pool import KVPool
-    from kvtransfer import PiecewiseKV
-    from kvtransfer.tensors import layout_of
-
-    layout = layout_of(layers)
-    table = list(range(-(-layout.num_tokens // BLOCK)))
-    pool = KVPool(layout.num_layers, len(table), BLOCK, layout.num_kv_heads, layout.head_dim, layers[0][0].dtype, device)
-    pool.scatter(table, layers)
-    return PiecewiseKV(layout, pool.pieces(table, layout.num_tokens))
-
-
-def land_in_blocks(r, device):
-    """A decode-like pool of 8-token blocks that the transfers named in ``DST_TABLES`` land in; the "/blocks"
-    payloads land in consecutive blocks of a pool made for their shape."""
-    from engine.kv_pool import KVPool
-    from kvtransfer import Landing, PiecewiseKV, PoolRows
-    from kvtransfer.tensors import TORCH_DTYPES
-
-    L, H, T, D = PIECES
-    pool, pools = KVPool(L, 64, 8, H, D, torch.bfloat16, device), {}
-
-    def land(tid, layout):
-        if tid in DST_TABLES:  # into blocks by index (``PoolRows``), or through a list of views
-            table = DST_TABLES[tid]
-            rows = PoolRows(pool.flat, pool.spans(table, T), 0) if tid == "pieces-into-blocks" else pool.pieces(table, T)
-            return Landing(PiecewiseKV(layout, rows), lambda: None)
-        if "/blocks-" not in tid:
-            return None
-        key = tid.rsplit("-", 1)[0]
-        table = list(range(-(-layout.num_tokens // BLOCK)))
-        if key not in pools:
-            pools[key] = KVPool(layout.num_layers, len(table), BLOCK, layout.num_kv_heads, layout.head_dim,
-                                TORCH_DTYPES[layout.dtype], device)
-        return Landing(PiecewiseKV(layout, pools[key].pieces(table, layout.num_tokens)), lambda: None)
-    r.land = land
-    return pool
-
-
-def receive_pieces(r, pool, device) -> dict:
-    T = PIECES[2]
-    want = kv(PIECES, torch.bfloat16, 77, device)
-    checks = {}
-    for name in ("pieces-into-blocks", "pieces-into-buffer", "whole-into-blocks"):
-        got = r.wait(name, 60)
-        if name in DST_TABLES:
-            checks[name] = got.landed is not None and same(want, pool.gather(DST_TABLES[name], T))
-        else:
-            checks[name] = got.landed is None and same(want, [(k.clone(), v.clone()) for k, v in unpack_of(got)])
-        got.release()
-    return checks
-
-
-def unpack_of(got):
-    from kvtransfer.tensors import unpack
-    return unpack(got.buffer, got.layout)
 
 
 def begin_then_hang_up(dest, layout, pair: str):

@@ -24,7 +24,9 @@ A posted operation cannot be cancelled, so each end waits for its own while
 watching the control socket. If the peer hangs up (or nothing moves for
 ``timeout_s``) the transfer fails at once and its pair is aborted: a send
 or receive left behind would pair with the next transfer's. The next
-transfer between the two forms a new pair.
+transfer between the two forms a new pair. A receiver told to abort a transfer
+already arriving (its request was cancelled) lets it finish and releases it:
+a pair is worth more than the milliseconds the bytes take.
 
 KV in the prefill engine's pool blocks (a ``PiecewiseKV`` on this GPU) is
 sent from the blocks: BEGIN lists its pieces' sizes in tokens, the GRANT the
@@ -81,7 +83,7 @@ from ...arena import Arena
 from ...base import ReceivedKV, TransferError
 from ...pieces import PiecewiseKV, piece_tokens, valid_piece_tokens
 from ...pool import BufferPool, PoolExhausted
-from ...sockets import IDLE_S, SocketReceiver, SocketSender, read_grant, timed_layers
+from ...sockets import IDLE_S, SocketReceiver, SocketSender, TableReceiver, read_grant, timed_layers
 from .ops import (await_all, count_cuts, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
 from . import same_gpu
@@ -284,6 +286,11 @@ class NcclReceiver(SocketReceiver):
 
     def lands_on(self, device) -> bool:
         return torch.device(device) == self.device
+
+    def abort(self, transfer_id):
+        """A transfer already arriving finishes into its landing, which is then released: its operations are posted
+        or about to be, and dropping the connection would abort the pair (a new communicator for the next KV)."""
+        TableReceiver.abort(self, transfer_id)
 
     @property
     def eager_bytes(self) -> int:
