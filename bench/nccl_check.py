@@ -126,7 +126,6 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
             report["checks"]["abort"] = True
         report["checks"].update(mid_abort_received(r, device))
         report["drained"], report["scattered_bytes"] = r.drained, r.scattered_bytes
-        report["ipc_receives"] = r.ipc_receives
         dist.barrier()
         for name, (L, H, T, D, dtype) in payloads.items():
             transport, raw = [], []
@@ -161,6 +160,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
                 "phases_median_ms": phases}
             del sink
         report["pool"] = {"allocations": r.pool.allocations, "reuses": r.pool.reuses}
+        report["ipc_receives"] = r.ipc_receives  # counted, as the sender's ipc_sends, after the timed payloads too
         dist.barrier()
         report["hangup"] = hung_up_sender_fails_fast(r)
         results.update(report)
