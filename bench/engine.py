@@ -77,24 +77,34 @@ def _vocab(engine) -> int:
     return min(spec.vocab_size, engine.tokenizer.vocab_size) if spec else engine.tokenizer.vocab_size
 
 
+def decoding(engine, batch: int, prompt_len: int, max_tokens: int, rng, settle: int = 0, prepare=None) -> list:
+    """``batch`` random prompts of ``prompt_len`` tokens, added and stepped until every one decodes (its second
+    token out), then ``settle`` steps more; ``prepare(seq)`` runs on each before it is added."""
+    vocab = _vocab(engine)
+    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)],
+                 [max_tokens] * batch)
+    for s in seqs:
+        if prepare is not None:
+            prepare(s)
+        engine.add(s)
+    while any(len(s.output_ids) < 2 for s in seqs):
+        engine.step()
+    for _ in range(settle):
+        engine.step()
+    return seqs
+
+
 def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: int = 8, guide=None) -> dict:
     """Output tok/s of ``steps`` batched decode steps, timed after ``warmup`` untimed ones at the same size (every
     sequence under ``guide``, a structured-output grammar, when given)."""
     from engine import SamplingParams
     from engine.requests import guided
 
-    vocab = _vocab(engine)
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    seqs = _seqs(engine, prompts, [steps + warmup + 4] * batch)
-    for s in seqs:
-        if guide is not None:
-            s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
-            guided(engine, s)
-        engine.add(s)
-    while any(len(s.output_ids) < 2 for s in seqs):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
+    def under_guide(s):
+        s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
+        guided(engine, s)
+
+    seqs = decoding(engine, batch, prompt_len, steps + warmup + 4, rng, warmup, under_guide if guide else None)
     _sync(engine.device)
     replays = _replays(engine)
     start, made = time.perf_counter(), 0

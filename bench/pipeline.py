@@ -55,17 +55,9 @@ def layout_config(args, layout: str):
 def decode_steps(engine, batch: int, prompt_len: int, steps: int, rng) -> tuple[dict, list]:
     """Output tok/s of ``steps`` decode steps of ``batch`` sequences (after their prompts and 4 untimed steps),
     and the pipeline's hop totals just before the timed steps (empty without a pipeline)."""
-    from .engine import _seqs, _vocab
+    from .engine import decoding
 
-    vocab = _vocab(engine)
-    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)],
-                 [steps + 16] * batch)
-    for s in seqs:
-        engine.add(s)
-    while any(len(s.output_ids) < 2 for s in seqs):
-        engine.step()
-    for _ in range(4):
-        engine.step()
+    seqs = decoding(engine, batch, prompt_len, steps + 16, rng, settle=4)
     stage = getattr(engine, "stage", None)
     before = [dict(h) for h in stage.hop_totals] if stage is not None else []
     start, made = time.perf_counter(), 0

@@ -37,11 +37,10 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
     decode kernel alone on one layer (device time, synchronized around repeats)."""
     import torch
 
-    from bench.engine import _seqs
+    from bench.engine import decoding
     from engine.kernels import triton_attention as triton_ops
 
     graphs, out = engine.runner.graphs, []
-    vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
 
     def timed(fn, reps):
         fn()
@@ -53,11 +52,7 @@ def graph_times(engine, rng, sizes, prompt_len: int = 512) -> list:
         return (time.perf_counter() - t) / reps * 1e3
 
     for n in sizes:
-        seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)], [64] * n)
-        for s in seqs:
-            engine.add(s)
-        while any(len(s.output_ids) < 2 for s in seqs):
-            engine.step()
+        seqs = decoding(engine, n, prompt_len, 64, rng)
         step_ms = timed(engine.step, 10)
         out.append({"batch": n, "step_ms": step_ms})
         if engine.group.size == 1:  # under TP a graph holds collectives: the other ranks replay only with a step
@@ -139,14 +134,10 @@ def mixed_profile(engine, rng, rows: int, tokens: int, cached: int = 0) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.engine import _seqs
+    from bench.engine import _seqs, decoding
 
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
-    running = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(512)] for _ in range(rows)], [2048] * rows)
-    for s in running:
-        engine.add(s)
-    while any(len(s.output_ids) < 2 for s in running):
-        engine.step()
+    running = decoding(engine, rows, 512, 2048, rng)
 
     prefix = [rng.randrange(3, vocab) for _ in range(cached)]
     if cached:  # into the prefix cache

@@ -38,22 +38,15 @@ def _engine(args, cases):
 def decode_steps(args, cases, lim) -> list:
     import torch
 
-    from ..engine import _seqs, _sync, _vocab
+    from ..engine import _sync, decoding
 
     engine = _engine(args, cases)
     rng = random.Random(0)
     weights, kv = weight_bytes(engine.model), engine.kv_bytes_per_token
     graphs = engine.runner.graphs
-    rows, vocab = [], _vocab(engine)
+    rows = []
     for batch, ctx in cases:
-        prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(batch)]
-        seqs = _seqs(engine, prompts, [args.step_count + 12] * batch)
-        for s in seqs:
-            engine.add(s)
-        while any(len(s.output_ids) < 2 for s in seqs):
-            engine.step()
-        for _ in range(3):
-            engine.step()
+        seqs = decoding(engine, batch, ctx, args.step_count + 12, rng, settle=3)
         _sync(engine.device)
         start = time.perf_counter()
         for _ in range(args.step_count):
