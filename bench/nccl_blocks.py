@@ -4,6 +4,9 @@ scattered), and a request aborted while its KV lands (the send completes, the la
 survives); with the KV makers both ends share."""
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 BLOCK = 16  # "/blocks" payloads: sent from the blocks of a paged pool into the blocks of another (as the workers do)
@@ -78,6 +81,9 @@ def land_in_blocks(r, device):
     pool, pools = KVPool(L, 64, 8, H, D, torch.bfloat16, device), {}
 
     def land(tid, layout):
+        if tid == "cancelled-mid":  # the sender cancels while this end holds its GRANT back
+            time.sleep(1.0)
+            return None
         if tid == "aborted-mid":  # the request is cancelled while its KV arrives: aborted once its landing is given
             r.abort(tid)
             table = DST_TABLES["whole-into-blocks"]
@@ -113,26 +119,38 @@ def receive_pieces(r, pool, device) -> dict:
 
 
 def mid_abort_sent(s, dest, device) -> dict:
-    """Sender: a KV the receiver aborts as it lands (``land_in_blocks``), then another: both sends complete and no
-    pair is aborted."""
-    from kvtransfer import TransferError
-    from kvtransfer.tensors import layout_of
+    """Sender: a KV the receiver aborts as it lands (``land_in_blocks``), then another, then one this end cancels
+    while it waits for the GRANT (the prefill worker cancels a push whose request went away): every send completes
+    and no pair is aborted."""
     from kvtransfer.transports.nccl import pairs as nccl_pairs
 
     out, broken = {}, len(nccl_pairs.broken)
     for name, seed in (("aborted-mid", 78), ("after-abort-mid", 79)):
-        want = kv(PIECES, torch.bfloat16, seed, device)
-        try:
-            s.send(dest, name, layout_of(want), want)
-            out[f"{name}_sent"] = True
-        except TransferError as e:
-            out[f"{name}_sent"] = f"{e}"[:200]
+        out.update(mid_send(s, dest, name, kv(PIECES, torch.bfloat16, seed, device)))
+    want = kv(PIECES, torch.bfloat16, 80, device)
+    sent = threading.Thread(target=lambda: out.update(mid_send(s, dest, "cancelled-mid", want)))
+    sent.start()
+    time.sleep(0.3)
+    s.cancel("cancelled-mid")
+    sent.join()
     out["pairs_aborted_by_mid_abort"] = len(nccl_pairs.broken) - broken
     return out
 
 
+def mid_send(s, dest, name, want) -> dict:
+    from kvtransfer import TransferError
+    from kvtransfer.tensors import layout_of
+
+    try:
+        s.send(dest, name, layout_of(want), want)
+        return {f"{name}_sent": True}
+    except TransferError as e:
+        return {f"{name}_sent": f"{e}"[:200]}
+
+
 def mid_abort_received(r, device) -> dict:
-    """Receiver: the aborted KV is not delivered and its landing is released; the next one arrives bit-exact."""
+    """Receiver: the aborted KV is not delivered and its landing is released; the next one arrives bit-exact, and so
+    does the one its sender cancelled mid-send."""
     from kvtransfer import TransferError
     from kvtransfer.tensors import materialize
     from kvtransfer.transports.nccl import pairs as nccl_pairs
@@ -146,6 +164,9 @@ def mid_abort_received(r, device) -> dict:
     except TransferError:
         checks["abort_mid"] = True
     checks["abort_mid_released_its_landing"] = r.released_landings == ["aborted-mid"]
+    got = r.wait("cancelled-mid", 60)  # a cancel on the sending side: the KV still arrives whole
+    checks["cancelled_mid_arrived"] = same(kv(PIECES, torch.bfloat16, 80, device), materialize(got, device))
+    got.release()
     checks["abort_mid_kept_the_pair"] = not nccl_pairs.broken
     return checks
 

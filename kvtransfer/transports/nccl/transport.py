@@ -24,9 +24,9 @@ A posted operation cannot be cancelled, so each end waits for its own while
 watching the control socket. If the peer hangs up (or nothing moves for
 ``timeout_s``) the transfer fails at once and its pair is aborted: a send
 or receive left behind would pair with the next transfer's. The next
-transfer between the two forms a new pair. A receiver told to abort a transfer
-already arriving (its request was cancelled) lets it finish and releases it:
-a pair is worth more than the milliseconds the bytes take.
+transfer between the two forms a new pair. A transfer in flight whose request
+went away is let finish (the receiver then releases it; the sender cuts it only
+after ``CANCEL_GRACE_S``): a pair is worth more than the milliseconds the bytes take.
 
 KV in the prefill engine's pool blocks (a ``PiecewiseKV`` on this GPU) is
 sent from the blocks: BEGIN lists its pieces' sizes in tokens, the GRANT the
@@ -43,16 +43,13 @@ deserialize). On two H200s two device copies cost less than even 64 NCCL
 operations (a Mistral-7B KV of 871 tokens from one run of blocks: 2.8 ms in
 64 operations, 0.4 ms raw), and a fragmented pool makes thousands.
 
-Layer-wise streaming (``nccl_stream=true``, off by default): BEGIN says
-``streamed``; once the engine's event for a layer completed, the sender
-gathers it, sends a LAYER note on the control socket and posts its send; the
-receiver posts that layer's receive on the note and scatters it as it lands
-(no NCCL operation waits on either GPU while layers compute). As transfers
-go one at a time, a prefill worker streams only while no push is in flight
-(a stream holds the order for a whole forward). One prompt alone on two
-H200s: 0.4 ms of an 8,192-token Mistral-7B KV left after the forward instead
-of 6.5 ms; 1P1D serving at concurrency 32 still does better without it
-(2,854 vs 1,830-2,697 output tok/s), hence off by default.
+Layer-wise streaming (``nccl_stream=true``, off by default): BEGIN says ``streamed``; once the engine's event for
+a layer completed, the sender gathers it, sends a LAYER note on the control socket and posts its send; the receiver
+posts that layer's receive on the note and scatters it as it lands (no NCCL operation waits on either GPU while
+layers compute). As transfers go one at a time, a prefill worker streams only while no push is in flight (a stream
+holds the order for a whole forward). One prompt alone on two H200s: 0.4 ms of an 8,192-token Mistral-7B KV left
+after the forward instead of 6.5 ms; 1P1D serving at concurrency 32 still does better without it (2,854 vs
+1,830-2,697 output tok/s), hence off by default.
 
 A KV the prefill engine wrote into ``alloc``'s region of the sender's
 GPU slab (``nccl_pool_bytes``, allocated on first use) goes straight from
@@ -94,6 +91,7 @@ log = logging.getLogger(__name__)
 _order = threading.Lock()
 DEFAULT_POOL_BYTES = 1 << 30
 DEFAULT_KEEP_BYTES = 2 << 30  # released staging / landing buffers kept on the GPU for reuse
+CANCEL_GRACE_S = 2.0  # a cancelled transfer in flight may finish within this before its connection is cut
 
 
 def init(cfg) -> torch.device:
@@ -135,6 +133,14 @@ class NcclSender(SocketSender):
 
     def takes_pieces(self, device) -> bool:
         return torch.device(device) == self.device
+
+    def cancel(self, transfer_id: str) -> None:
+        """A transfer in flight may finish (milliseconds) before its connection is cut: cutting it aborts the pair.
+        One whose receiver stalled is cut ``CANCEL_GRACE_S`` later."""
+        if transfer_id in self._sending:
+            timer = threading.Timer(CANCEL_GRACE_S, super().cancel, (transfer_id,))
+            timer.daemon = True
+            timer.start()
 
     def send(self, dest, transfer_id, layout, layers, meta=None):
         """A transfer that failed other than by a clean refusal may leave an operation of its pair behind: the
