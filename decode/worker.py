@@ -122,6 +122,7 @@ class DecodeWorker(WorkerLoop):
                 **getattr(e, "step_info", dict)(),
                 "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
                 "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0),
+                "kv_pairs_aborted": getattr(getattr(self.receiver, "pairs", None), "aborted", 0),
                 **e.prefix_info()}
 
     def busy(self):

@@ -109,7 +109,9 @@ class PrefillWorker(WorkerLoop):
                 "kv_blocks_free": self.engine.blocks.num_free,
                 "kv_geometry": list(self.engine.model_kv_shape), "prefilling": len(self.live),
                 "kv_dtype": str(self.engine.kv_dtype).removeprefix("torch."),
-                "kv_skipped_bytes": self.kv_skipped_bytes, **self.engine.prefix_info()}
+                "kv_skipped_bytes": self.kv_skipped_bytes,
+                "kv_pairs_aborted": getattr(getattr(self.sender, "pairs", None), "aborted", 0),
+                **self.engine.prefix_info()}
 
     def busy(self):
         return bool(self.live)

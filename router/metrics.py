@@ -21,6 +21,8 @@ WORKER_GAUGES = {
     "prefix_cached_blocks": ("pdserve_worker_prefix_cached_blocks", "Blocks in a worker's prefix cache"),
     "kv_skipped_bytes": ("pdserve_worker_kv_bytes_not_moved", "KV bytes a prefill worker did not send because the "
                          "decode worker held them"),
+    "kv_pairs_aborted": ("pdserve_worker_kv_pairs_aborted", "NCCL pairs a worker's transport aborted (each costs the "
+                         "next transfer between the two a new communicator)"),
 }
 
 

@@ -104,6 +104,8 @@ def test_up_over_nccl_moves_kv_from_pool_blocks_into_pool_blocks(stream):
         prefill, decode = workers()
         assert prefill["kv_from_blocks"] == n and prefill["kv_staged_bytes"] == 0
         assert decode["kv_landed_in_blocks"] == n
+        assert prefill["kv_pairs_aborted"] == 0 and decode["kv_pairs_aborted"] == 0  # nothing went wrong
+        assert 'pdserve_worker_kv_pairs_aborted{role="prefill"' in httpx.get(cluster.url + "/metrics").text
     finally:
         cluster.stop()
 

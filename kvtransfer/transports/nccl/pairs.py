@@ -68,6 +68,11 @@ class Pairs:
         self.by_key: dict[str, Pair] = {}
         self._lock = threading.Lock()
 
+    @property
+    def aborted(self) -> int:
+        """Pairs this process aborted (workers report it: each costs the next transfer a new communicator)."""
+        return len(broken)
+
     def for_dest(self, dest: str) -> tuple[Pair, bool]:
         """``(pair, new)``: the live pair with the receiver at ``dest``, or a new one to announce in the BEGIN."""
         with self._lock:
