@@ -120,19 +120,24 @@ def receive_pieces(r, pool, device) -> dict:
 
 def mid_abort_sent(s, dest, device) -> dict:
     """Sender: a KV the receiver aborts as it lands (``land_in_blocks``), then another, then one this end cancels
-    while it waits for the GRANT (the prefill worker cancels a push whose request went away): every send completes
-    and no pair is aborted."""
+    while it waits for the GRANT and one it cancels while that one holds the turn (the prefill worker cancels a push
+    whose request went away): all but the last complete, the last never begins, and no pair is aborted."""
     from kvtransfer.transports.nccl import pairs as nccl_pairs
 
     out, broken = {}, len(nccl_pairs.broken)
     for name, seed in (("aborted-mid", 78), ("after-abort-mid", 79)):
         out.update(mid_send(s, dest, name, kv(PIECES, torch.bfloat16, seed, device)))
-    want = kv(PIECES, torch.bfloat16, 80, device)
-    sent = threading.Thread(target=lambda: out.update(mid_send(s, dest, "cancelled-mid", want)))
-    sent.start()
-    time.sleep(0.3)
+    sends = [threading.Thread(target=lambda n=name, w=kv(PIECES, torch.bfloat16, seed, device):
+                              out.update(mid_send(s, dest, n, w)))
+             for name, seed in (("cancelled-mid", 80), ("queued-cancelled", 81))]
+    for t in sends:  # the second waits its turn behind the first, whose GRANT the receiver holds back for 1 s
+        t.start()
+        time.sleep(0.1)
+    time.sleep(0.2)
     s.cancel("cancelled-mid")
-    sent.join()
+    s.cancel("queued-cancelled")
+    for t in sends:
+        t.join()
     out["pairs_aborted_by_mid_abort"] = len(nccl_pairs.broken) - broken
     return out
 

@@ -24,9 +24,9 @@ A posted operation cannot be cancelled, so each end waits for its own while
 watching the control socket. If the peer hangs up (or nothing moves for
 ``timeout_s``) the transfer fails at once and its pair is aborted: a send
 or receive left behind would pair with the next transfer's. The next
-transfer between the two forms a new pair. A transfer in flight whose request
-went away is let finish (the receiver then releases it; the sender cuts it only
-after ``CANCEL_GRACE_S``): a pair is worth more than the milliseconds the bytes take.
+transfer between the two forms a new pair. So a transfer whose request went
+away is let finish, or dropped before its BEGIN (``cancels``); the receiver
+releases what it then receives.
 
 KV in the prefill engine's pool blocks (a ``PiecewiseKV`` on this GPU) is
 sent from the blocks: BEGIN lists its pieces' sizes in tokens, the GRANT the
@@ -84,6 +84,7 @@ from ...sockets import IDLE_S, SocketReceiver, SocketSender, TableReceiver, read
 from .ops import (await_all, count_cuts, gather, layer_bytes, lock, on_side, p2p, p2p_all,
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
 from . import same_gpu
+from .cancels import CANCELLED, Cancels
 from .pairs import Pairs
 from ...tensors import check_layer
 
@@ -91,7 +92,6 @@ log = logging.getLogger(__name__)
 _order = threading.Lock()
 DEFAULT_POOL_BYTES = 1 << 30
 DEFAULT_KEEP_BYTES = 2 << 30  # released staging / landing buffers kept on the GPU for reuse
-CANCEL_GRACE_S = 2.0  # a cancelled transfer in flight may finish within this before its connection is cut
 
 
 def init(cfg) -> torch.device:
@@ -130,30 +130,30 @@ class NcclSender(SocketSender):
         self._eager, self._dest, self.eager_sends, self.piece_sends = False, "", 0, 0
         self.gathered_bytes = self.ipc_sends = 0
         self.streams_layers = self.cfg.flag("nccl_stream", False)
+        self.cancels = Cancels(lambda tid: SocketSender.cancel(self, tid))
 
     def takes_pieces(self, device) -> bool:
         return torch.device(device) == self.device
 
     def cancel(self, transfer_id: str) -> None:
-        """A transfer in flight may finish (milliseconds) before its connection is cut: cutting it aborts the pair.
-        One whose receiver stalled is cut ``CANCEL_GRACE_S`` later."""
-        if transfer_id in self._sending:
-            timer = threading.Timer(CANCEL_GRACE_S, super().cancel, (transfer_id,))
-            timer.daemon = True
-            timer.start()
+        if transfer_id in self._sending:  # without cutting a transfer under way at once (``cancels``)
+            self.cancels.cancel(transfer_id)
 
     def send(self, dest, transfer_id, layout, layers, meta=None):
-        """A transfer that failed other than by a clean refusal may leave an operation of its pair behind: the
-        pair is dropped and the next transfer to ``dest`` forms a new one."""
+        """A transfer that failed other than by a clean refusal (or a cancel before its BEGIN) may leave an
+        operation of its pair behind: the pair is dropped and the next transfer to ``dest`` forms a new one."""
+        self.cancels.starting(transfer_id)
         try:
             return super().send(dest, transfer_id, layout, layers, meta)
         except TransferError as e:
             cause = str(e.__cause__ or "")
-            if "receiver refused" not in cause or "pair unusable" in cause:
+            if ("receiver refused" not in cause or "pair unusable" in cause) and CANCELLED not in cause:
                 pair = self.pairs.by_key.get(dest)
                 if pair is not None:
                     pair.abort(f"a transfer to {dest} failed: {e}")
             raise
+        finally:
+            self.cancels.done(transfer_id)
 
     def alloc(self, layout, device="cpu"):
         if torch.device(device) != self.device:
@@ -168,6 +168,7 @@ class NcclSender(SocketSender):
         return _order
 
     def _begin_fields(self, dest, idle_for, layout, payload) -> dict:
+        self.cancels.check()
         self._dest = dest
         self._pair, new = self.pairs.for_dest(dest)
         pair = {"pair": self._pair.key, **({"gpu": gpu_id(self.device)} if self.device.type == "cuda" else {})}
