@@ -65,7 +65,7 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
 
 
 def prompt_graphs(self, cfg: EngineConfig, mempool):
-    """A prompt chunk's step as a CUDA graph (``prompt_graphs``), captured into the decode graphs' memory pool;
+    """A prompt chunk's step as a CUDA graph (``cuda_graphs.prompt``), captured into the decode graphs' memory pool;
     None where the engine cannot capture one (logged)."""
     from .cuda_graphs.prompt import MAX_CONTEXT, MAX_TOKENS, PromptGraphs, supported
 
