@@ -7,7 +7,7 @@
 #   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
 #   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; the fused decode attention
 #   (one launch a layer): AB="three:PDSERVE_ROPE_DECODE=0 one:PDSERVE_ROPE_DECODE=1" ... test ab; serve1p1d needs two GPUs:
-#   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 128)
+#   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -96,7 +96,7 @@ for step in $steps; do
         kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d.log"; break; }; sleep 1; done
       for wave in first:0 second:1; do
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
-          --max-tokens 64 --requests ${REQUESTS:-128} --seed ${wave#*:} \
+          --max-tokens 64 --requests ${REQUESTS:-384} --seed ${wave#*:} \
           --out "$OUT/serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
       done
       kill -INT $up; wait $up ;;
