@@ -47,6 +47,27 @@ def test_one_request_alone_takes_its_prefill_then_one_step_per_token():
     assert req.longest_gap == pytest.approx(p.kv_transfer_ms(1024, 10.0) + p.decode_ms(1, 1025), rel=0.01)
 
 
+def test_a_calibrated_hand_off_delays_the_first_decode_by_its_steps(tmp_path):
+    """``handoff_steps`` (fitted from measured second tokens: their p50 less the transfer's phases and one decode
+    step, over the step) puts that many of the decode instance's steps between a KV's arrival and its first decode."""
+    from bench.plan.calibrate import handoff_steps
+
+    p = profile(0.1, handoff_steps=2.0)
+    split = Layout(prefill=[Instance("p0", "prefill", p)], decode=[Instance("d0", "decode", p)], link_gb_s=10.0)
+    req = simulate(split, [SimRequest(0.0, 1024, 11)])[0]
+    assert req.longest_gap == pytest.approx(p.kv_transfer_ms(1024, 10.0) + 2 * p.decode_ms(1, 1024)
+                                            + p.decode_ms(1, 1025), rel=0.01)
+    rate = {"second_token_ms": {"median": 30.0}, "pdserve_ms": {"wire": {"median": 4.0}, "serialize": {"median": 1.0}},
+            "step_times": {"decode:a": {"decode_step_ms": 5.0, "decode_steps": 500}}}
+    report = {"workload": "mixed", "results": [
+        {"up_args": ["--transport", "nccl"], "rates": [rate, {**rate, "second_token_ms": {"median": 50.0}},
+                                                        {**rate, "second_token_ms": {"median": 20.0}}]},
+        {"up_args": ["--colocated", "--decode", "2"], "rates": [{**rate, "second_token_ms": {"median": 500.0}}]}]}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert handoff_steps([str(tmp_path / "r.json")], "mixed") == pytest.approx((30 - 5 - 5) / 5)  # the median
+    assert handoff_steps([str(tmp_path / "r.json")], "long") is None
+
+
 SLO_LONG = SLO(ttft_ms=2000.0, tpot_ms=10.0)
 
 

@@ -56,6 +56,30 @@ def points(paths: list[str], workload: str | None = None) -> list[dict]:
     return out
 
 
+def handoff_steps(paths: list[str], workload: str | None = None) -> float | None:
+    """Decode steps between a KV's arrival and its first decode, beyond the step itself: per rate of every plain
+    P/D configuration (``--disagg always``), the second token's p50 less the transfer's phases (p50) and one decode
+    step, over the decode step; the median of those (None without such a rate)."""
+    found = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        for result in report["results"]:
+            colocated, _, _, _, _, disagg, _ = shape_of(list(result["up_args"]))
+            if colocated or disagg != "always" or (workload and result.get("workload", report.get("workload")) != workload):
+                continue
+            for rate in result["rates"]:
+                steps = [w["decode_step_ms"] for k, w in (rate.get("step_times") or {}).items()
+                         if k.startswith("decode:") and w.get("decode_steps", 0) >= MIN_STEPS]
+                second, phases = rate.get("second_token_ms") or {}, rate.get("pdserve_ms") or {}
+                if not steps or "median" not in second:
+                    continue
+                step = sum(steps) / len(steps)
+                moved = sum((phases.get(p) or {}).get("median", 0.0) for p in ("serialize", "wire", "deserialize"))
+                found.append(max(0.0, (second["median"] - moved - step) / step))
+    return sorted(found)[len(found) // 2] if found else None
+
+
 def kv_read_gb_s(profiles: dict[int, Profile], measured: list[dict]) -> float | None:
     """Per-GPU K/V read rate (GB/s) that explains the measured steps' time beyond the profile's at its shortest
     context; None when no point has such time (or none matches a profile's TP)."""

@@ -102,7 +102,7 @@ def validate(best, args, model: str, slo: SLO, gpu: bool) -> list[dict]:
 
 
 def read_rate(args, profiles: dict) -> dict | str | None:
-    """Sets every profile's ``kv_read_gb_s`` from ``--kv-read-gb-s`` or ``--calibrate``; what was set (an error
+    """Sets every profile's ``kv_read_gb_s`` from ``--kv-read-gb-s`` or ``--calibrate`` (which fits ``handoff_steps`` too); what was set (an error
     message when it cannot be)."""
     rate, source = args.kv_read_gb_s, "--kv-read-gb-s"
     if args.calibrate:
@@ -116,10 +116,13 @@ def read_rate(args, profiles: dict) -> dict | str | None:
             return "--calibrate: the reports hold no decode steps slower than the profile's (nothing to fit)"
     if rate is None:
         return None
+    handoff = calibrate.handoff_steps(args.measured, args.workload) if args.calibrate else None
     for prof in profiles.values():
         prof.kv_read_gb_s = rate
-    print(f"decode steps read K/V at {rate:,.0f} GB/s per GPU at least ({source})")
-    return {"kv_read_gb_s": rate, "source": source}
+        prof.handoff_steps = handoff or 0.0
+    print(f"decode steps read K/V at {rate:,.0f} GB/s per GPU at least ({source})"
+          + (f"; a received KV waits {handoff:.1f} decode steps before its first" if handoff else ""))
+    return {"kv_read_gb_s": rate, "source": source, "handoff_steps": handoff}
 
 
 def run(args) -> int:

@@ -41,6 +41,7 @@ class Profile:
     version: int = PROFILE_VERSION
     notes: dict = field(default_factory=dict)
     kv_read_gb_s: float | None = None
+    handoff_steps: float = 0.0  # decode steps a received KV waits before its first (``calibrate.handoff_steps``)
 
     def __post_init__(self):
         if self.version != PROFILE_VERSION:

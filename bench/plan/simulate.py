@@ -18,7 +18,9 @@ its prompt and output fit the KV pool.
 Roles: ``colocated`` instances prefill and decode; ``prefill`` instances
 only prefill, then the KV takes ``tokens x kv_bytes_per_token / link`` to
 reach the decode instance the request was given on arrival (as the router
-picks decode first); ``decode`` instances decode and, with ``local_tokens``
+picks decode first), then waits the profile's ``handoff_steps`` decode steps (what
+serving adds: admission, the step already in flight; calibrated from measured
+second tokens); ``decode`` instances decode and, with ``local_tokens``
 (``--disagg auto``), prefill short prompts themselves. Every choice is the
 least outstanding instance, as the router's default policy.
 
@@ -192,12 +194,23 @@ def simulate(layout: Layout, requests: list[SimRequest]) -> list[SimRequest]:
                 if obj.role == "prefill":
                     obj.outstanding -= 1
                     if req.finish is None:
-                        ms = obj.profile.kv_transfer_ms(req.prompt, layout.link_gb_s)
+                        ms = obj.profile.kv_transfer_ms(req.prompt, layout.link_gb_s) + handoff_ms(req.dest, req)
                         heapq.heappush(events, (now + ms, next(order), "kv", req))
                     else:
                         req.dest.outstanding -= 1
             kick(obj, now)
     return requests
+
+
+def handoff_ms(dest: Instance, req: SimRequest) -> float:
+    """What serving adds between a KV's arrival and its first decode step (admission, the step in flight): the
+    profile's ``handoff_steps`` of the decode instance's current step (0 unless calibrated)."""
+    steps = dest.profile.handoff_steps
+    if not steps:
+        return 0.0
+    rows = len(dest.decoding) + 1
+    context = (sum(r.prompt + r.tokens for r in dest.decoding) + req.prompt) / rows
+    return steps * dest.profile.decode_ms(rows, context)
 
 
 def _least(instances: list) -> Instance:
