@@ -29,30 +29,35 @@ def row_context(workload: str, requests: int = 4000, seed: int = 0) -> float:
     return sum((p + o / 2) * o for p, o in work) / sum(o for _, o in work)
 
 
-def points(paths: list[str], workload: str | None = None) -> list[dict]:
-    """Every worker's decode-only steps at every rate (of ``workload``'s results only, when given): {rows, context,
-    ms, steps, tp, colocated}."""
-    out = []
+def _rates(paths: list[str], workload: str | None = None):
+    """``(shape, workload, rate)`` for every rate of the reports at ``paths`` (of ``workload``'s results only, when
+    given): ``shape`` as ``measured.shape_of`` reads the configuration's ``pdserve up`` arguments."""
     for path in paths:
         with open(path) as f:
             report = json.load(f)
-        fallback = {}
         for result in report["results"]:
-            colocated, _, _, _, decode_tp, _, _ = shape_of(list(result["up_args"]))
             kind = result.get("workload", report.get("workload", "uniform"))
-            if workload is not None and kind != workload:
+            if workload is None or kind == workload:
+                shape = shape_of(list(result["up_args"]))
+                for rate in result["rates"]:
+                    yield shape, kind, rate
+
+
+def points(paths: list[str], workload: str | None = None) -> list[dict]:
+    """Every worker's decode-only steps at every rate (of ``workload``'s results only, when given): {rows, context,
+    ms, steps, tp, colocated}."""
+    out, fallback = [], {}
+    for (colocated, _, _, _, decode_tp, _, _), kind, rate in _rates(paths, workload):
+        for key, w in (rate.get("step_times") or {}).items():
+            if not key.startswith(("decode:", "colocated:")) or w.get("decode_steps", 0) < MIN_STEPS:
                 continue
-            for rate in result["rates"]:
-                for key, w in (rate.get("step_times") or {}).items():
-                    if not key.startswith(("decode:", "colocated:")) or w.get("decode_steps", 0) < MIN_STEPS:
-                        continue
-                    context = w.get("decode_context_mean")
-                    if not context:
-                        if kind not in fallback:
-                            fallback[kind] = row_context(kind)
-                        context = fallback[kind]
-                    out.append({"rows": w["decode_rows_mean"], "context": context, "ms": w["decode_step_ms"],
-                                "steps": w["decode_steps"], "tp": decode_tp, "colocated": colocated})
+            context = w.get("decode_context_mean")
+            if not context:
+                if kind not in fallback:
+                    fallback[kind] = row_context(kind)
+                context = fallback[kind]
+            out.append({"rows": w["decode_rows_mean"], "context": context, "ms": w["decode_step_ms"],
+                        "steps": w["decode_steps"], "tp": decode_tp, "colocated": colocated})
     return out
 
 
@@ -61,22 +66,17 @@ def handoff_steps(paths: list[str], workload: str | None = None) -> float | None
     P/D configuration (``--disagg always``), the second token's p50 less the transfer's phases (p50) and one decode
     step, over the decode step; the median of those (None without such a rate)."""
     found = []
-    for path in paths:
-        with open(path) as f:
-            report = json.load(f)
-        for result in report["results"]:
-            colocated, _, _, _, _, disagg, _ = shape_of(list(result["up_args"]))
-            if colocated or disagg != "always" or (workload and result.get("workload", report.get("workload")) != workload):
-                continue
-            for rate in result["rates"]:
-                steps = [w["decode_step_ms"] for k, w in (rate.get("step_times") or {}).items()
-                         if k.startswith("decode:") and w.get("decode_steps", 0) >= MIN_STEPS]
-                second, phases = rate.get("second_token_ms") or {}, rate.get("pdserve_ms") or {}
-                if not steps or "median" not in second:
-                    continue
-                step = sum(steps) / len(steps)
-                moved = sum((phases.get(p) or {}).get("median", 0.0) for p in ("serialize", "wire", "deserialize"))
-                found.append(max(0.0, (second["median"] - moved - step) / step))
+    for (colocated, _, _, _, _, disagg, _), _, rate in _rates(paths, workload):
+        if colocated or disagg != "always":
+            continue
+        steps = [w["decode_step_ms"] for k, w in (rate.get("step_times") or {}).items()
+                 if k.startswith("decode:") and w.get("decode_steps", 0) >= MIN_STEPS]
+        second, phases = rate.get("second_token_ms") or {}, rate.get("pdserve_ms") or {}
+        if not steps or "median" not in second:
+            continue
+        step = sum(steps) / len(steps)
+        moved = sum((phases.get(p) or {}).get("median", 0.0) for p in ("serialize", "wire", "deserialize"))
+        found.append(max(0.0, (second["median"] - moved - step) / step))
     return sorted(found)[len(found) // 2] if found else None
 
 
