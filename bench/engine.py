@@ -77,12 +77,14 @@ def _vocab(engine) -> int:
     return min(spec.vocab_size, engine.tokenizer.vocab_size) if spec else engine.tokenizer.vocab_size
 
 
-def decoding(engine, batch: int, prompt_len: int, max_tokens: int, rng, settle: int = 0, prepare=None) -> list:
-    """``batch`` random prompts of ``prompt_len`` tokens, added and stepped until every one decodes (its second
-    token out), then ``settle`` steps more; ``prepare(seq)`` runs on each before it is added."""
+def decoding(engine, batch: int, prompt_len, max_tokens: int, rng, settle: int = 0, prepare=None) -> list:
+    """``batch`` random prompts of ``prompt_len`` tokens (or a length per prompt), added and stepped until every
+    one decodes (its second token out), then ``settle`` steps more; ``prepare(seq)`` runs on each before it is
+    added."""
     vocab = _vocab(engine)
-    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)],
-                 [max_tokens] * batch)
+    lens = [prompt_len] * batch if isinstance(prompt_len, int) else list(prompt_len)
+    assert len(lens) == batch, (len(lens), batch)
+    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(n)] for n in lens], [max_tokens] * batch)
     for s in seqs:
         if prepare is not None:
             prepare(s)

@@ -5,6 +5,7 @@
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
 #   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
 #   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
+#   rows: whole decode steps over rows of unequal contexts, as serving has (ROWS_AB: the variants, ROWS: the cases);
 #   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; the fused decode attention
 #   (one launch a layer): AB="three:PDSERVE_ROPE_DECODE=0 one:PDSERVE_ROPE_DECODE=1" ... test ab; serve1p1d needs two GPUs:
 #   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
@@ -83,6 +84,16 @@ for step in $steps; do
         PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m deploy.cli bench engine $model --batches 1,32 --prompt-len 512 \
           --decode-steps 64 --requests 8 --max-num-seqs 32 --max-model-len 4096 --out "$OUT/engine-l2-${mb}mb-$TAG" 2>&1 \
           | grep "decode batch"
+      done ;;
+    rows)  # serving-like decode steps (rows of unequal contexts) beside equal ones: replay, its attention and the
+           # rest against (weights + K/V) / copy bandwidth; variants: context splits per SM 4 (the default) and 8,
+           # PDL off (kernels then run one after another: the per-kernel split is exact, under PDL they overlap)
+      for v in ${ROWS_AB:-persm4:PDSERVE_DECODE_PER_SM=4 persm8:PDSERVE_DECODE_PER_SM=8 nopdl:PDSERVE_PDL=0}; do
+        name=kernels-rows-${v%%:*}-$TAG
+        env $(echo ${v#*:} | tr , " ") timeout 300 $PY -m deploy.cli bench kernels --model mistral-7b --only steps \
+          --step-cases ${ROWS:-1x512,13x3200,13x2000-4400,16x1000-5400,32x512,32x3200} \
+          --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+        grep -A16 "^## Whole" "$OUT/$name.md" || tail -20 "$OUT/$name.log"
       done ;;
     router)  # paced like engines (5 ms steps) below and above one core's capacity, then as fast as the worker can
       timeout 100 $PY -m deploy.cli bench router --clients 4 --streams 32 --step-ms 5 --out "$OUT/router-128x5ms-$TAG" 2>&1 | tail -1

@@ -8,6 +8,7 @@ Under ``--tp`` the profile is rank 0's (the others follow its steps) and graph t
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 
@@ -88,9 +89,17 @@ def replay_kernels(replay, replay_ms: float, reps: int = 20) -> dict:
     count = sum(e.count for e in kernels) / reps
     print(f"replay {replay_ms:.3f} ms: kernels {busy_ms:.3f} ms busy ({count:.0f} a replay), gaps "
           f"{replay_ms - busy_ms:.3f} ms ({(replay_ms - busy_ms) / max(count, 1) * 1e3:.2f} us a kernel)")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:16]:
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    for e in top[:16]:
         print(f"  {e.self_device_time_total / reps:9.1f} us  x{e.count / reps:5.0f}  {e.key[:110]}")
-    return {"replay_kernel_ms": busy_ms, "replay_kernels": count, "replay_gap_ms": replay_ms - busy_ms}
+    attention_ms = sum(e.self_device_time_total for e in kernels if ATTENTION_KERNELS.search(e.key)) / reps / 1e3
+    return {"replay_kernel_ms": busy_ms, "replay_kernels": count, "replay_gap_ms": replay_ms - busy_ms,
+            "replay_attention_ms": attention_ms,
+            "replay_top": [{"us": e.self_device_time_total / reps, "count": e.count / reps, "kernel": e.key[:110]}
+                           for e in top[:8]]}
+
+
+ATTENTION_KERNELS = re.compile(r"_decode_kernel|_combine_kernel|rope_decode|flash", re.I)  # decode attention's own
 
 
 def prefill_profile(engine, rng, n: int, length: int) -> dict:

@@ -139,7 +139,7 @@ def test_bench_kernels_small(tmp_path):
     forms; the checks of decode attention against the fp32 reference pass)."""
     out = tmp_path / "kernels"
     assert main(["bench", "kernels", "--model", "chat-cpu", "--dtype", "float32", "--decode-cases", "1x512,3x100",
-                 "--prefill-cases", "2x64", "--tokens", "1,4", "--step-cases", "1x32,2x48", "--step-count", "3",
+                 "--prefill-cases", "2x64", "--tokens", "1,4", "--step-cases", "1x32,3x40-56", "--step-count", "3",
                  "--buffer-mib", "32", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["limits"]["copy_GBps"] > 0 and report["limits"]["matmul_TFLOPs"] > 0
@@ -148,7 +148,11 @@ def test_bench_kernels_small(tmp_path):
     assert {r["name"].split()[0] for r in report["layer_kernels"]} == {"rmsnorm", "add_rmsnorm", "silu_mul", "rope_store"}
     assert len(report["gemms"]) == 10 and report["prefill_attention"][0]["of_matmul"] > 0
     steps = {r["name"]: r for r in report["decode_steps"]}
-    assert set(steps) == {"step b1 ctx32", "step b2 ctx48"} and all(r["over_bound"] > 0 for r in steps.values())
+    assert set(steps) == {"step b1 ctx32", "step b3 ctx40-56"} and all(r["over_bound"] > 0 for r in steps.values())
+    spread = steps["step b3 ctx40-56"]  # rows of 40, 48 and 56 tokens: their K/V counted one by one
+    assert spread["contexts"] == [40, 56] and spread["context"] == 48
+    per_token = (spread["bytes"] - steps["step b1 ctx32"]["bytes"]) / (3 * (48 + 3) - (32 + 3))
+    assert per_token == int(per_token) > 0
     assert "Whole decode steps" in out.with_suffix(".md").read_text()
 
 

@@ -37,7 +37,8 @@ def add_arguments(p):
     p.add_argument("--decode-cases", default="1x8192,16x8192,64x2048,32x2048,1x4096")
     p.add_argument("--prefill-cases", default="16x512,1x8192")
     p.add_argument("--tokens", default="1,32,64", help="token counts of the layer kernels and GEMMs")
-    p.add_argument("--step-cases", default="1x512,32x512,64x512,16x8192", help="whole decode steps, batch x context")
+    p.add_argument("--step-cases", default="1x512,32x512,64x512,16x8192", help="whole decode steps, batch x context; "
+                   "a context LO-HI spreads the rows' contexts evenly over it (as serving's rows are: 13x2000-4400)")
     p.add_argument("--step-count", type=int, default=20)
     p.add_argument("--buffer-mib", type=int, default=0, help="bytes of the bandwidth test (default 2048 CUDA, 256 CPU)")
     p.add_argument("--sweep", action="store_true", help="time a grid of decode attention configurations (and of "
@@ -160,9 +161,9 @@ def run(args) -> int:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         write_picks(picks, args.out)
     if "steps" in only:
-        from .steps import decode_steps
+        from .steps import decode_steps, step_cases
 
-        report["decode_steps"] = fractions(decode_steps(args, _cases(args.step_cases), lim), lim)
+        report["decode_steps"] = fractions(decode_steps(args, step_cases(args.step_cases), lim), lim)
         _say("decode steps", report["decode_steps"])
     write(report, args.out)
     return 0

@@ -220,7 +220,7 @@ class DecodeConfig:
         return asdict(self)
 
 
-CONFIG = DecodeConfig()
+CONFIG = DecodeConfig(per_sm=int(os.environ.get("PDSERVE_DECODE_PER_SM", "4")))  # the variable: an A/B of splits
 SMALL = DecodeConfig(tile=128, stages=3)  # a few sequences: longer tiles per split (H200 sweep, 1 x 4k-8k context)
 FP8 = DecodeConfig(tile=128, stages=2)  # an FP8 pool at any batch: within 2% of the best (H200 sweep; 64 x 4: 1.4x)
 
