@@ -23,7 +23,10 @@ output block leaves most SMs idle on a narrow projection (o and down have
 * FP8 (``SCALED``): e4m3 weights with per-channel scales times e4m3 rows with
   per-row scales, ``y[t, o] = (xq[t] . wq[o]) * s_x[t] * s_w[o]``: the numbers
   of ``_scaled_mm`` (W8A8). Else the rows and weights in bf16/fp16, fp32 sums;
-* ``BIAS``; programmatic dependent launch (``triton_pdl``);
+* ``BIAS``; programmatic dependent launch (``triton_pdl``), the next kernel let
+  go at the start and the first weight tile loaded before the wait for the
+  rows (weights depend on no kernel before): at a few rows a projection is a
+  few microseconds, and its first bytes' latency was a good part of them;
 * ``PREP`` / ``ROW_SCALE``: the two halves of an RMSNorm split around two
   projections (``NormPart``; ``triton_fewrow_norm`` says how).
 
@@ -48,6 +51,7 @@ from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up to this many rows (0: cuBLAS always)
+EARLY = os.environ.get("PDSERVE_FEWROW_EARLY", "1") != "0"  # first weights before the wait (A/B: 0)
 NORM_ROWS = int(os.environ.get("PDSERVE_FEWROW_NORM_ROWS", "32"))  # the norms split around it up to these (0: never)
 COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792), and one more slot:
 GRID_SLOT = COUNTERS - 1  # a launch's own ticket (the last program of a norm's consumer zeroes the squares)
@@ -67,8 +71,12 @@ class FewRowConfig:
 def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, g_ptr, sum_ptr, sq_ptr,
                     eps, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr,
-                    PREP: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                    PREP: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                    EARLY: tl.constexpr):
+    if not EARLY:
+        wait_then_release(PDL)
+    elif PDL:  # the next kernel may start now: it fetches its first weights while this one runs
+        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -77,19 +85,17 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
     chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # BLOCK_K chunks per split
     k_lo = tl.program_id(1) * chunks * BLOCK_K
     k_hi = tl.minimum(K, k_lo + chunks * BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: output channels down, rows across
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    rows = w_ptr + n[:, None].to(tl.int64) * K
+    k = k_lo + tl.arange(0, BLOCK_K)  # the first tile, peeled: its weights depend on nothing before, so with
+    w = tl.load(rows + k[None, :], mask=nmask[:, None] & (k < k_hi)[None, :], other=0.0)  # EARLY they are on
+    if EARLY and PDL:  # their way while the kernel before ends; then its output (the rows) may be read
+        tl.extra.cuda.gdc_wait()
+    acc = _tile(w, x_ptr, m, mmask, k, k < k_hi, stride_xm, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # acc: transposed, output channels down, rows across
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
-        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
-        if UPCAST:  # the interpreter multiplies no FP8 (nor bf16 right)
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
-        elif w.dtype == tl.float32:  # fp32 weights (tiny test models): no TF32 rounding
-            acc += tl.dot(w, xt, input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc = _tile(w, x_ptr, m, mmask, k, kmask, stride_xm, acc, UPCAST)
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     mask = mmask[None, :] & nmask[:, None]
     norm = (r_ptr, g_ptr, sum_ptr, sq_ptr, eps, K, stride_om)
@@ -113,6 +119,17 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
             _finish(total, out_at, mask, s_ptr, xs_ptr, b_ptr, n, m, nmask, mmask, norm, SCALED, BIAS, PREP,
                     ROW_SCALE)
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _tile(w, x_ptr, m, mmask, k, kmask, stride_xm, acc, UPCAST: tl.constexpr):
+    """``acc`` plus the weight tile ``w`` times the rows' columns ``k``."""
+    xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=mmask[None, :] & kmask[:, None], other=0.0)
+    if UPCAST:  # the interpreter multiplies no FP8 (nor bf16 right)
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32))
+    if w.dtype == tl.float32:  # fp32 weights (tiny test models): no TF32 rounding
+        return acc + tl.dot(w, xt, input_precision="ieee")
+    return acc + tl.dot(w, xt)
 
 
 @triton.jit
@@ -177,7 +194,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: tor
     args = (x, weight, s, xs, bias if bias is not None else weight, out, part, count if count is not None else out,
             *norm_args, rows, n, k, x.stride(0), out.stride(0))
     flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None, PREP=prep,
-                 ROW_SCALE=norm is not None and not prep, UPCAST=INTERPRETED, PDL=PDL)
+                 ROW_SCALE=norm is not None and not prep, UPCAST=INTERPRETED, PDL=PDL, EARLY=EARLY)
     while True:
         try:
             _few_row_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
