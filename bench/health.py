@@ -50,7 +50,7 @@ def step_delta(before: dict, after: dict) -> dict:
     for key, a in after.items():
         b = before.get(key, {})
         d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "decode_context",
-                                                   "prompt_steps", "prompt_ms", "gaps", "gap_ms", "gaps_over_5ms",
+                                                   "prompt_steps", "prompt_ms", "prompt_tokens", "gaps", "gap_ms", "gaps_over_5ms",
                                                    "graph_replays", "graph_ms")}
         if d["decode_steps"] or d["prompt_steps"]:
             out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
@@ -58,6 +58,7 @@ def step_delta(before: dict, after: dict) -> dict:
                         "decode_rows_mean": round(d["decode_rows"] / max(1, d["decode_steps"]), 2),
                         "decode_context_mean": round(d["decode_context"] / max(1, d["decode_rows"])),
                         "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
+                        "prompt_step_tokens": round(d["prompt_tokens"] / max(1, d["prompt_steps"])),
                         "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"],
                         **({"graph_ms": round(d["graph_ms"] / d["graph_replays"], 3)} if d["graph_replays"] else {}),
                         **{k: a[k] for k in CAP_KEYS if a.get(k) is not None}}  # the cap as the rate left it
@@ -73,3 +74,33 @@ def busiest(steps: dict) -> str:
     return (f"; slowest decode steps {w['decode_step_ms']:.1f} ms{graph} at {w['decode_rows_mean']:.0f} rows of "
             f"{w.get('decode_context_mean', 0):.0f} tokens, gaps "
             f"{w['gap_ms']:.1f} ms, {w['prompt_steps']} with prompt tokens ({key.split(':')[0]})")
+
+
+def main(argv=None) -> int:
+    """``python -m bench.health URL FILE``: the workers' step-time totals saved to FILE; with ``--since``, each
+    worker's steps since FILE was saved (``step_delta``: step and replay ms, rows, context) printed as JSON."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.health")
+    ap.add_argument("url")
+    ap.add_argument("file")
+    ap.add_argument("--since", action="store_true", help="print the steps since FILE was saved, not save")
+    args = ap.parse_args(argv)
+    now = step_times(args.url.rstrip("/"))
+    if not args.since:
+        with open(args.file, "w") as f:
+            json.dump(now, f)
+        return 0
+    with open(args.file) as f:
+        steps = step_delta(json.load(f), now)
+    print(json.dumps(steps, indent=1))
+    for key, w in steps.items():
+        if w["prompt_steps"]:
+            print(f"{key}: {w['prompt_steps']} prompt steps of {w['prompt_step_tokens']} tokens, "
+                  f"{w['prompt_step_ms']:.1f} ms each, gaps between steps {w['gap_ms']:.1f} ms")
+    print(busiest(steps).lstrip("; "))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -66,7 +66,7 @@ class StepLog:
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
         self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "decode_context": 0, "prompt_steps": 0,
-                       "prompt_ms": 0.0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0, "graph_replays": 0,
+                       "prompt_ms": 0.0, "prompt_tokens": 0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0, "graph_replays": 0,
                        "graph_ms": 0.0}
 
     def add(self, record: StepRecord, gap_ms: float | None = None) -> None:
@@ -80,6 +80,7 @@ class StepLog:
         if record.prompt_tokens:
             t["prompt_steps"] += 1
             t["prompt_ms"] += record.ms
+            t["prompt_tokens"] += record.prompt_tokens
         else:
             t["decode_steps"] += 1
             t["decode_ms"] += record.ms

@@ -111,7 +111,7 @@ class PrefillWorker(WorkerLoop):
                 "kv_dtype": str(self.engine.kv_dtype).removeprefix("torch."),
                 "kv_skipped_bytes": self.kv_skipped_bytes,
                 "kv_pairs_aborted": getattr(getattr(self.sender, "pairs", None), "aborted", 0),
-                **self.engine.prefix_info()}
+                **getattr(self.engine, "step_info", dict)(), **self.engine.prefix_info()}
 
     def busy(self):
         return bool(self.live)

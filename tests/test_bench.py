@@ -90,6 +90,8 @@ def test_bench_goodput_small(tmp_path):
     (steps,) = [w for key, w in result["rates"][0]["step_times"].items() if key.startswith("decode:")]
     assert steps["decode_steps"] > 0 and steps["decode_step_ms"] > 0 and steps["gap_ms"] >= 0
     assert 17 <= steps["decode_context_mean"] <= 72  # the tokens a decode row attends to: 16-64 prompt + output so far
+    (prompts,) = [w for key, w in result["rates"][0]["step_times"].items() if key.startswith("prefill:")]
+    assert prompts["prompt_steps"] > 0 and 16 <= prompts["prompt_step_tokens"] <= 4 * 64  # the prefill worker's too
     assert all(p["waited_idle_s"] is not None for p in result["rates"])  # each rate started from an idle cluster
     point = result["rates"][0]
     assert point["second_token_ms"]["n"] == 3 and point["pdserve_ms"]["wire"]["n"] == 3
