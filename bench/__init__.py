@@ -3,7 +3,7 @@ them: ``transfer`` (KV transfer A/B between two processes, loopback or a shaped 
 against any OpenAI-compatible endpoint), ``compare`` (colocated vs disaggregated per transport), ``soak`` (long
 runs: errors and RSS growth), ``chaos`` (workers SIGKILLed under load), ``goodput`` (highest rate within an SLO per
 configuration), ``stream`` (layer-wise KV streaming on and off), ``idle``, ``engine`` (the engine alone, at any
-``--tp``, against the HBM limit), ``kernels`` (each decode-step kernel and whole steps against the bandwidth and
+``--tp``, against the HBM limit), ``kernels`` (each decode-step kernel and whole steps, rows of equal or spread contexts, against the bandwidth and
 matmul rate measured in the same run; ``--kv-cache-dtype fp8`` over an FP8 pool), ``fp8`` (FP8 weights and the FP8 KV
 cache against bf16 in one run: projections, decode tok/s, sequences per KV budget, long-context steps, logits
 agreement with a perturbation control), ``guided`` (structured outputs against free decode), ``pipeline`` (one
@@ -12,7 +12,8 @@ agreement) and ``router`` (tokens/s one router process streams, fed by ``fake_wo
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
 sizes, checked; on 8 GPUs groups of four and of two), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
 ``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four or eight GPUs)), ``health`` (what a
-cluster's ``/health`` says: nothing in flight, each worker's step times), ``engine_waves`` (``serve``'s closed-loop waves run on the
+cluster's ``/health`` says: nothing in flight, each worker's step times; ``python -m bench.health`` prints them since a
+snapshot), ``engine_waves`` (``serve``'s closed-loop waves run on the
 engine in-process: steps by kind, under prefill caps), ``profile_engine`` (torch profiles of decode, prompt and
 mixed steps; the kernels of one decode graph replay against its wall time), ``pool_rows`` (a KV copy between a paged pool and one buffer by views or by index, as the blocks fall
 into more runs). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
