@@ -19,6 +19,18 @@ def step_times(url: str) -> dict:
             for w in ws if isinstance(w, dict) and isinstance(w.get("step_times"), dict)}
 
 
+def settled_step_times(url: str, limit_s: float = 3.0, every_s: float = 0.3) -> dict:
+    """``step_times`` once two readings ``every_s`` apart agree (the router hears each worker's totals with its
+    heartbeat, every 0.25 s by default: a reading right after a run may miss its last steps)."""
+    now, end = step_times(url), time.monotonic() + limit_s
+    while now and time.monotonic() < end:  # nothing at all: not a pdserve router (or no steps reported)
+        time.sleep(every_s)
+        now, before = step_times(url), now
+        if now == before:
+            break
+    return now
+
+
 CAP_KEYS = ("step_prefill_cap", "mixed_step_fixed_ms", "step_ms_per_prompt_token", "step_base_ms")  # step_budget's
 
 
@@ -60,9 +72,33 @@ def step_delta(before: dict, after: dict) -> dict:
                         "prompt_step_ms": round(d["prompt_ms"] / max(1, d["prompt_steps"]), 3),
                         "prompt_step_tokens": round(d["prompt_tokens"] / max(1, d["prompt_steps"])),
                         "gap_ms": round(d["gap_ms"] / max(1, d["gaps"]), 3), "gaps_over_5ms": d["gaps_over_5ms"],
+                        "busy_ms": round(d["decode_ms"] + d["prompt_ms"], 1),
                         **({"graph_ms": round(d["graph_ms"] / d["graph_replays"], 3)} if d["graph_replays"] else {}),
                         **{k: a[k] for k in CAP_KEYS if a.get(k) is not None}}  # the cap as the rate left it
     return out
+
+
+def with_busy(steps: dict, wall_s: float) -> dict:
+    """``steps`` (``step_delta``) with each worker's ``busy``: the fraction of ``wall_s`` its engine spent in steps."""
+    for w in steps.values():
+        w["busy"] = round(w["busy_ms"] / (wall_s * 1e3), 3) if wall_s > 0 else 0.0
+    return steps
+
+
+def worker_lines(steps: dict) -> list[str]:
+    """A line per worker: how busy its engine was, its prompt steps and its decode steps."""
+    lines = []
+    for key, w in steps.items():
+        parts = [f"busy {w['busy']:.0%}"] if "busy" in w else []
+        if w["prompt_steps"]:
+            parts.append(f"{w['prompt_steps']} prompt steps of {w.get('prompt_step_tokens', 0)} tokens at "
+                         f"{w['prompt_step_ms']:.1f} ms")
+        if w["decode_steps"]:
+            replay = f" (replay {w['graph_ms']:.1f})" if "graph_ms" in w else ""
+            parts.append(f"{w['decode_steps']} decode steps of {w['decode_rows_mean']:.1f} rows at "
+                         f"{w['decode_step_ms']:.2f} ms{replay}")
+        lines.append(f"{key}: " + ", ".join(parts) + f", gaps {w['gap_ms']:.1f} ms")
+    return lines
 
 
 def busiest(steps: dict) -> str:
@@ -78,7 +114,8 @@ def busiest(steps: dict) -> str:
 
 def main(argv=None) -> int:
     """``python -m bench.health URL FILE``: the workers' step-time totals saved to FILE; with ``--since``, each
-    worker's steps since FILE was saved (``step_delta``: step and replay ms, rows, context) printed as JSON."""
+    worker's steps since FILE was saved (``step_delta``: step and replay ms, rows, context) printed as JSON and a
+    line a worker."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m bench.health")
@@ -86,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("file")
     ap.add_argument("--since", action="store_true", help="print the steps since FILE was saved, not save")
     args = ap.parse_args(argv)
-    now = step_times(args.url.rstrip("/"))
+    now = settled_step_times(args.url.rstrip("/"))
     if not args.since:
         with open(args.file, "w") as f:
             json.dump(now, f)
@@ -94,11 +131,7 @@ def main(argv=None) -> int:
     with open(args.file) as f:
         steps = step_delta(json.load(f), now)
     print(json.dumps(steps, indent=1))
-    for key, w in steps.items():
-        if w["prompt_steps"]:
-            print(f"{key}: {w['prompt_steps']} prompt steps of {w['prompt_step_tokens']} tokens, "
-                  f"{w['prompt_step_ms']:.1f} ms each, gaps between steps {w['gap_ms']:.1f} ms")
-    print(busiest(steps).lstrip("; "))
+    print("\n".join(worker_lines(steps)))
     return 0
 
 

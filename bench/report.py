@@ -88,6 +88,10 @@ def serve_table(s: dict) -> str:
     rows.append(f"requests {s['requests']}, errors {s['errors']}, {s['request_per_s']:.2f} req/s, "
                 f"{s['output_tok_per_s']:.1f} output tok/s, goodput {s['goodput_req_per_s']:.2f} req/s "
                 f"({100 * s['goodput_fraction']:.0f}%)" + (f"; prefilled {s['disagg']}" if s.get("disagg") else ""))
+    if s.get("workers"):  # a pdserve cluster's engines during the run (``bench.health``)
+        from .health import worker_lines
+
+        rows += ["", "Workers during the run:", ""] + [f"- {line}" for line in worker_lines(s["workers"])]
     return "\n".join(rows)
 
 

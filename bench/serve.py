@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from .health import settled_step_times, step_delta, with_busy
 from .report import command_line
 from .stats import summary
 from .stats import quantile
@@ -231,12 +232,15 @@ def summarize(rows: list[dict], wall_s: float, slo_ttft=None, slo_tpot=None, slo
 def run(args) -> int:
     from .report import write_serve_reports
 
+    before = settled_step_times(args.url.rstrip("/"))  # a pdserve router's workers: their steps during the run
     rows, wall = asyncio.run(run_load(args))
     from .transfer import environment
 
     report = {"command": command_line("serve"), "url": args.url, "env": environment(),
               "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_itl_p99_ms,
                                    args.slo_stall_ms, args.warmup_requests), "samples": rows}
+    if before:
+        report["summary"]["workers"] = with_busy(step_delta(before, settled_step_times(args.url.rstrip("/"))), wall)
     paths = write_serve_reports(report, args.out)
     print(paths.pop("markdown_text"))
     print("wrote " + ", ".join(paths.values()))

@@ -26,6 +26,14 @@ def test_bench_serve_against_running_cluster(disagg, tmp_path):
     assert all(4 <= r["output_tokens"] <= 8 for r in report["samples"]) and len(report["samples"]) == 8
     assert all(r["stall_ms"] == max(r["itl_ms"]) and r["itl_p99_ms"] <= r["stall_ms"] for r in report["samples"])
     assert s["stall_ms"]["n"] == 6 and "stall_ms" in (tmp_path / "s.md").read_text()
+    # the cluster's engines over the run, from /health: the prefill worker's prompt steps (8 prompts of 10-40
+    # tokens), the decode worker's steps, each busy part of the wall time
+    workers = s["workers"]
+    (prefill,) = [w for key, w in workers.items() if key.startswith("prefill:")]
+    (decode,) = [w for key, w in workers.items() if key.startswith("decode:")]
+    assert 1 <= prefill["prompt_steps"] <= 8 and 10 <= prefill["prompt_step_tokens"] <= 8 * 40
+    assert decode["decode_steps"] >= 3 and all(0 < w["busy"] < 1 for w in (prefill, decode))
+    assert "Workers during the run:" in (tmp_path / "s.md").read_text()
 
 
 def test_bench_serve_poisson_and_chat(disagg, tmp_path):
