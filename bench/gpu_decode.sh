@@ -106,12 +106,10 @@ for step in $steps; do
       for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break
         kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d.log"; break; }; sleep 1; done
       for wave in first:0 second:1; do
-        name=serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG
-        $PY -m bench.health http://127.0.0.1:8012 "$OUT/$name-steps.json"
+        # with each worker's steps over the wave and how busy they kept it
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
-          --max-tokens 64 --requests ${REQUESTS:-384} --seed ${wave#*:} --out "$OUT/$name" 2>&1 | grep "^requests"
-        $PY -m bench.health http://127.0.0.1:8012 "$OUT/$name-steps.json" --since > "$OUT/$name-steps.txt"
-        grep -v '^[ {}]' "$OUT/$name-steps.txt"  # the wave's steps: prompt steps, decode step and replay ms, rows
+          --max-tokens 64 --requests ${REQUESTS:-384} --seed ${wave#*:} \
+          --out "$OUT/serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG" 2>&1 | grep -E "^requests|^- (prefill|decode)"
       done
       kill -INT $up; wait $up ;;
   esac
