@@ -62,8 +62,8 @@ def step_delta(before: dict, after: dict) -> dict:
     for key, a in after.items():
         b = before.get(key, {})
         d = {k: a.get(k, 0) - b.get(k, 0) for k in ("decode_steps", "decode_ms", "decode_rows", "decode_context",
-                                                   "prompt_steps", "prompt_ms", "prompt_tokens", "gaps", "gap_ms", "gaps_over_5ms",
-                                                   "graph_replays", "graph_ms")}
+                                                   "prompt_steps", "prompt_ms", "prompt_tokens", "gaps", "gap_ms",
+                                                   "gaps_over_5ms", "graph_replays", "graph_ms")}
         if d["decode_steps"] or d["prompt_steps"]:
             out[key] = {"decode_steps": d["decode_steps"], "prompt_steps": d["prompt_steps"],
                         "decode_step_ms": round(d["decode_ms"] / max(1, d["decode_steps"]), 3),

@@ -66,8 +66,8 @@ class StepLog:
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
         self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "decode_context": 0, "prompt_steps": 0,
-                       "prompt_ms": 0.0, "prompt_tokens": 0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0, "graph_replays": 0,
-                       "graph_ms": 0.0}
+                       "prompt_ms": 0.0, "prompt_tokens": 0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0,
+                       "graph_replays": 0, "graph_ms": 0.0}
 
     def add(self, record: StepRecord, gap_ms: float | None = None) -> None:
         """``gap_ms``: since the step before ended, when this one follows it with work waiting."""
