@@ -48,9 +48,9 @@ def hf_tokenizer(vocab: int):
 
     from engine.tokenizer import save_byte_tokenizer
 
-    path = tempfile.mkdtemp(prefix="pdserve-vocab-")
-    save_byte_tokenizer(path, vocab)
-    return AutoTokenizer.from_pretrained(path)
+    with tempfile.TemporaryDirectory(prefix="pdserve-vocab-") as path:
+        save_byte_tokenizer(path, vocab)
+        return AutoTokenizer.from_pretrained(path)  # read whole into memory: the folder can go
 
 
 class XGrammar:

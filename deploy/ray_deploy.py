@@ -140,6 +140,7 @@ class RouterProcess(Process):
         while self.proc.poll() is None:
             time.sleep(1.0)
             self._write(self._members())
+        os.unlink(self.file)  # the router is gone: nobody reads it again
 
 
 def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None,

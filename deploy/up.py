@@ -10,6 +10,7 @@ a cluster token (a fresh one unless PDSERVE_CLUSTER_TOKEN[_FILE] is set),
 passed in their environment, never on a command line."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -97,9 +98,15 @@ def last_int(cmd: list[str], flag: str) -> int:
     return int(cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1])
 
 
+def ranked(args) -> bool:
+    """Whether the workers form a fixed world of ranks (the mlx transport), which a restart cannot rejoin."""
+    return args.transport == "mlx" and not args.colocated
+
+
 def rank_args(args, host: str) -> list[list[str]] | None:
-    """Per-rank arguments of a fixed two-rank world (the mlx transport): rank 0 is the prefill worker, rank 1 decode."""
-    if args.transport != "mlx" or args.colocated:
+    """Per-rank arguments of a fixed two-rank world (the mlx transport): rank 0 is the prefill worker, rank 1 decode.
+    A hostfile made here is removed when ``up`` exits."""
+    if not ranked(args):
         return None
     if args.prefill != 1 or args.decode != 1:
         raise RuntimeError(f"the {args.transport} transport pairs exactly one prefill with one decode worker "
@@ -109,7 +116,15 @@ def rank_args(args, host: str) -> list[list[str]] | None:
         fd, hostfile = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
+        atexit.register(_remove, hostfile)
     return [["--mlx-hostfile", hostfile, "--mlx-rank", str(rank)] for rank in (0, 1)]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def plan(args) -> list[list[str]]:
@@ -119,7 +134,7 @@ def plan(args) -> list[list[str]]:
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
     budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
-    ranked = rank_args(args, host) or [[]] * (args.prefill + args.decode)
+    per_rank = rank_args(args, host) or [[]] * (args.prefill + args.decode)
     if args.colocated:
         for _ in range(max(1, args.decode)):
             port = free_port(host)
@@ -129,14 +144,14 @@ def plan(args) -> list[list[str]]:
     else:
         for i in range(args.prefill):
             port = free_port(host)
-            rank = ranked[i]
+            rank = per_rank[i]
             stream = [] if getattr(args, "kv_stream", True) else ["--no-kv-stream"]
             cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank + stream
                         + role_engine(args, "prefill"))
             roles["prefill"].append(f"tcp://{host}:{port}")
         for i in range(args.decode):
             port, kv = free_port(host), free_port(host)
-            rank = ranked[args.prefill + i]
+            rank = per_rank[args.prefill + i]
             cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget
                         + role_engine(args, "decode"))
             roles["decode"].append(f"tcp://{host}:{port}")
@@ -263,14 +278,13 @@ def up(args) -> int:
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
             env.update(ray_cluster.env)
         cmds = plan(args)
-        ranked = rank_args(args, args.host) is not None
         supervisor = Supervisor(max_restarts=args.max_restarts)
         counts: dict = {}
         for cmd in cmds:
             role = "colocated" if "--colocated" in cmd else "mixed" if "mixed" in cmd else cmd[5]
             counts[role] = counts.get(role, 0) + 1
             supervisor.add(Child(f"{role} worker {counts[role] - 1}" if role != "router" else "router", cmd, env,
-                                 restartable=role != "router" and not ranked))
+                                 restartable=role != "router" and not ranked(args)))
         procs = supervisor.procs
         health = wait_ready(url, procs, args.ready_timeout)
         mode = health.get("mode")

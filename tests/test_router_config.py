@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from router.config import RouterConfig
@@ -100,3 +104,12 @@ def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
         proc.terminate()
         err = proc.communicate(timeout=30)[1]
     assert "most recent call first" in err and "Thread 0x" in err
+
+
+def test_up_removes_the_mlx_hostfile_it_made_when_it_exits():
+    code = ("from deploy.cli import _parser; from deploy.up import plan\n"
+            "cmds = plan(_parser().parse_args(['up', '--transport', 'mlx']))\n"
+            "print(cmds[0][cmds[0].index('--mlx-hostfile') + 1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.endswith(".json") and not os.path.exists(path)
