@@ -106,7 +106,12 @@ def _add_disagg(p: argparse.ArgumentParser, default):
     p.add_argument("--disagg-local-tokens", type=int, default=None if default is None else 512,
                    help="auto: uncached prompts of at most this many tokens are prefilled on the decode worker")
     p.add_argument("--disagg-prefill-queue", type=int, default=None,
-                   help="auto: prompts in flight on every prefill worker that make them busy (default 4)")
+                   help="auto: prompts in flight on every prefill worker that make them busy, until the workers "
+                        "report prompt step times (default 4)")
+    p.add_argument("--disagg-prefill-wait-ms", type=float, default=None,
+                   help="auto: every prefill worker is busy when a prompt sent there would wait this long behind "
+                        "the uncached prompt tokens in flight, at the worker's measured time a token (default 500; "
+                        "0: count prompts only)")
     p.add_argument("--warm-pairs", choices=["auto", "always", "never"], default=None,
                    help="a short request through each prefill -> decode pair before /health says ready (auto: pairs "
                         "over the nccl transport, whose first transfer forms an NCCL communicator)")

@@ -181,6 +181,8 @@ def plan(args) -> list[list[str]]:
                      "--disagg-local-tokens", str(getattr(args, "disagg_local_tokens", 512))]
     if getattr(args, "disagg_prefill_queue", None):
         router += ["--disagg-prefill-queue", str(args.disagg_prefill_queue)]
+    if getattr(args, "disagg_prefill_wait_ms", None) is not None:
+        router += ["--disagg-prefill-wait-ms", str(args.disagg_prefill_wait_ms)]
     if getattr(args, "warm_pairs", None):
         router += ["--warm-pairs", args.warm_pairs]
     for role, addrs in roles.items():

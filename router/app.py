@@ -13,7 +13,6 @@ from fastapi import Depends, FastAPI
 
 from .admission import Admission
 from .config import RouterConfig
-from .disagg import DisaggPolicy
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
 from .metrics import Metrics
@@ -32,7 +31,7 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
                       retry_wait_s=cfg.retry_wait_s,
-                      disagg=DisaggPolicy(cfg.disagg, cfg.disagg_local_tokens, cfg.disagg_prefill_queue))
+                      disagg=cfg.disagg_policy())
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
     return RouterState(cfg, service, metrics, admission, groups, api_key)

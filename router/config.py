@@ -30,7 +30,8 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     disagg: str = "always"  # always | never | auto: where prompts are prefilled (router.disagg)
     disagg_local_tokens: int = 512  # auto: uncached prompts of at most this many tokens prefill on decode
-    disagg_prefill_queue: int = 4  # auto: prompts in flight on every prefill worker that count as busy
+    disagg_prefill_queue: int = 4  # auto: prompts in flight on every prefill worker that count as busy (no times)
+    disagg_prefill_wait_ms: float = 500.0  # auto: a prompt's estimated wait on every prefill worker that is busy
     warm_pairs: str = "auto"  # auto | always | never: a request through each prefill -> decode pair first (router.warmup)
     workers_file: str = ""  # JSON {"prefill": [...], "decode": [...], "colocated": [...]}, re-read every second
 
@@ -47,7 +48,7 @@ class RouterConfig:
             raise ValueError("kv_weight must be >= 0")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
-        DisaggPolicy(self.disagg, self.disagg_local_tokens, self.disagg_prefill_queue)  # raises if invalid
+        self.disagg_policy()  # raises if invalid
         if self.warm_pairs not in WARM_MODES:
             raise ValueError(f"warm_pairs {self.warm_pairs!r} not in {WARM_MODES}")
         if self.colocated and (self.prefill or self.decode):
@@ -59,6 +60,10 @@ class RouterConfig:
         for addr in self.prefill + self.decode + self.colocated:
             if not addr.startswith("tcp://"):
                 raise ValueError(f"worker address {addr!r} must look like tcp://host:port")
+
+    def disagg_policy(self) -> DisaggPolicy:
+        return DisaggPolicy(self.disagg, self.disagg_local_tokens, self.disagg_prefill_queue,
+                            self.disagg_prefill_wait_ms)
 
     @classmethod
     def from_toml(cls, path: str, **overrides) -> "RouterConfig":

@@ -24,6 +24,7 @@ def run_router(args) -> int:
                      retries=getattr(args, "retries", None), disagg=getattr(args, "disagg", None),
                      disagg_local_tokens=getattr(args, "disagg_local_tokens", None),
                      disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None),
+                     disagg_prefill_wait_ms=getattr(args, "disagg_prefill_wait_ms", None),
                      warm_pairs=getattr(args, "warm_pairs", None))
     if args.config:
         cfg = RouterConfig.from_toml(args.config, **overrides)

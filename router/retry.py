@@ -63,6 +63,7 @@ class RequestRun:
     timing: dict = field(default_factory=dict)
     local: bool = False  # this attempt's prompt is computed where it decodes (colocated, or --disagg local)
     warm: bool = False  # a pair's warm-up (router.warmup): pinned by ``avoid``, counted in no metric
+    uncached: int = 0  # prompt tokens the decode worker does not hold (``--disagg auto`` only; else 0)
 
     @property
     def attempt_rid(self) -> str:

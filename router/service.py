@@ -203,6 +203,7 @@ class Service:
                 fresh = await self._first(inbox, run, first_worker)
             if not run.local and first_worker in involved:
                 first_worker.outstanding -= 1  # its prompt is done: a prefill worker's load is prompts, not streams
+                first_worker.prompt_tokens_out.pop(rid, None)
                 released.add(first_worker)
             if run.first is None:
                 first = run.first = fresh
@@ -240,6 +241,7 @@ class Service:
             for worker in involved:
                 if worker not in released:
                     worker.outstanding -= 1
+                    worker.prompt_tokens_out.pop(rid, None)
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)
@@ -280,6 +282,7 @@ class Service:
         run.timing["transport"] = decode.info.get("transport")
         skip = await self._hold(decode, prefill, rid, inbox, prompt)
         stages = {"kv_stages": decode.info["kv_stages"]} if decode.info.get("kv_stages") else {}  # a pipeline's
+        prefill.prompt_tokens_out[rid] = run.uncached  # its wait for the next prompt (``router.disagg``)
         await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
                              **stages, **payload)
         return prefill
@@ -302,6 +305,7 @@ class Service:
             uncached = total - cached_blocks(decode, keys) * int(decode.info.get("kv_block_size") or 0)
         else:
             uncached = 0
+        run.uncached = uncached
         healthy = self.groups["prefill"].healthy(run.avoid) if self.groups.get("prefill") else []
         others = [p for p in healthy if p.address != decode.address]  # a mixed worker is in both groups
         if healthy and not others:
@@ -311,6 +315,8 @@ class Service:
         if decision.where == "local" and decode.info.get("local_prefill") is False:
             decision = Decision("remote", "decode_cannot_prefill")
         run.timing.update(disagg=decision.where, disagg_reason=decision.reason)
+        if decision.wait_ms is not None:
+            run.timing["disagg_wait_ms"] = round(decision.wait_ms, 1)
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where
 

@@ -52,6 +52,7 @@ class WorkerClient:
         self.info: dict = {}
         self.last_pong = 0.0
         self.outstanding = 0
+        self.prompt_tokens_out: dict[str, int] = {}  # rid -> uncached prompt tokens sent, until its first token
         self.owned: set[str] = set()
         self.kv_keys: set[int] = set()
         self._sock = self._monitor = None
@@ -67,6 +68,15 @@ class WorkerClient:
         """In the picks: answered within ``stale_after_s`` and not suspect."""
         now = time.monotonic()
         return now - self.last_pong < self.stale_after_s and now >= self.suspect_until
+
+    def prefill_wait_ms(self) -> float | None:
+        """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
+        worker's own mean prompt time a token (its ``step_times``); None until it has run a prompt step."""
+        times = self.info.get("step_times") or {}
+        tokens = times.get("prompt_tokens") or 0
+        if not tokens:
+            return None
+        return sum(self.prompt_tokens_out.values()) * float(times.get("prompt_ms") or 0.0) / tokens
 
     def suspect(self, why: str) -> None:
         """Out of the picks for a while (a KV transfer to it failed), longer each time it fails again."""

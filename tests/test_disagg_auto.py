@@ -20,8 +20,8 @@ from router.config import RouterConfig
 from router.disagg import DisaggPolicy
 
 
-def worker(outstanding=0, prefilling=0):
-    return SimpleNamespace(outstanding=outstanding, info={"prefilling": prefilling})
+def worker(outstanding=0, prefilling=0, wait_ms=None):
+    return SimpleNamespace(outstanding=outstanding, info={"prefilling": prefilling}, prefill_wait_ms=lambda: wait_ms)
 
 
 @pytest.mark.parametrize("mode,uncached,prefill,decode,expected", [
@@ -37,6 +37,28 @@ def worker(outstanding=0, prefilling=0):
 def test_the_policy_decides_from_the_uncached_length_and_the_queues(mode, uncached, prefill, decode, expected):
     d = DisaggPolicy(mode, local_tokens=512, prefill_queue=4).decide(uncached, prefill, decode)
     assert (d.where, d.reason) == expected
+
+
+@pytest.mark.parametrize("prefill,wait_ms,expected", [
+    ([worker(1, wait_ms=600.0), worker(1, wait_ms=550.0)], 500.0, ("local", "prefill_busy", 550.0)),
+    ([worker(9, wait_ms=120.0)], 500.0, ("remote", "long", 120.0)),  # many prompts in flight, but short ones
+    ([worker(9, wait_ms=120.0), worker(4, wait_ms=None)], 500.0, ("local", "prefill_busy", None)),  # no time: count
+    ([worker(2, wait_ms=900.0)], 0.0, ("remote", "long", None)),  # 0: the count alone
+])
+def test_busy_is_the_wait_behind_the_prompts_in_flight_once_the_workers_report_times(prefill, wait_ms, expected):
+    d = DisaggPolicy("auto", local_tokens=512, prefill_queue=4, prefill_wait_ms=wait_ms).decide(5000, prefill,
+                                                                                                worker())
+    assert (d.where, d.reason, d.wait_ms) == expected
+
+
+def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token():
+    from router.workers import WorkerClient
+
+    w = WorkerClient("tcp://127.0.0.1:1", "prefill", {})
+    assert w.prefill_wait_ms() is None  # no prompt step yet
+    w.info = {"step_times": {"prompt_ms": 300.0, "prompt_tokens": 10_000}}
+    w.prompt_tokens_out.update(a=5000, b=15_000)
+    assert w.prefill_wait_ms() == pytest.approx(600.0)
 
 
 def test_bad_disagg_settings_are_refused():
@@ -213,7 +235,10 @@ def test_a_prefill_worker_counts_prompts_not_the_streams_it_handed_on(pair):
     assert busy[0] == [0] and busy[1][0] >= 4  # the prompts are done; the streams decode
     block = got.model_extra["pdserve"]
     assert (block["disagg"], block["disagg_reason"]) == ("remote", "long")
+    assert block["disagg_wait_ms"] == 0.0  # the worker's times are known, and nothing waits there
     assert got.choices[0].text == complete(colocated.url, "another " + long).choices[0].text
+    prefill = httpx.get(auto.url + "/health").json()["workers"]["prefill"][0]
+    assert prefill["outstanding"] == 0
 
 
 def test_never_with_no_prefill_worker_serves_from_the_decode_workers():

@@ -259,3 +259,15 @@ def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
                           "4", "--measured", flat, "--calibrate"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "nothing to fit" in bad.stdout
+
+
+@pytest.mark.parametrize("wait_ms,local", [(0.0, 4), (500.0, 0), (100.0, 1)])
+def test_auto_goes_local_when_the_prefill_backlog_takes_long_not_when_it_holds_many_prompts(wait_ms, local):
+    """Eight 600-token prompts at once on 1P1D auto: the fifth and later find four prompts in flight, a busy
+    prefill instance by count; by time their backlog is 2.4k-4.2k tokens at 0.025 ms a token, ~61-106 ms (only the
+    eighth waits 100 ms or more)."""
+    p = profile(0.025)
+    split = Layout(prefill=[Instance("p0", "prefill", p)], decode=[Instance("d0", "decode", p)], link_gb_s=10.0,
+                   local_tokens=512, prefill_wait_ms=wait_ms)
+    reqs = simulate(split, [SimRequest(0.0, 600, 8) for _ in range(8)])
+    assert sum(r.local for r in reqs) == local and all(r.finish is not None for r in reqs)

@@ -21,7 +21,9 @@ reach the decode instance the request was given on arrival (as the router
 picks decode first), then waits the profile's ``handoff_steps`` decode steps (what
 serving adds: admission, the step already in flight; calibrated from measured
 second tokens); ``decode`` instances decode and, with ``local_tokens``
-(``--disagg auto``), prefill short prompts themselves. Every choice is the
+(``--disagg auto``), prefill short prompts themselves, and long ones when
+every prefill instance's backlog takes ``prefill_wait_ms`` or more (as the
+router decides). Every choice is the
 least outstanding instance, as the router's default policy.
 
 Per request: TTFT (the first token leaves the instance that prefilled),
@@ -164,6 +166,7 @@ class Layout:
     decode: list = field(default_factory=list)
     local_tokens: int | None = None  # decode instances prefill prompts of at most this many tokens (auto)
     prefill_queue: int = 4
+    prefill_wait_ms: float = 500.0  # as the router's ``--disagg-prefill-wait-ms``
     link_gb_s: float = 50.0
 
 
@@ -217,6 +220,15 @@ def _least(instances: list) -> Instance:
     return min(instances, key=lambda i: i.outstanding)
 
 
+def _prefill_busy(layout: Layout, queue: int) -> bool:
+    """As ``router.disagg``: every prefill instance's backlog (prompt tokens not yet computed) takes at least
+    ``prefill_wait_ms`` (0: ``prefill_queue`` prompts or more in flight on each)."""
+    if not layout.prefill_wait_ms:
+        return queue >= layout.prefill_queue
+    wait = min(p.profile.prefill_ms(sum(r.left for r in p.queue)) for p in layout.prefill)
+    return wait >= layout.prefill_wait_ms
+
+
 def _route(layout: Layout, req: SimRequest) -> Instance:
     if layout.colocated:
         inst = _least(layout.colocated)
@@ -227,8 +239,8 @@ def _route(layout: Layout, req: SimRequest) -> Instance:
     dest.outstanding += 1
     local = not layout.prefill
     if layout.local_tokens is not None and not local:
-        busy = min(p.outstanding for p in layout.prefill) >= layout.prefill_queue
-        local = req.prompt <= layout.local_tokens or (busy and len(dest.queue) < layout.prefill_queue)
+        queue = min(p.outstanding for p in layout.prefill)
+        local = req.prompt <= layout.local_tokens or (_prefill_busy(layout, queue) and len(dest.queue) < queue)
     if local:
         dest.queue.append(req)
         return dest
