@@ -43,6 +43,7 @@ replays (``cuda_graphs.replay_timer``: a step's wall time well above its replay'
 time the device waited for)."""
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ ALPHA = 0.2  # weight of the newest decode-only step in its average
 FIRST_CAP = 256  # learned cap before mixed steps of two sizes were measured
 PROBE_CAP = 2048  # then this, for the second size the fit needs (a long prompt would give it only at its last chunk)
 WINDOW = 64  # mixed steps the fit looks at
+RECENT_PROMPT_STEPS = 16  # steps with prompt tokens in ``prompt_ms_per_token`` (after the first, which ran cold)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class StepLog:
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.most_prompt_tokens_while_decoding = 0
         self.mixed_steps = 0
+        self.prompt_steps: deque[StepRecord] = deque(maxlen=RECENT_PROMPT_STEPS)
         self.totals = {"decode_steps": 0, "decode_ms": 0.0, "decode_rows": 0, "decode_context": 0, "prompt_steps": 0,
                        "prompt_ms": 0.0, "prompt_tokens": 0, "gaps": 0, "gap_ms": 0.0, "gaps_over_5ms": 0,
                        "graph_replays": 0, "graph_ms": 0.0}
@@ -78,6 +81,8 @@ class StepLog:
             self.most_prompt_tokens_while_decoding = max(self.most_prompt_tokens_while_decoding,
                                                          record.prompt_tokens)
         if record.prompt_tokens:
+            if t["prompt_steps"]:  # the first ran cold (lazy set-up, the allocator growing): 12 ms a token on a CPU
+                self.prompt_steps.append(record)
             t["prompt_steps"] += 1
             t["prompt_ms"] += record.ms
             t["prompt_tokens"] += record.prompt_tokens
@@ -102,10 +107,18 @@ class StepLog:
         self.totals["graph_replays"] += len(times_ms)
         self.totals["graph_ms"] += sum(times_ms)
 
+    def prompt_ms_per_token(self) -> float | None:
+        """Milliseconds a prompt token, the median over the recent steps with prompt tokens, the first one ever left
+        out (None until a second): what a prompt waits a token queued ahead of it (the router's ``--disagg auto``)."""
+        if not self.prompt_steps:
+            return None
+        return statistics.median(r.ms / r.prompt_tokens for r in self.prompt_steps)  # a slow step or two barely moves it
+
     def info(self) -> dict:
-        """Totals and means (ms) since start: decode-only steps, steps with prompt tokens, gaps between steps."""
+        """Totals and means (ms) since start: decode-only steps, steps with prompt tokens, gaps between steps; and
+        the recent prompt time a token."""
         t = self.totals
-        return {**t, "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
+        return {**t, "prompt_ms_per_token": self.prompt_ms_per_token(), "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
                 "decode_rows_mean": t["decode_rows"] / max(1, t["decode_steps"]),
                 "decode_context_mean": t["decode_context"] / max(1, t["decode_rows"]),
                 "prompt_step_ms_mean": t["prompt_ms"] / max(1, t["prompt_steps"]),

@@ -13,11 +13,12 @@ pool can still serve later), ``auto`` decides per request, in this order:
   worker has as many prompts of its own to prefill as the least busy
   prefill worker has in flight (then remote, ``long``). Busy is a time:
   the uncached prompt tokens the router has in flight on the worker times
-  that worker's mean prompt time a token (``step_times`` in its health),
-  at least ``prefill_wait_ms``, the wait a prompt sent there now would
-  have before its own prefill. Until a worker has run a prompt step (and
-  with ``prefill_wait_ms`` 0) busy is a count: ``prefill_queue`` prompts
-  or more in flight. (A count alone sent 70% of 512-token prompts local
+  that worker's prompt time a token (``prompt_ms_per_token`` of its
+  ``step_times``: the median over its recent prompt steps, the first, cold
+  one left out) is at least ``prefill_wait_ms``: the wait a prompt sent
+  there now would have before its own prefill. Until a worker has run two
+  prompt steps (and with ``prefill_wait_ms`` 0) busy is a count:
+  ``prefill_queue`` prompts or more in flight. (A count alone sent 70% of 512-token prompts local
   at 32 concurrent streams, where the prefill queue was ~4 prompts, ~0.1 s,
   and every local prompt stalled ~24 decoding rows.)
 - otherwise remote (``long``).

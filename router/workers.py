@@ -71,12 +71,11 @@ class WorkerClient:
 
     def prefill_wait_ms(self) -> float | None:
         """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
-        worker's own mean prompt time a token (its ``step_times``); None until it has run a prompt step."""
-        times = self.info.get("step_times") or {}
-        tokens = times.get("prompt_tokens") or 0
-        if not tokens:
+        worker's prompt time a token over its recent steps (``step_times``); None until it has run a prompt step."""
+        per_token = (self.info.get("step_times") or {}).get("prompt_ms_per_token")
+        if per_token is None:
             return None
-        return sum(self.prompt_tokens_out.values()) * float(times.get("prompt_ms") or 0.0) / tokens
+        return sum(self.prompt_tokens_out.values()) * float(per_token)
 
     def suspect(self, why: str) -> None:
         """Out of the picks for a while (a KV transfer to it failed), longer each time it fails again."""

@@ -56,9 +56,27 @@ def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token(
 
     w = WorkerClient("tcp://127.0.0.1:1", "prefill", {})
     assert w.prefill_wait_ms() is None  # no prompt step yet
-    w.info = {"step_times": {"prompt_ms": 300.0, "prompt_tokens": 10_000}}
+    w.info = {"step_times": {"prompt_ms_per_token": 0.03}}
     w.prompt_tokens_out.update(a=5000, b=15_000)
     assert w.prefill_wait_ms() == pytest.approx(600.0)
+
+
+def test_the_prompt_time_a_token_is_over_the_recent_prompt_steps():
+    from engine.step_budget import RECENT_PROMPT_STEPS, StepLog
+
+    log = StepLog()
+    assert log.info()["prompt_ms_per_token"] is None
+    log.add(StepRecord(0, 600, 5_000.0))  # the first, cold: left out
+    log.add(StepRecord(4, 0, 5.0))  # decode-only steps do not count
+    assert log.prompt_ms_per_token() is None
+    log.add(StepRecord(0, 500, 100.0))
+    assert log.prompt_ms_per_token() == pytest.approx(0.2)
+    for _ in range(3):
+        log.add(StepRecord(0, 1000, 30.0))
+    assert log.prompt_ms_per_token() == pytest.approx(0.03)  # the median: one slow step barely moves it
+    for _ in range(RECENT_PROMPT_STEPS):
+        log.add(StepRecord(0, 1000, 40.0))
+    assert log.info()["prompt_ms_per_token"] == pytest.approx(0.04)
 
 
 def test_bad_disagg_settings_are_refused():
