@@ -71,7 +71,7 @@ class WorkerClient:
 
     def prefill_wait_ms(self) -> float | None:
         """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
-        worker's prompt time a token over its recent steps (``step_times``); None until it has run a prompt step."""
+        worker's prompt time a token over its recent steps (``step_times``); None before its second prompt step."""
         per_token = (self.info.get("step_times") or {}).get("prompt_ms_per_token")
         if per_token is None:
             return None
