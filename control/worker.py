@@ -94,6 +94,14 @@ class WorkerLoop:
             self.reply_to[rid] = identity
         self.inbox.put(msg)
 
+    def profile_steps(self, engine) -> None:
+        """A window of the engine's steps under the torch profiler, where ``PDSERVE_PROFILE_STEPS`` asks for one
+        (``engine.step_profiler``)."""
+        from engine.step_profiler import from_env
+
+        if hasattr(engine, "profiler"):
+            engine.profiler = from_env(self.role)
+
     def watch_group(self, engine) -> None:
         """Fail and exit when a rank of ``engine``'s tensor-parallel group dies (nothing without TP)."""
         group = getattr(engine, "group", None)

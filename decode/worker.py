@@ -73,6 +73,7 @@ class DecodeWorker(WorkerLoop):
                                            {transport_spec.ENV: transport_spec.dump(transport, cfg)})
         self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None, tp_kv=ranks_kv)
         self.watch_group(self.engine)
+        self.profile_steps(self.engine)
         getattr(self.engine, "warm_up", lambda: None)()  # before on_schedule is set and before ready
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes

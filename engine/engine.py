@@ -106,6 +106,7 @@ class Engine:
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
+        self.profiler = None  # a window of steps under the torch profiler (``step_profiler``; the worker sets it)
         self._last_step_end: float | None = None  # when the step before ended, if work was left (gaps between)
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
@@ -250,10 +251,14 @@ class Engine:
     def step(self) -> StepOutput:
         """One batch: its new tokens, or (``overlap``) those of the step before, while this one runs on; logged
         (``step_log``) and timed for the prompt-token cap of steps that decode (``step_budget``)."""
+        if self.profiler is not None:
+            self.profiler.before()
         start = time.perf_counter()
         gap = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else None
         out = self._step()
         end = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.after(bool(out.scheduled), (end - start) * 1e3)
         self._last_step_end = end if out.scheduled and self.has_work else None  # gaps counted only under work
         self.step_log.read_replays(self.runner.graphs)
         if out.scheduled:

@@ -62,6 +62,7 @@ class PrefillWorker(WorkerLoop):
                                   tp_kv=("prefill.tp_kv:PrefillRankKV",
                                          {transport_spec.ENV: transport_spec.dump(transport, self.cfg)}))
         self.watch_group(self.engine)
+        self.profile_steps(self.engine)
         getattr(self.engine, "warm_up", lambda: None)()  # before on_schedule is set and before ready
         self.group_pushes = GroupPushes(self.engine, on_stuck=self._rank_stuck)
         self.paged = getattr(self.engine, "paged", True)
