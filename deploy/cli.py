@@ -324,6 +324,9 @@ def main(argv=None) -> int:
             args.worker_args = engine_args(args) + (["--kv-budget", str(args.kv_budget)] if args.kv_budget else [])
             args.router_args = ["--policy", args.policy, "--disagg", args.disagg,
                                 "--disagg-local-tokens", str(args.disagg_local_tokens)]
+            for flag in ("disagg_prefill_queue", "disagg_prefill_wait_ms"):
+                if getattr(args, flag, None) is not None:
+                    args.router_args += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
         return getattr(ray_deploy, {"ray": "deploy_ray"}.get(args.deploy, args.deploy))(args)
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker

@@ -113,3 +113,15 @@ def test_up_removes_the_mlx_hostfile_it_made_when_it_exits():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     path = out.stdout.strip().splitlines()[-1]
     assert path.endswith(".json") and not os.path.exists(path)
+
+
+def test_up_passes_the_disagg_settings_to_its_router():
+    from deploy.cli import _parser
+    from deploy.up import plan
+
+    router = plan(_parser().parse_args(["up", "--disagg", "auto", "--disagg-prefill-wait-ms", "80",
+                                        "--disagg-prefill-queue", "6"]))[-1]
+    assert router[router.index("--disagg-prefill-wait-ms") + 1] == "80.0"
+    assert router[router.index("--disagg-prefill-queue") + 1] == "6"
+    args = _parser().parse_args(router[3:])  # the router's own command line
+    assert (args.disagg, args.disagg_prefill_wait_ms, args.disagg_prefill_queue) == ("auto", 80.0, 6)
