@@ -58,3 +58,24 @@ def test_up_workers_profile_their_steps_when_asked(tmp_path, monkeypatch):
     for role in ("prefill", "decode"):
         (path,) = glob.glob(str(tmp_path / f"{role}-*-steps1-2.json"))
         assert len(json.loads(open(path).read())["steps"]) == 2
+
+
+def test_a_steps_device_time_is_the_union_of_its_kernels():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from engine.step_profiler import summarize
+
+    def ev(name, start, end, device=DeviceType.CUDA, self_us=0.0):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               self_cpu_time_total=self_us)
+
+    events = [ev("pdserve_step", 0, 10_000, DeviceType.CPU), ev("pdserve_step", 12_000, 20_000, DeviceType.CPU),
+              ev("gemm", 1_000, 4_000), ev("gemm", 3_000, 6_000), ev("attn", 9_000, 13_000),  # overlaps both steps
+              ev("aten::mm", 0, 500, DeviceType.CPU, self_us=400.0)]
+    s = summarize(events, [10.5, 8.2])
+    assert [(r["wall_ms"], r["device_busy_ms"], r["kernels"]) for r in s["steps"]] == [(10.5, 6.0, 3), (8.2, 1.0, 1)]
+    assert s["host_bound_share"] == pytest.approx(1 - 7 / 18, abs=1e-4)
+    assert s["top_device"][0] == {"name": "gemm", "ms": 6.0, "calls": 2}
+    assert s["top_host_self"] == [{"name": "aten::mm", "ms": 0.4, "calls": 1}]
