@@ -111,7 +111,7 @@ class ModelRunner:
             return self._run_graph(rows, feed), {}
         self._no_feed(rows)
         if not decode and on_layer is None and self._prompt_graph_takes(rows):
-            return self._run_prompt_graph(rows[0]), {}
+            return self._run_prompt_graph(rows), {}
         if not decode:
             return self._run_eager(rows, on_layer)
         if (not MIXED or self._prompt_graph_beside(rows, decode, on_layer)) and self.graphs.fits(len(decode)):
@@ -119,13 +119,13 @@ class ModelRunner:
         return self._run_mixed(rows, decode, on_layer)
 
     def _prompt_graph_beside(self, rows: list[StepRow], decode: list[int], on_layer) -> bool:
-        """Decode rows and one prompt chunk a prompt graph takes, of at most ``SPLIT_PROMPT_TOKENS``: two replays
+        """Decode rows and prompt chunks a prompt graph takes, of at most ``SPLIT_PROMPT_TOKENS`` in all: two replays
         (the weights read twice) beat one eager forward, whose host time exceeds a read of the weights there."""
-        if on_layer is not None or len(decode) != len(rows) - 1:
+        if on_layer is not None:
             return False
         taken = set(decode)
         rest = [r for i, r in enumerate(rows) if i not in taken]
-        return len(rest[0].ids) <= SPLIT_PROMPT_TOKENS and self._prompt_graph_takes(rest)
+        return sum(len(r.ids) for r in rest) <= SPLIT_PROMPT_TOKENS and self._prompt_graph_takes(rest)
 
     def _run_split(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
         """Decode rows through their graph, the rest (one prompt chunk through its graph, or eagerly) after them:
@@ -135,7 +135,7 @@ class ModelRunner:
         index = [i for i in range(len(rows)) if i not in taken]
         rest = [rows[i] for i in index]
         if on_layer is None and self._prompt_graph_takes(rest):
-            eager_scores, rest_prompt = self._run_prompt_graph(rest[0]), {}
+            eager_scores, rest_prompt = self._run_prompt_graph(rest), {}
         else:
             eager_scores, rest_prompt = self._run_eager(rest, on_layer)
         out, g, e = [], iter(graph_scores), iter(eager_scores)
@@ -199,15 +199,24 @@ class ModelRunner:
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
     def _prompt_graph_takes(self, rows: list[StepRow]) -> bool:
-        """One prompt chunk that samples, wants no prompt scores and has a graph (``cuda_graphs.prompt``)."""
+        """Prompt chunks that want no prompt scores and have a graph (``cuda_graphs.prompt``): fresh ones (from
+        position 0) packed together, or one after a cached prefix that samples."""
         prompts = getattr(self.graphs, "prompts", None)
-        return (prompts is not None and len(rows) == 1 and rows[0].samples and not rows[0].prompt_scores
-                and prompts.shape_for(len(rows[0].ids), rows[0].start) is not None)
+        if prompts is None or not rows or any(r.prompt_scores for r in rows):
+            return False
+        if all(r.start == 0 for r in rows):
+            return prompts.fresh_size([len(r.ids) for r in rows]) is not None
+        return len(rows) == 1 and rows[0].samples and prompts.shape_for(len(rows[0].ids), rows[0].start) is not None
 
-    def _run_prompt_graph(self, row: StepRow) -> torch.Tensor:
-        bs, end = self.pool.block_size, row.start + len(row.ids)
-        slots = [token_slot(row.table, p, bs) for p in range(row.start, end)]
-        logits = self.graphs.prompts.run(row.ids, row.start, slots, list(row.table)).clone()
+    def _run_prompt_graph(self, rows: list[StepRow]) -> torch.Tensor:
+        """The scores of the sampling rows among ``rows`` (which ``_prompt_graph_takes``)."""
+        bs, prompts = self.pool.block_size, self.graphs.prompts
+        slots = [[token_slot(r.table, p, bs) for p in range(r.start, r.start + len(r.ids))] for r in rows]
+        if rows[0].start:
+            logits = prompts.run(rows[0].ids, rows[0].start, slots[0], list(rows[0].table)).clone()
+        else:
+            logits = prompts.run_fresh([r.ids for r in rows], slots)
+            logits = logits[[i for i, r in enumerate(rows) if r.samples]]  # a copy (advanced indexing)
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

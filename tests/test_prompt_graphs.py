@@ -2,14 +2,15 @@
 writes no K/V; after a cached prefix, its keys gathered from the pool up to a context bucket): here its CPU form,
 the same padded forward without capture. The same tokens and logprobs (1e-4) as the eager step, for fresh prompts
 under, at and over a bucket and for chunks after cached prefixes, with and without a sliding window; prompt
-logprobs and steps of several rows stay eager; the padding writes nothing to the pool."""
+logprobs stay eager; fresh prompts of one step go through one padded forward together; the padding writes nothing to
+the pool."""
 import pytest
 import torch
 
 from engine import SamplingParams
 from engine.generate import generate_many
 from engine.kernels import paged
-from engine.cuda_graphs.prompt import PromptGraphs, context_buckets, token_buckets
+from engine.cuda_graphs.prompt import ROWS, PromptGraphs, context_buckets, token_buckets
 from tests.test_paged_engine import GREEDY, engine_for, write_family
 
 
@@ -61,12 +62,27 @@ def test_chunks_after_cached_prefixes_through_the_padded_forward_match_the_eager
     assert padded.cached_tokens > 0 and padded.runner.graphs.prompts.runs == 3
 
 
-def test_prompt_logprobs_and_batches_stay_eager(model):
+def test_prompt_logprobs_stay_eager(model):
     engine = _engine(model, True)
-    prompts = engine.runner.graphs.prompts
     _run(engine, [list(range(50, 60))], prompt_logprobs=0)
-    _run(engine, [list(range(60, 70)), list(range(70, 75))])
-    assert prompts.runs == 0
+    assert engine.runner.graphs.prompts.runs == 0
+
+
+def test_fresh_prompts_packed_into_one_padded_forward_match_the_eager_step(model):
+    """Several fresh prompts in one step go through one graph (each its own sequence, ``ROWS - K`` one-token padding
+    sequences after them); more than ``ROWS`` prompts, or over the top bucket with their padding, stay eager."""
+    batches = [[list(range(3, 13)), list(range(20, 25))],
+               [list(range(30, 42)), list(range(50, 65)), list(range(70, 79))],
+               [list(range(3 + i, 7 + i)) for i in range(ROWS)],
+               [list(range(3 + i, 6 + i)) for i in range(ROWS + 1)],  # one more than a graph packs
+               [list(range(3, 42)), list(range(42, 62))]]  # 59 tokens and 6 of padding: over 64
+    eager, padded = _engine(model, False, caching=False), _engine(model, True, caching=False)
+    for prompts in batches:
+        want, got = _run(eager, prompts), _run(padded, prompts)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        torch.testing.assert_close(torch.tensor([g[1] for g in got]), torch.tensor([w[1] for w in want]),
+                                   atol=1e-4, rtol=0)
+    assert padded.runner.graphs.prompts.runs == 3
 
 
 def test_the_padding_writes_nothing_to_the_pool(model):
@@ -76,6 +92,10 @@ def test_the_padding_writes_nothing_to_the_pool(model):
     _run(engine, [list(range(3, 6))])  # 3 tokens padded to 16
     slots = {tuple(s) for a, b in zip(pool, before) for s in (a != b).flatten(2).any(2).nonzero().tolist()}
     assert len(slots) == 7  # the prompt's 3 tokens and the 4 decoded ones fed back; none of the 13 padding rows
+    before = [t.clone() for t in pool]
+    _run(engine, [list(range(10, 14)), list(range(20, 25))])  # 9 tokens of two prompts and 7 padding in 16
+    slots = {tuple(s) for a, b in zip(pool, before) for s in (a != b).flatten(2).any(2).nonzero().tolist()}
+    assert len(slots) == 9 + 2 * 4 and engine.runner.graphs.prompts.runs == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="prompt CUDA graphs need a GPU")
@@ -95,8 +115,10 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
         assert (prompt_graphs is not None) == (graphs == "1")
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
         out[graphs] = [generate_many(engine, [p], [params])[0][1] for p in prompts]
+        fresh = ["one of three prompts", "two of three prompts, a little longer", "three " * 20]  # packed in a graph
+        out[graphs] += [seq for _, seq in generate_many(engine, fresh, [params] * 3)]
         if prompt_graphs is not None:
-            assert prompt_graphs.replays == len(prompts) and engine.cached_tokens > 0
+            assert prompt_graphs.replays == len(prompts) + 1 and engine.cached_tokens > 0
     for got, want in zip(out["1"], out["0"]):
         same = next((i for i, (a, b) in enumerate(zip(got.output_ids, want.output_ids)) if a != b), 6)
         torch.testing.assert_close(torch.tensor([e[1] for e in got.pending_logprobs[:same]]),
