@@ -18,7 +18,7 @@ model="--model mistral-7b --load-format dummy --dtype bfloat16"
 for step in $steps; do
   case $step in
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_rope_decode.py \
-            ${TESTS:-tests/test_overlap.py} 2>&1 | tail -3 ;;
+            ${TESTS:-tests/test_overlap.py tests/test_prompt_graphs.py} 2>&1 | tail -3 ;;
     kernels) timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
     engine) fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] && export PDSERVE_FEWROW_CONFIGS=$fpicks
