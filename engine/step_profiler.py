@@ -49,6 +49,7 @@ class StepProfiler:
         self.start, self.count, self.out_dir, self.name = start, count, out_dir, name
         self.seen = 0  # steps that scheduled work so far
         self.walls: list[float] = []
+        self.worked: list[bool] = []  # per marked step, in order: whether it scheduled work (the rest are left out)
         self.prof = self.step_range = None
         self.done = False
 
@@ -73,6 +74,7 @@ class StepProfiler:
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
+            self.worked.append(worked)
             if worked:
                 self.walls.append(wall_ms)
         self.seen += worked
@@ -85,7 +87,7 @@ class StepProfiler:
         self.done = True
         os.makedirs(self.out_dir, exist_ok=True)
         base = os.path.join(self.out_dir, f"{self.name}-{os.getpid()}-steps{self.start}-{self.start + self.count - 1}")
-        summary = summarize(self.prof.events(), self.walls)
+        summary = summarize(self.prof.events(), self.walls, self.worked)
         with open(base + ".json", "w") as f:
             json.dump(summary, f, indent=1)
         plain = base + ".trace.json"
@@ -109,11 +111,13 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def summarize(events, walls: list[float]) -> dict:
-    """``events``: the profiler's (``profile.events()``); ``walls``: each profiled step's wall ms, in order."""
+def summarize(events, walls: list[float], worked: list[bool] | None = None) -> dict:
+    """``events``: the profiler's (``profile.events()``); ``walls``: each profiled step's wall ms, in order;
+    ``worked``: of each marked step, whether it did work (the others are left out; None: all did)."""
     from torch.autograd import DeviceType
 
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_NAME)
+    marked = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_NAME)
+    steps = [r for r, w in zip(marked, worked or [True] * len(marked)) if w]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     rows, host, device = [], {}, {}
     for i, (a, b) in enumerate(steps):

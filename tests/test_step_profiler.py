@@ -60,7 +60,7 @@ def test_up_workers_profile_their_steps_when_asked(tmp_path, monkeypatch):
         assert len(json.loads(open(path).read())["steps"]) == 2
 
 
-def test_a_steps_device_time_is_the_union_of_its_kernels():
+def test_a_steps_device_time_is_the_union_of_its_kernels_and_idle_steps_are_left_out():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -74,7 +74,7 @@ def test_a_steps_device_time_is_the_union_of_its_kernels():
     events = [ev("pdserve_step", 0, 10_000, DeviceType.CPU), ev("pdserve_step", 12_000, 20_000, DeviceType.CPU),
               ev("gemm", 1_000, 4_000), ev("gemm", 3_000, 6_000), ev("attn", 9_000, 13_000),  # overlaps both steps
               ev("aten::mm", 0, 500, DeviceType.CPU, self_us=400.0)]
-    s = summarize(events, [10.5, 8.2])
+    s = summarize(events + [ev("pdserve_step", 10_200, 10_300, DeviceType.CPU)], [10.5, 8.2], [True, False, True])
     assert [(r["wall_ms"], r["device_busy_ms"], r["kernels"]) for r in s["steps"]] == [(10.5, 6.0, 3), (8.2, 1.0, 1)]
     assert s["host_bound_share"] == pytest.approx(1 - 7 / 18, abs=1e-4)
     assert s["top_device"][0] == {"name": "gemm", "ms": 6.0, "calls": 2}
