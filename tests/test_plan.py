@@ -98,6 +98,15 @@ def test_candidates_cover_tp_degrees_and_splits():
     names = {c.name for c in candidates(4, profiles, SLO_LONG)}
     assert {"4x colocated tp1", "2x colocated tp2", "1P3D", "3P1D", "1P1D tp2/2", "2P1D tp1/2", "1P2D tp2/1",
             "1P3D auto"} <= names
+    waited = {c.name: c for c in candidates(2, {1: profile(1e-3)}, SLO_LONG, waits=(500.0, 50.0))}
+    assert sorted(waited) == ["1P1D", "1P1D auto", "1P1D auto wait50", "2x colocated tp1",
+                              "2x colocated tp1 capped"]
+    up = waited["1P1D auto wait50"].up_command("m", SLO_LONG)
+    assert "--disagg auto --disagg-prefill-wait-ms 50 " in up
+    assert "--disagg-prefill-wait-ms" not in waited["1P1D auto"].up_command("m", SLO_LONG)
+    from bench.plan.measured import shape_of
+
+    assert shape_of(up.split()[2:])[-1] == 50.0 and shape_of("--prefill 1 --decode 1".split())[-1] is None
 
 
 def test_plan_command_writes_the_recommendation(tmp_path):

@@ -47,7 +47,7 @@ def points(paths: list[str], workload: str | None = None) -> list[dict]:
     """Every worker's decode-only steps at every rate (of ``workload``'s results only, when given): {rows, context,
     ms, steps, tp, colocated}."""
     out, fallback = [], {}
-    for (colocated, _, _, _, decode_tp, _, _), kind, rate in _rates(paths, workload):
+    for (colocated, _, _, _, decode_tp, *_), kind, rate in _rates(paths, workload):
         for key, w in (rate.get("step_times") or {}).items():
             if not key.startswith(("decode:", "colocated:")) or w.get("decode_steps", 0) < MIN_STEPS:
                 continue
@@ -66,7 +66,7 @@ def handoff_steps(paths: list[str], workload: str | None = None) -> float | None
     P/D configuration (``--disagg always``), the second token's p50 less the transfer's phases (p50) and one decode
     step, over the decode step; the median of those (None without such a rate)."""
     found = []
-    for (colocated, _, _, _, _, disagg, _), _, rate in _rates(paths, workload):
+    for (colocated, _, _, _, _, disagg, *_), _, rate in _rates(paths, workload):
         if colocated or disagg != "always":
             continue
         steps = [w["decode_step_ms"] for k, w in (rate.get("step_times") or {}).items()

@@ -41,6 +41,8 @@ def add_arguments(p):
     p.add_argument("--link-gb-s", type=float, default=100.0, help="KV transfer bandwidth between GPUs (GB/s); "
                    "`pdserve bench transfer` measures it")
     p.add_argument("--local-tokens", type=int, default=512, help="--disagg auto: prompts prefilled on decode")
+    p.add_argument("--prefill-waits", default="500", help="--disagg auto: the --disagg-prefill-wait-ms values to "
+                   "plan, comma-separated (each its own candidate; lower ones prefill more on decode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--at-rate", type=float, default=None, help="also print each candidate's predicted attainment "
                    "and TTFT/TPOT/stall quantiles at this rate (req/s), to set against a bench serve run")
@@ -144,7 +146,7 @@ def run(args) -> int:
         print(f"error: {calibration}")
         return 2
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms, args.attainment)
-    cands = candidates(args.gpus, profiles, slo)
+    cands = candidates(args.gpus, profiles, slo, tuple(float(w) for w in args.prefill_waits.split(",")))
     if not cands:
         print(f"error: no configuration of {args.gpus} GPUs with the TP degrees profiled ({sorted(profiles)})")
         return 2

@@ -24,13 +24,15 @@ def _value(args: list[str], flag: str, default=None):
 
 def shape_of(args: list[str]) -> tuple:
     """What a ``pdserve up`` runs, from its arguments: (colocated, prefill workers, decode workers, prefill TP,
-    decode TP, disagg, capped)."""
+    decode TP, disagg, capped, auto's prefill wait)."""
     tp = int(_value(args, "--tp", 1))
     colocated = "--colocated" in args
     prefill = 0 if colocated else int(_value(args, "--prefill", 1))
     capped = colocated and _value(args, "--slo-tpot-ms") is not None
+    disagg = _value(args, "--disagg", "always")
+    wait = float(_value(args, "--disagg-prefill-wait-ms", 500)) if disagg == "auto" else None
     return (colocated, prefill, int(_value(args, "--decode", 1)), int(_value(args, "--prefill-tp", tp)),
-            int(_value(args, "--decode-tp", tp)), _value(args, "--disagg", "always"), capped)
+            int(_value(args, "--decode-tp", tp)), disagg, capped, wait)
 
 
 def measured_goodputs(paths: list[str], workload: str | None = None) -> dict[tuple, dict]:

@@ -4,7 +4,8 @@ Candidates for ``gpus`` GPUs and the profiles given (one per TP degree):
 ``N colocated`` replicas of TP t (``N x t = gpus``), the same with the
 prompt-token cap of steps that decode set from the TPOT SLO (``capped``),
 and every ``xPyD`` split (prefill TP a, decode TP b, ``x a + y b = gpus``),
-with every prompt prefilled remotely (``always``) and with ``--disagg auto``.
+with every prompt prefilled remotely (``always``) and with ``--disagg auto``
+(one candidate for each ``--disagg-prefill-wait-ms`` asked for: ``waits``).
 
 Goodput: the highest Poisson request rate at which at least ``attainment``
 of the requests (the first tenth, the warm-up, not counted; at least
@@ -23,6 +24,7 @@ from .profile import Profile
 from .simulate import Instance, Layout, SimRequest, simulate
 
 BISECTIONS = 12
+DEFAULT_WAIT_MS = 500.0  # the router's default ``--disagg-prefill-wait-ms``
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Candidate:
     slo_tpot_ms: float | None = None  # instances that prefill cap steps that decode to keep within it
     gpus: int = 0
     goodput: float = 0.0
+    prefill_wait_ms: float = DEFAULT_WAIT_MS  # auto: the router's ``--disagg-prefill-wait-ms``
 
     def layout(self, profiles: dict[int, Profile], link_gb_s: float, local_tokens: int) -> Layout:
         if self.kind == "colocated":
@@ -54,7 +57,8 @@ class Candidate:
         pre, dec = profiles[self.prefill_tp], profiles[self.decode_tp]
         return Layout(prefill=[Instance(f"p{i}", "prefill", pre) for i in range(self.prefill)],
                       decode=[Instance(f"d{i}", "decode", dec, self.slo_tpot_ms) for i in range(self.decode)],
-                      local_tokens=local_tokens if self.disagg == "auto" else None, link_gb_s=link_gb_s)
+                      local_tokens=local_tokens if self.disagg == "auto" else None, link_gb_s=link_gb_s,
+                      prefill_wait_ms=self.prefill_wait_ms)
 
     def up_command(self, model: str, slo: SLO, gpu: bool = True) -> str:
         """The ``pdserve up`` of this configuration: over GPUs (``--gpus``, KV over nccl), or (a CPU profile)
@@ -68,10 +72,15 @@ class Candidate:
                f"--transport {'nccl' if gpu else 'tcp'}")
         if self.prefill_tp > 1 or self.decode_tp > 1:
             cmd += f" --prefill-tp {self.prefill_tp} --decode-tp {self.decode_tp}"
-        return cmd + (f" --disagg auto --slo-tpot-ms {slo.tpot_ms:g}" if self.disagg == "auto" else "")
+        if self.disagg != "auto":
+            return cmd
+        wait = f" --disagg-prefill-wait-ms {self.prefill_wait_ms:g}" if self.prefill_wait_ms != DEFAULT_WAIT_MS else ""
+        return cmd + f" --disagg auto{wait} --slo-tpot-ms {slo.tpot_ms:g}"
 
 
-def candidates(gpus: int, profiles: dict[int, Profile], slo: SLO) -> list[Candidate]:
+def candidates(gpus: int, profiles: dict[int, Profile], slo: SLO,
+               waits: tuple[float, ...] = (DEFAULT_WAIT_MS,)) -> list[Candidate]:
+    """``waits``: the ``--disagg-prefill-wait-ms`` of the ``auto`` splits (each its own candidate)."""
     out = []
     for tp in sorted(profiles):
         if gpus % tp == 0:
@@ -87,10 +96,11 @@ def candidates(gpus: int, profiles: dict[int, Profile], slo: SLO) -> list[Candid
                     continue
                 y = rest // b
                 base = f"{x}P{y}D" + (f" tp{a}/{b}" if a > 1 or b > 1 else "")
-                for mode in ("always", "auto"):
-                    out.append(Candidate(base + (" auto" if mode == "auto" else ""), "split", prefill=x, decode=y,
-                                         prefill_tp=a, decode_tp=b, disagg=mode, gpus=gpus,
-                                         slo_tpot_ms=slo.tpot_ms if mode == "auto" else None))
+                out.append(Candidate(base, "split", prefill=x, decode=y, prefill_tp=a, decode_tp=b, gpus=gpus))
+                for wait in waits:
+                    name = base + " auto" + (f" wait{wait:g}" if wait != DEFAULT_WAIT_MS else "")
+                    out.append(Candidate(name, "split", prefill=x, decode=y, prefill_tp=a, decode_tp=b, disagg="auto",
+                                         gpus=gpus, slo_tpot_ms=slo.tpot_ms, prefill_wait_ms=wait))
     return out
 
 
