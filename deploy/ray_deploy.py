@@ -137,10 +137,12 @@ class RouterProcess(Process):
         os.replace(tmp, self.file)
 
     def _refresh(self):
-        while self.proc.poll() is None:
-            time.sleep(1.0)
-            self._write(self._members())
-        os.unlink(self.file)  # the router is gone: nobody reads it again
+        try:
+            while self.proc.poll() is None:
+                time.sleep(1.0)
+                self._write(self._members())
+        finally:
+            os.unlink(self.file)  # the router is gone (or this thread is): nobody reads it again
 
 
 def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None,
