@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import secrets
 import signal
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 
+log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
 
@@ -140,9 +142,12 @@ class RouterProcess(Process):
         try:
             while self.proc.poll() is None:
                 time.sleep(1.0)
-                self._write(self._members())
+                try:
+                    self._write(self._members())
+                except Exception as e:  # Ray busy or restarting: the router keeps the last list meanwhile
+                    log.warning("workers file not refreshed: %s", e)
         finally:
-            os.unlink(self.file)  # the router is gone (or this thread is): nobody reads it again
+            os.unlink(self.file)  # the router is gone: nobody reads it again
 
 
 def _actor(cls, name: str, namespace: str, env: dict, max_restarts: int, gpus: float = 0, resources=None,
