@@ -280,3 +280,27 @@ def test_auto_goes_local_when_the_prefill_backlog_takes_long_not_when_it_holds_m
                    local_tokens=512, prefill_wait_ms=wait_ms)
     reqs = simulate(split, [SimRequest(0.0, 600, 8) for _ in range(8)])
     assert sum(r.local for r in reqs) == local and all(r.finish is not None for r in reqs)
+
+
+def test_prefill_workers_steps_under_load_scale_the_profiles_prompt_time(tmp_path):
+    """A prefill worker's prompt steps 1.2x the profile's of as many tokens (1P1D at 32 streams on 2x H100: 30 us a
+    token against the engine's 25) set ``prefill_scale``; a rate with too few steps does not count."""
+    from bench.plan.calibrate import prefill_points, prefill_scale
+
+    prof = profile(0.025)
+    alone = prof.prefill_ms(1588)
+    rates = [{"step_times": {"prefill:tcp://a": {"prompt_steps": 124, "prompt_step_tokens": 1588,
+                                                  "prompt_step_ms": 1.2 * alone},
+                             "decode:tcp://b": {"decode_steps": 900, "prompt_steps": 0}}},
+             {"step_times": {"prefill:tcp://a": {"prompt_steps": 3, "prompt_step_tokens": 512,
+                                                  "prompt_step_ms": 90.0}}}]
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"workload": "mixed", "results": [
+        {"up_args": ["--prefill", "1", "--decode", "1", "--transport", "nccl"], "rates": rates}]}))
+    found = prefill_points([str(path)], "mixed")
+    assert found == [{"tokens": 1588, "ms": pytest.approx(1.2 * alone), "steps": 124, "tp": 1}]
+    prof.prefill_scale = prefill_scale({1: prof}, found)
+    assert prof.prefill_scale == pytest.approx(1.2) and prof.prefill_ms(1588) == pytest.approx(1.2 * alone)
+    req = simulate(Layout(colocated=[Instance("c0", "colocated", prof)]), [SimRequest(0.0, 1588, 2)])[0]
+    assert req.ttft_ms == pytest.approx(1.2 * alone)
+    assert prefill_points([str(path)], "long") == []

@@ -11,7 +11,10 @@ the mean context of a decoding row, each request weighted by the steps it
 decodes (its prompt plus half its output). Fitted on the workload planned
 (the rate differs by workload: on 4x H200, Mistral-7B shape, the mixed
 workload's steps read at about 2.1 TB/s, the long one's at about 4), it is
-what turns two measured configurations into predictions for the others."""
+what turns two measured configurations into predictions for the others.
+Prefill workers' prompt steps (their mean tokens and milliseconds at each
+rate) set ``prefill_scale`` the same way: serving's steps over the
+profile's of as many tokens."""
 from __future__ import annotations
 
 import json
@@ -21,6 +24,7 @@ from .measured import shape_of
 from .profile import Profile
 
 MIN_STEPS = 50  # points of fewer decode-only steps are noise
+MIN_PROMPT_STEPS = 10  # a prefill worker's prompt steps at a rate, fewer are noise
 
 
 def row_context(workload: str, requests: int = 4000, seed: int = 0) -> float:
@@ -96,3 +100,28 @@ def kv_read_gb_s(profiles: dict[int, Profile], measured: list[dict]) -> float | 
             gigabytes += weight * nbytes / 1e9
             seconds += weight * extra_ms / 1e3
     return gigabytes / seconds if seconds > 0 else None
+
+
+def prefill_points(paths: list[str], workload: str | None = None) -> list[dict]:
+    """Every prefill worker's prompt steps at every rate (of ``workload``'s results only, when given): {tokens, ms,
+    steps, tp}: the mean prompt tokens and milliseconds of its steps (reports from session 31 on: earlier prefill
+    workers did not report their steps)."""
+    out = []
+    for (_, _, _, prefill_tp, *_), _, rate in _rates(paths, workload):
+        for key, w in (rate.get("step_times") or {}).items():
+            if key.startswith("prefill:") and w.get("prompt_steps", 0) >= MIN_PROMPT_STEPS and w.get("prompt_step_tokens"):
+                out.append({"tokens": w["prompt_step_tokens"], "ms": w["prompt_step_ms"], "steps": w["prompt_steps"],
+                            "tp": prefill_tp})
+    return out
+
+
+def prefill_scale(profiles: dict[int, Profile], measured: list[dict]) -> float | None:
+    """Serving's prompt steps over the profile's steps of as many tokens, weighted by steps (None without a point
+    whose TP has a profile)."""
+    served, profiled = 0.0, 0.0
+    for p in measured:
+        prof = profiles.get(p["tp"])
+        if prof is not None:
+            served += p["steps"] * p["ms"]
+            profiled += p["steps"] * prof.prefill_ms(int(p["tokens"])) / prof.prefill_scale
+    return served / profiled if profiled > 0 else None

@@ -119,12 +119,18 @@ def read_rate(args, profiles: dict) -> dict | str | None:
     if rate is None:
         return None
     handoff = calibrate.handoff_steps(args.measured, args.workload) if args.calibrate else None
+    scale = None
+    if args.calibrate:
+        found = calibrate.prefill_points(args.measured, args.workload) or calibrate.prefill_points(args.measured)
+        scale = calibrate.prefill_scale(profiles, found)
     for prof in profiles.values():
         prof.kv_read_gb_s = rate
         prof.handoff_steps = handoff or 0.0
+        prof.prefill_scale = scale or 1.0
     print(f"decode steps read K/V at {rate:,.0f} GB/s per GPU at least ({source})"
-          + (f"; a received KV waits {handoff:.1f} decode steps before its first" if handoff else ""))
-    return {"kv_read_gb_s": rate, "source": source, "handoff_steps": handoff}
+          + (f"; a received KV waits {handoff:.1f} decode steps before its first" if handoff else "")
+          + (f"; prompt steps take {scale:.2f}x the profile's" if scale else ""))
+    return {"kv_read_gb_s": rate, "source": source, "handoff_steps": handoff, "prefill_scale": scale}
 
 
 def run(args) -> int:
