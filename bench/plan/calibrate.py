@@ -104,7 +104,7 @@ def kv_read_gb_s(profiles: dict[int, Profile], measured: list[dict]) -> float | 
 
 def prefill_points(paths: list[str], workload: str | None = None) -> list[dict]:
     """Every prefill worker's prompt steps at every rate (of ``workload``'s results only, when given): {tokens, ms,
-    steps, tp}: the mean prompt tokens and milliseconds of its steps (reports from session 31 on: earlier prefill
+    steps, tp}: the mean prompt tokens and milliseconds of its steps (reports from session 30 on: earlier prefill
     workers did not report their steps)."""
     out = []
     for (_, _, _, prefill_tp, *_), _, rate in _rates(paths, workload):
