@@ -109,7 +109,8 @@ def prefill_points(paths: list[str], workload: str | None = None) -> list[dict]:
     out = []
     for (_, _, _, prefill_tp, *_), _, rate in _rates(paths, workload):
         for key, w in (rate.get("step_times") or {}).items():
-            if key.startswith("prefill:") and w.get("prompt_steps", 0) >= MIN_PROMPT_STEPS and w.get("prompt_step_tokens"):
+            enough = w.get("prompt_steps", 0) >= MIN_PROMPT_STEPS and w.get("prompt_step_tokens")
+            if key.startswith("prefill:") and enough:
                 out.append({"tokens": w["prompt_step_tokens"], "ms": w["prompt_step_ms"], "steps": w["prompt_steps"],
                             "tp": prefill_tp})
     return out
