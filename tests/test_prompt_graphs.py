@@ -154,3 +154,44 @@ def test_a_prompt_arriving_while_others_decode_replays_beside_their_graph(model)
     for (ids, lps), (want_ids, want_lps) in zip(got, want):
         assert ids == want_ids
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
+
+
+def _reference_varlen(q, k, v, starts, longest, scale, window, k_starts=None, k_longest=None):
+    """What the GPU's varlen kernel computes, on the CPU, from the cumulative starts tensors: each sequence's queries
+    attend causally (from the bottom right) to its own keys."""
+    import torch.nn.functional as F
+
+    k_starts = starts if k_starts is None else k_starts
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(starts) - 1):
+        s, e, ks, ke = (int(x) for x in (starts[i], starts[i + 1], k_starts[i], k_starts[i + 1]))
+        assert e > s and ke > ks, "an empty sequence reached the kernel"
+        qi, ki, vi = q[s:e].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+        qpos, kpos = torch.arange(ke - ks - (e - s), ke - ks), torch.arange(ke - ks)
+        mask = kpos[None, :] <= qpos[:, None]
+        if window:
+            mask &= kpos[None, :] > qpos[:, None] - window
+        out[s:e] = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask, scale=scale)[0] \
+            .transpose(0, 1)
+    return out
+
+
+def test_the_device_buffers_the_graphs_read_hold_each_prompts_sequence(model, monkeypatch):
+    """The captured form reads the packed starts, the last rows and the cached prefix's starts from device buffers
+    (the CPU form from host lists): through a reference varlen kernel on those buffers, the same tokens and
+    logprobs as the eager step, for packed fresh prompts and a chunk after a cached prefix."""
+    import engine.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: lambda *a: calls.append(len(a[3])) or _reference_varlen(*a))
+    eager, padded = _engine(model, False), _engine(model, True)
+    padded.runner.graphs.prompts.varlen = True
+    for prompts in ([list(range(3, 13)), list(range(20, 25)), list(range(30, 47))], [list(range(3, 40))],
+                    [list(range(3, 40)) + [7, 8, 9]]):  # the last after the one before's cached prefix
+        want, got = _run(eager, prompts), _run(padded, prompts)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        torch.testing.assert_close(torch.tensor([g[1] for g in got]), torch.tensor([w[1] for w in want]),
+                                   atol=1e-4, rtol=0)
+    assert padded.runner.graphs.prompts.runs == 3 and padded.cached_tokens > 0 and set(calls) == {ROWS + 2, 3}

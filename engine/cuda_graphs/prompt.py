@@ -98,6 +98,7 @@ class PromptGraphs:
         """``most_context``: the longest context (cached prefix + chunk) a chunk after a cached prefix may have to
         be replayed (0: fresh prompts only)."""
         self.model, self.pool, self.device, self.capture = model, pool, device, capture
+        self.varlen = capture  # attention through the varlen kernel and the device buffers (else the CPU form)
         self.buckets = token_buckets(min(most_tokens, MAX_TOKENS))
         self.contexts = [c for c in context_buckets(most_context) if c % pool.block_size == 0]  # whole blocks
         top, keys, pinned = self.buckets[-1], max(self.contexts, default=0), device.type == "cuda"
@@ -136,7 +137,7 @@ class PromptGraphs:
                         window=window)
         context = (self.table[:keys // self.block_size, None] * self.block_size
                    + torch.arange(self.block_size, device=self.device)).flatten()
-        if self.capture:
+        if self.varlen:
             meta.varlen_cached = (context, self.starts[0], self.starts[1], size, keys)
         else:  # the CPU form: the chunk attends to its context, the padding to itself
             meta.segments = [(context[:ctx], _causal_mask(n, ctx, window, self.device)), None]
@@ -149,7 +150,7 @@ class PromptGraphs:
         starts = self.layout
         meta = AttnMeta(slots, starts, [e - s for s, e in zip(starts, starts[1:])], False, rotary.cos[positions],
                         rotary.sin[positions], window=window)
-        if self.capture:
+        if self.varlen:
             meta.varlen = (self.packed, size)
         else:  # the CPU form: each sequence attends to itself, causally (a prompt within its window)
             meta.segments = [(slots[s:e], _causal_mask(e - s, e - s, window, self.device)) if window else None
