@@ -199,24 +199,20 @@ class ModelRunner:
         return len(row.ids) == 1 and row.samples and not row.prompt_scores
 
     def _prompt_graph_takes(self, rows: list[StepRow]) -> bool:
-        """Prompt chunks that want no prompt scores and have a graph (``cuda_graphs.prompt``): fresh ones (from
-        position 0) packed together, or one after a cached prefix that samples."""
+        """Prompt chunks that want no prompt scores and have a graph (``cuda_graphs.prompt``): fresh ones and
+        ones after cached prefixes, packed together."""
         prompts = getattr(self.graphs, "prompts", None)
         if prompts is None or not rows or any(r.prompt_scores for r in rows):
             return False
-        if all(r.start == 0 for r in rows):
-            return prompts.fresh_size([len(r.ids) for r in rows]) is not None
-        return len(rows) == 1 and rows[0].samples and prompts.shape_for(len(rows[0].ids), rows[0].start) is not None
+        return prompts.shape_for([len(r.ids) for r in rows], [r.start for r in rows]) is not None
 
     def _run_prompt_graph(self, rows: list[StepRow]) -> torch.Tensor:
         """The scores of the sampling rows among ``rows`` (which ``_prompt_graph_takes``)."""
-        bs, prompts = self.pool.block_size, self.graphs.prompts
+        bs = self.pool.block_size
         slots = [[token_slot(r.table, p, bs) for p in range(r.start, r.start + len(r.ids))] for r in rows]
-        if rows[0].start:
-            logits = prompts.run(rows[0].ids, rows[0].start, slots[0], list(rows[0].table)).clone()
-        else:
-            logits = prompts.run_fresh([r.ids for r in rows], slots)
-            logits = logits[[i for i, r in enumerate(rows) if r.samples]]  # a copy (advanced indexing)
+        logits = self.graphs.prompts.run([r.ids for r in rows], [r.start for r in rows], slots,
+                                         [list(r.table) for r in rows])
+        logits = logits[[i for i, r in enumerate(rows) if r.samples]]  # a copy (advanced indexing)
         if self.suppress is not None:
             logits[:, self.suppress] = float("-inf")
         return logits

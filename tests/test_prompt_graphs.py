@@ -117,8 +117,10 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
         out[graphs] = [generate_many(engine, [p], [params])[0][1] for p in prompts]
         fresh = ["one of three prompts", "two of three prompts, a little longer", "three " * 20]  # packed in a graph
         out[graphs] += [seq for _, seq in generate_many(engine, fresh, [params] * 3)]
+        turns = [prompts[1] + " and one more turn", fresh[2] + "and a last one"]  # after cached prefixes, packed
+        out[graphs] += [seq for _, seq in generate_many(engine, turns, [params] * 2)]
         if prompt_graphs is not None:
-            assert prompt_graphs.replays == len(prompts) + 1 and engine.cached_tokens > 0
+            assert prompt_graphs.replays == len(prompts) + 2 and engine.cached_tokens > 0
     for got, want in zip(out["1"], out["0"]):
         same = next((i for i, (a, b) in enumerate(zip(got.output_ids, want.output_ids)) if a != b), 6)
         torch.testing.assert_close(torch.tensor([e[1] for e in got.pending_logprobs[:same]]),
@@ -185,7 +187,8 @@ def test_the_device_buffers_the_graphs_read_hold_each_prompts_sequence(model, mo
     import engine.attention as attention
 
     calls = []
-    monkeypatch.setattr(attention, "varlen_kernel", lambda: lambda *a: calls.append(len(a[3])) or _reference_varlen(*a))
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: lambda *a: calls.append((len(a), len(a[3])))
+                        or _reference_varlen(*a))
     eager, padded = _engine(model, False), _engine(model, True)
     padded.runner.graphs.prompts.varlen = True
     for prompts in ([list(range(3, 13)), list(range(20, 25)), list(range(30, 47))], [list(range(3, 40))],
@@ -194,4 +197,22 @@ def test_the_device_buffers_the_graphs_read_hold_each_prompts_sequence(model, mo
         assert [g[0] for g in got] == [w[0] for w in want]
         torch.testing.assert_close(torch.tensor([g[1] for g in got]), torch.tensor([w[1] for w in want]),
                                    atol=1e-4, rtol=0)
-    assert padded.runner.graphs.prompts.runs == 3 and padded.cached_tokens > 0 and set(calls) == {ROWS + 2, 3}
+    assert padded.runner.graphs.prompts.runs == 3 and padded.cached_tokens > 0 and set(calls) == {(7, ROWS + 2), (9, ROWS + 2)}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["cpu-form", "device-buffers"])
+def test_chunks_after_cached_prefixes_packed_with_fresh_prompts_match_the_eager_step(model, monkeypatch, varlen):
+    """Two conversations' next turns (after their cached prefixes) and a fresh prompt in one step: one graph, each
+    chunk attending to its own context through its block table; the same tokens and logprobs as the eager step."""
+    import engine.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: _reference_varlen)
+    eager, padded = _engine(model, False), _engine(model, True)
+    padded.runner.graphs.prompts.varlen = varlen
+    a, b = list(range(3, 30)), list(range(50, 72))
+    for prompts in ([a, b], [a + [7, 8, 9], b + [11] * 5, list(range(100, 112))]):
+        want, got = _run(eager, prompts), _run(padded, prompts)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        torch.testing.assert_close(torch.tensor([g[1] for g in got]), torch.tensor([w[1] for w in want]),
+                                   atol=1e-4, rtol=0)
+    assert padded.runner.graphs.prompts.runs == 2 and padded.cached_tokens >= 32

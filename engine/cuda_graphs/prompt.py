@@ -8,10 +8,10 @@ prompts a step (1P1D at 32 streams: ~3 of 512 tokens, 30 us a token
 where the engine alone reaches 25). So the engine also captures the
 forward of ``T`` prompt tokens for ``T`` in ``token_buckets`` (eight sizes
 per doubling from 16 up to ``PDSERVE_PROMPT_GRAPH_TOKENS``, default 1024),
-and a step whose rows are all fresh prompt chunks (from position 0, at
-most ``PDSERVE_PROMPT_GRAPH_ROWS`` of them, default 8, wanting no prompt
+and a step whose rows are all prompt chunks (at most
+``PDSERVE_PROMPT_GRAPH_ROWS`` of them, default 8, wanting no prompt
 logprobs) replays the smallest graph that holds their ``E`` tokens and
-``ROWS - K`` tokens more:
+``ROWS - K`` tokens more. Fresh chunks (from position 0):
 
 * ids, positions and KV slots go to static buffers; tokens from ``E`` on are
   padding with slot -1 (``rope_store`` writes nothing for them);
@@ -23,13 +23,17 @@ logprobs) replays the smallest graph that holds their ``E`` tokens and
 * the logits are those of each prompt's last row (an index buffer of
   ``ROWS``; the padding sequences' rows are read and dropped).
 
-A chunk after a cached prefix (a chat turn whose history is in the pool,
-up to ``CACHED_MAX_TOKENS`` new tokens) replays a graph per (token bucket,
-context bucket ``C``: 512, 1024, ... up to ``PDSERVE_PROMPT_GRAPH_CONTEXT``,
-8192): the keys of its whole context are gathered from the pool through its
-block table (a static buffer; past the context, block 0) and attend as in
-the eager step (``attention.varlen_cached``, causal from the bottom right),
-the padding again a second sequence, over the ``C - ctx`` keys after them.
+Where a chunk follows a cached prefix (a chat turn whose history is in the
+pool; up to ``CACHED_MAX_TOKENS`` new tokens in all) the step replays a
+graph per (token bucket, context bucket ``C``: 512, 1024, ... up to
+``PDSERVE_PROMPT_GRAPH_CONTEXT``, 8192, holding the chunks' contexts and
+one key per padding sequence more): each sequence's keys are gathered from
+the pool through its block table (``ROWS + 1`` tables in a static buffer,
+the keys' cumulative starts beside the queries'; the device finds each key
+position's sequence with ``searchsorted``; the padding's keys come from
+block 0) and attend as in the eager step (``attention.varlen_cached``,
+causal from the bottom right). Fresh chunks in such a step are chunks whose
+context is themselves.
 
 Capture needs what makes the step free of host synchronization: the
 Triton prompt path (``Attention.prompt_ops``), the varlen kernel, no tensor
@@ -95,27 +99,27 @@ def supported(model, cfg) -> str | None:
 
 class PromptGraphs:
     def __init__(self, model, pool, device, most_tokens: int, capture: bool, mempool=None, most_context: int = 0):
-        """``most_context``: the longest context (cached prefix + chunk) a chunk after a cached prefix may have to
-        be replayed (0: fresh prompts only)."""
+        """``most_context``: the longest context (cached prefixes + chunks) chunks after cached prefixes may have to
+        be replayed with (0: fresh prompts only)."""
         self.model, self.pool, self.device, self.capture = model, pool, device, capture
         self.varlen = capture  # attention through the varlen kernel and the device buffers (else the CPU form)
         self.buckets = token_buckets(min(most_tokens, MAX_TOKENS))
         self.contexts = [c for c in context_buckets(most_context) if c % pool.block_size == 0]  # whole blocks
         top, keys, pinned = self.buckets[-1], max(self.contexts, default=0), device.type == "cuda"
         self.block_size = pool.block_size
+        width = max(1, keys // self.block_size)
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
-        self.table = torch.zeros(max(1, keys // self.block_size), dtype=torch.long, device=device)
-        self.starts = torch.zeros(2, 3, dtype=torch.int32, device=device)  # queries [0, n, T], keys [0, ctx, C]
-        self.packed = torch.zeros(ROWS + 2, dtype=torch.int32, device=device)  # fresh prompts' query starts
-        self.last = torch.zeros(ROWS, dtype=torch.long, device=device)  # each prompt's last row (cached: one)
+        self.tables = torch.zeros(ROWS + 1, width, dtype=torch.long, device=device)  # each sequence's blocks
+        self.starts = torch.zeros(2, ROWS + 2, dtype=torch.int32, device=device)  # queries', keys' cumulative starts
+        self.last = torch.zeros(ROWS, dtype=torch.long, device=device)  # each prompt's last row
+        self.key_positions = torch.arange(max(1, keys), device=device)
         # two staging sets, alternated: a step is staged while the one before may still be copying from its own
         self.staged = [(torch.zeros(3, top, dtype=torch.long, pin_memory=pinned),
-                        torch.zeros(self.table.shape[0], dtype=torch.long, pin_memory=pinned),
-                        torch.zeros(2, 3, dtype=torch.int32, pin_memory=pinned),
-                        torch.zeros(ROWS, dtype=torch.long, pin_memory=pinned),
-                        torch.zeros(ROWS + 2, dtype=torch.int32, pin_memory=pinned)) for _ in range(2)]
-        self.n = self.context = self.runs = self.replays = 0
-        self.layout: list[int] = []  # the fresh prompts' query starts on the host (the CPU form's segments)
+                        torch.zeros(ROWS + 1, width, dtype=torch.long, pin_memory=pinned),
+                        torch.zeros(2, ROWS + 2, dtype=torch.int32, pin_memory=pinned),
+                        torch.zeros(ROWS, dtype=torch.long, pin_memory=pinned)) for _ in range(2)]
+        self.runs = self.replays = self.rows = 0
+        self.layout: list[list[int]] = [[], []]  # the starts on the host (the CPU form's segments)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         if capture:
@@ -123,48 +127,44 @@ class PromptGraphs:
                 self._capture_all(mempool)
 
     def shapes(self) -> list[tuple[int, int]]:
-        """(tokens, keys) of every graph: fresh prompts (keys 0), then chunks after a cached prefix."""
+        """(tokens, keys) of every graph: fresh prompts (keys 0), then chunks after cached prefixes."""
         return [(t, 0) for t in self.buckets if t > ROWS] + [(t, c) for c in self.contexts for t in self.buckets
-                                                             if t <= CACHED_MAX_TOKENS and t < c]
+                                                             if ROWS < t <= CACHED_MAX_TOKENS and t < c]
+
+    def _context(self, keys: int) -> torch.Tensor:
+        """The pool slots of the ``keys`` key positions: each sequence's context read through its block table (the
+        padding sequences' from block 0), as the device computes it from ``tables`` and the keys' starts."""
+        pos, starts = self.key_positions[:keys], self.starts[1].long()
+        row = torch.searchsorted(starts[1:], pos, right=True)
+        offset = pos - starts[row]
+        return self.tables[row, torch.div(offset, self.block_size, rounding_mode="floor")] * self.block_size \
+            + offset % self.block_size
 
     def _forward(self, size: int, keys: int) -> torch.Tensor:
-        if not keys:
-            return self._forward_fresh(size)
         ids, positions, slots = self.tokens[0, :size], self.tokens[1, :size], self.tokens[2, :size]
         rotary, window = self.model.rotary, self.model.spec.sliding_window or 0
-        n, ctx = self.n, self.context
-        meta = AttnMeta(slots, [0, n, size], [ctx, size - n], False, rotary.cos[positions], rotary.sin[positions],
-                        window=window)
-        context = (self.table[:keys // self.block_size, None] * self.block_size
-                   + torch.arange(self.block_size, device=self.device)).flatten()
-        if self.varlen:
+        queries, contexts = self.layout
+        lens = [e - s for s, e in zip(contexts, contexts[1:])] if keys else [e - s for s, e in zip(queries, queries[1:])]
+        meta = AttnMeta(slots, queries, lens, False, rotary.cos[positions], rotary.sin[positions], window=window)
+        context = self._context(keys) if keys else slots
+        if self.varlen and keys:
             meta.varlen_cached = (context, self.starts[0], self.starts[1], size, keys)
-        else:  # the CPU form: the chunk attends to its context, the padding to itself
-            meta.segments = [(context[:ctx], _causal_mask(n, ctx, window, self.device)), None]
-        hidden = self.model(ids, positions, meta, self.pool.layers)
-        return self.model.logits(hidden.index_select(0, self.last[:1])).float()
-
-    def _forward_fresh(self, size: int) -> torch.Tensor:
-        ids, positions, slots = self.tokens[0, :size], self.tokens[1, :size], self.tokens[2, :size]
-        rotary, window = self.model.rotary, self.model.spec.sliding_window or 0
-        starts = self.layout
-        meta = AttnMeta(slots, starts, [e - s for s, e in zip(starts, starts[1:])], False, rotary.cos[positions],
-                        rotary.sin[positions], window=window)
-        if self.varlen:
-            meta.varlen = (self.packed, size)
-        else:  # the CPU form: each sequence attends to itself, causally (a prompt within its window)
-            meta.segments = [(slots[s:e], _causal_mask(e - s, e - s, window, self.device)) if window else None
-                             for s, e in zip(starts, starts[1:])]
+        elif self.varlen:
+            meta.varlen = (self.starts[0], size)
+        else:  # the CPU form: each sequence attends to its context causally (a prompt within its window)
+            spans = zip(queries, queries[1:], contexts, contexts[1:]) if keys else \
+                zip(queries, queries[1:], queries, queries[1:])
+            meta.segments = [(context[ks:ke], _causal_mask(e - s, ke - ks, window, self.device))
+                             if i < self.rows and (keys or window) else None  # the padding: to itself
+                             for i, (s, e, ks, ke) in enumerate(spans)]
         hidden = self.model(ids, positions, meta, self.pool.layers)
         return self.model.logits(hidden.index_select(0, self.last)).float()
 
     def _capture_all(self, mempool) -> None:
         begin = time.perf_counter()
         for size, keys in reversed(self.shapes()):
-            if keys:
-                self._stage([0] * (size - 1), 0, [-1] * (size - 1), [], size, keys)
-            else:
-                self._stage_fresh([[0] * (size - ROWS)], [[-1] * (size - ROWS)], size)
+            n = size - ROWS
+            self._stage([[0] * n], [0], [[-1] * n], [[]], size, keys)
             self._forward(size, keys)  # compiles the kernels and settles the allocator outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -176,91 +176,69 @@ class PromptGraphs:
         log.info("captured %d prompt CUDA graphs (%s tokens; after cached prefixes up to %s keys) in %.1fs",
                  len(self.graphs), self.buckets, self.contexts[-1] if self.contexts else 0, time.perf_counter() - begin)
 
-    def shape_for(self, n: int, start: int) -> tuple[int, int] | None:
-        """The graph a chunk of ``n`` tokens from position ``start`` replays (None: none fits)."""
-        if start == 0:
-            size = self.fresh_size([n])
-            return None if size is None else (size, 0)
-        size = next((t for t in self.buckets if t > n), None)
-        if size is None or n < 1:
-            return None
-        keys = next((c for c in self.contexts if c > start + n), None)
-        return (size, keys) if keys is not None and size <= CACHED_MAX_TOKENS else None
-
-    def fresh_size(self, lens: list[int]) -> int | None:
-        """The tokens of the graph that fresh prompt chunks of ``lens`` tokens replay together (None: none): theirs
-        and one for each padding sequence, and at least one more."""
+    def shape_for(self, lens: list[int], starts: list[int]) -> tuple[int, int] | None:
+        """The graph (tokens, keys) that chunks of ``lens`` tokens from positions ``starts`` replay together (None:
+        none fits): their tokens and keys (fresh prompts: keys 0), and one of each for every padding sequence and at
+        least one more."""
         if not lens or len(lens) > ROWS or min(lens) < 1:
             return None
-        need = sum(lens) + ROWS - len(lens)
-        return next((t for t in self.buckets if t > need), None)
+        pads = ROWS - len(lens)
+        size = next((t for t in self.buckets if t > sum(lens) + pads), None)
+        if size is None or not any(starts):
+            return None if size is None else (size, 0)
+        keys = next((c for c in self.contexts if c > sum(starts) + sum(lens) + pads), None)
+        return (size, keys) if keys is not None and size <= CACHED_MAX_TOKENS else None
 
-    def _stage(self, ids: list[int], start: int, slots: list[int], table: list[int], size: int, keys: int) -> None:
-        self.n = n = len(ids)
-        self.context = ctx = start + n
-        pad = size - n
+    def _stage(self, ids: list[list[int]], starts: list[int], slots: list[list[int]], tables: list[list[int]],
+               size: int, keys: int) -> None:
+        """The chunks packed from row 0, then ``ROWS - K`` one-token padding sequences and the rest of ``size``
+        (of ``keys`` too, after the chunks' contexts)."""
+        lens, pads = [len(x) for x in ids], ROWS - len(ids)
+        used, self.rows = sum(lens), len(ids)
         self.runs += 1
-        tokens, blocks, starts, last, _ = self.staged[self.runs % 2]
-        tokens[:, :size] = torch.tensor([ids + [0] * pad, list(range(start, ctx)) + [0] * pad, slots + [-1] * pad])
-        starts[:] = torch.tensor([[0, n, size], [0, ctx, keys]], dtype=torch.int32)
-        last[0] = n - 1
-        self.tokens[:, :size].copy_(tokens[:, :size], non_blocking=True)
-        self.starts.copy_(starts, non_blocking=True)
-        self.last[:1].copy_(last[:1], non_blocking=True)
-        if keys:  # the blocks holding the context; past it block 0 (read as the padding's keys, never the prompt's)
-            width = keys // self.block_size
-            blocks[:width] = torch.tensor(table[:width] + [0] * (width - min(len(table), width)))
-            self.table[:width].copy_(blocks[:width], non_blocking=True)
-
-    def _stage_fresh(self, ids: list[list[int]], slots: list[list[int]], size: int) -> None:
-        """Fresh prompts packed from row 0, then ``ROWS - K`` one-token padding sequences and the rest of ``size``."""
-        lens = [len(x) for x in ids]
-        used, pads = sum(lens), ROWS - len(lens)
-        self.runs += 1
-        tokens, _, _, last, packed = self.staged[self.runs % 2]
+        tokens, blocks, cumulative, last = self.staged[self.runs % 2]
         fill = size - used
         tokens[:, :size] = torch.tensor([[t for x in ids for t in x] + [0] * fill,
-                                         [p for n in lens for p in range(n)] + [0] * fill,
+                                         [p for n, a in zip(lens, starts) for p in range(a, a + n)] + [0] * fill,
                                          [s for x in slots for s in x] + [-1] * fill])
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        self.layout = starts = starts + [used + i + 1 for i in range(pads)] + [size]
-        packed[:] = torch.tensor(starts, dtype=torch.int32)
-        last[:] = torch.tensor([e - 1 for e in starts[1:len(lens) + 1]] + [0] * pads)
+        queries = _cumulative(lens, pads, size)
+        contexts = _cumulative([a + n for a, n in zip(starts, lens)], pads, keys) if keys else queries
+        self.layout = [queries, contexts]
+        cumulative[:] = torch.tensor([queries, contexts], dtype=torch.int32)
+        last[:] = torch.tensor([e - 1 for e in queries[1:len(lens) + 1]] + [0] * pads)
         self.tokens[:, :size].copy_(tokens[:, :size], non_blocking=True)
-        self.packed.copy_(packed, non_blocking=True)
+        self.starts.copy_(cumulative, non_blocking=True)
         self.last.copy_(last, non_blocking=True)
+        if keys:  # the blocks holding each context; the padding sequences' (and past a context) block 0
+            width = keys // self.block_size
+            blocks[:, :width] = 0
+            for i, (table, a, n) in enumerate(zip(tables, starts, lens)):
+                held = min(len(table), width, -(-(a + n) // self.block_size))
+                blocks[i, :held] = torch.tensor(table[:held], dtype=torch.long)
+            self.tables[:, :width].copy_(blocks[:, :width], non_blocking=True)
 
     @torch.inference_mode()
-    def run_fresh(self, ids: list[list[int]], slots: list[list[int]]) -> torch.Tensor:
-        """The next-token logits ``[ROWS, vocab]`` (fp32; the first ``len(ids)`` rows are the prompts') of fresh
-        prompt chunks (from position 0) whose K/V go to ``slots``."""
-        size = self.fresh_size([len(x) for x in ids])
+    def run(self, ids: list[list[int]], starts: list[int], slots: list[list[int]], tables: list[list[int]]):
+        """The next-token logits ``[ROWS, vocab]`` (fp32; the first ``len(ids)`` rows are the chunks') of prompt
+        chunks from positions ``starts`` (the tokens before them in the pool, held by the blocks of ``tables``)
+        whose K/V go to ``slots``."""
+        size, keys = self.shape_for([len(x) for x in ids], starts)
         if not self.capture:
-            self._stage_fresh(ids, slots, size)
-            return self._forward_fresh(size)
-        with torch.cuda.device(self.device):
-            self._stage_fresh(ids, slots, size)
-            self.graphs[size, 0].replay()
-            self.replays += 1
-            return self.outputs[size, 0]
-
-    @torch.inference_mode()
-    def run(self, ids: list[int], start: int, slots: list[int], table: list[int]) -> torch.Tensor:
-        """The next-token logits ``[1, vocab]`` (fp32) of a chunk of ``len(ids)`` tokens from position ``start``
-        (the ones before it in the pool) whose K/V go to ``slots``; ``table``: the sequence's blocks."""
-        if start == 0:
-            return self.run_fresh([ids], [slots])[:1]
-        size, keys = self.shape_for(len(ids), start)
-        if not self.capture:
-            self._stage(ids, start, slots, table, size, keys)
+            self._stage(ids, starts, slots, tables, size, keys)
             return self._forward(size, keys)
         with torch.cuda.device(self.device):
-            self._stage(ids, start, slots, table, size, keys)
+            self._stage(ids, starts, slots, tables, size, keys)
             self.graphs[size, keys].replay()
             self.replays += 1
             return self.outputs[size, keys]
+
+
+def _cumulative(lens: list[int], pads: int, total: int) -> list[int]:
+    """Cumulative starts of sequences of ``lens``, ``pads`` one-long ones after them and the rest of ``total``."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out + [out[-1] + i + 1 for i in range(pads)] + [total]
 
 
 def _causal_mask(n: int, ctx: int, window: int, device) -> torch.Tensor:
