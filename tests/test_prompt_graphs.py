@@ -197,7 +197,8 @@ def test_the_device_buffers_the_graphs_read_hold_each_prompts_sequence(model, mo
         assert [g[0] for g in got] == [w[0] for w in want]
         torch.testing.assert_close(torch.tensor([g[1] for g in got]), torch.tensor([w[1] for w in want]),
                                    atol=1e-4, rtol=0)
-    assert padded.runner.graphs.prompts.runs == 3 and padded.cached_tokens > 0 and set(calls) == {(7, ROWS + 2), (9, ROWS + 2)}
+    assert padded.runner.graphs.prompts.runs == 3 and padded.cached_tokens > 0
+    assert set(calls) == {(7, ROWS + 2), (9, ROWS + 2)}  # fresh (varlen) and cached (keys gathered) forms
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["cpu-form", "device-buffers"])

@@ -144,7 +144,7 @@ class PromptGraphs:
         ids, positions, slots = self.tokens[0, :size], self.tokens[1, :size], self.tokens[2, :size]
         rotary, window = self.model.rotary, self.model.spec.sliding_window or 0
         queries, contexts = self.layout
-        lens = [e - s for s, e in zip(contexts, contexts[1:])] if keys else [e - s for s, e in zip(queries, queries[1:])]
+        lens = [e - s for s, e in zip(contexts, contexts[1:])]  # fresh chunks: their own tokens
         meta = AttnMeta(slots, queries, lens, False, rotary.cos[positions], rotary.sin[positions], window=window)
         context = self._context(keys) if keys else slots
         if self.varlen and keys:
@@ -152,8 +152,7 @@ class PromptGraphs:
         elif self.varlen:
             meta.varlen = (self.starts[0], size)
         else:  # the CPU form: each sequence attends to its context causally (a prompt within its window)
-            spans = zip(queries, queries[1:], contexts, contexts[1:]) if keys else \
-                zip(queries, queries[1:], queries, queries[1:])
+            spans = zip(queries, queries[1:], contexts, contexts[1:])
             meta.segments = [(context[ks:ke], _causal_mask(e - s, ke - ks, window, self.device))
                              if i < self.rows and (keys or window) else None  # the padding: to itself
                              for i, (s, e, ks, ke) in enumerate(spans)]
