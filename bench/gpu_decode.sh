@@ -9,6 +9,9 @@
 #   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; the fused decode attention
 #   (one launch a layer): AB="three:PDSERVE_ROPE_DECODE=0 one:PDSERVE_ROPE_DECODE=1" ... test ab; serve1p1d needs two GPUs:
 #   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
+#   prefill1p1d: serve1p1d for each PREFILL_AB variant ("name:VAR=1,VAR2=0 ..."; default prompt graphs packing up to 8
+#   prompts against one alone, GRAPH_TOKENS 2048, --max-batched-tokens 2048), the workers' steps PROFILE_STEPS
+#   (150:12) profiled into $OUT/profile-NAME (PDSERVE_PROFILE_STEPS: each step's kernel time against its wall time)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -104,7 +107,7 @@ for step in $steps; do
         --ready-timeout 300 ${UP1P1D:-} > "$OUT/up-1p1d${NAME1P1D:-}.log" 2>&1 &
       up=$!
       for i in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break
-        kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d.log"; break; }; sleep 1; done
+        kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-1p1d${NAME1P1D:-}.log"; break; }; sleep 1; done
       for wave in first:0 second:1; do
         # with each worker's steps over the wave and how busy they kept it
         timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8012 --concurrency 32 --prompt-len 512 \
@@ -112,5 +115,15 @@ for step in $steps; do
           --out "$OUT/serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG" 2>&1 | grep -E "^requests|^- (prefill|decode)"
       done
       kill -INT $up; wait $up ;;
+    prefill1p1d)  # two GPUs: serve1p1d with each of PREFILL_AB (prompt graphs packing a step's prompts, or one alone),
+      # every worker's steps PROFILE_STEPS profiled (engine.step_profiler) into $OUT/profile-NAME
+      for v in ${PREFILL_AB:-rows8:PDSERVE_PROMPT_GRAPH_ROWS=8 rows1:PDSERVE_PROMPT_GRAPH_ROWS=1}; do
+        name=${v%%:*}; vars=${v#*:}
+        echo "== $name ($vars)"
+        env ${vars//,/ } PDSERVE_PROMPT_GRAPH_TOKENS=${GRAPH_TOKENS:-2048} PDSERVE_PROFILE_STEPS=${PROFILE_STEPS:-150:12} \
+          PDSERVE_PROFILE_DIR="$OUT/profile-$name" NAME1P1D="-$name" UP1P1D="${UP1P1D:---max-batched-tokens 2048}" \
+          OUT="$OUT" TAG="$TAG" bash "$0" serve1p1d
+        grep -h "host_bound_share" "$OUT/profile-$name"/*.json 2>/dev/null
+      done ;;
   esac
 done
