@@ -118,7 +118,8 @@ class StepLog:
         """Totals and means (ms) since start: decode-only steps, steps with prompt tokens, gaps between steps; and
         the recent prompt time a token."""
         t = self.totals
-        return {**t, "prompt_ms_per_token": self.prompt_ms_per_token(), "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
+        return {**t, "prompt_ms_per_token": self.prompt_ms_per_token(),
+                "decode_step_ms_mean": t["decode_ms"] / max(1, t["decode_steps"]),
                 "decode_rows_mean": t["decode_rows"] / max(1, t["decode_steps"]),
                 "decode_context_mean": t["decode_context"] / max(1, t["decode_rows"]),
                 "prompt_step_ms_mean": t["prompt_ms"] / max(1, t["prompt_steps"]),

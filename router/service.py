@@ -202,8 +202,7 @@ class Service:
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
                 fresh = await self._first(inbox, run, first_worker)
             if not run.local and first_worker in involved:
-                first_worker.outstanding -= 1  # its prompt is done: a prefill worker's load is prompts, not streams
-                first_worker.prompt_tokens_out.pop(rid, None)
+                first_worker.release(rid)  # its prompt is done: a prefill worker's load is prompts, not streams
                 released.add(first_worker)
             if run.first is None:
                 first = run.first = fresh
@@ -240,8 +239,7 @@ class Service:
             self.admission.release(rid)
             for worker in involved:
                 if worker not in released:
-                    worker.outstanding -= 1
-                    worker.prompt_tokens_out.pop(rid, None)
+                    worker.release(rid)
                 worker.owned.discard(rid)
                 if not finished:
                     await self._abort(worker, rid)

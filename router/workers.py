@@ -69,6 +69,11 @@ class WorkerClient:
         now = time.monotonic()
         return now - self.last_pong < self.stale_after_s and now >= self.suspect_until
 
+    def release(self, rid: str) -> None:
+        """``rid``'s part on this worker is done (for a prefill worker: its prompt): out of ``outstanding``."""
+        self.outstanding -= 1
+        self.prompt_tokens_out.pop(rid, None)
+
     def prefill_wait_ms(self) -> float | None:
         """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
         worker's prompt time a token over its recent steps (``step_times``); None before its second prompt step."""
