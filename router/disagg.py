@@ -9,18 +9,25 @@ pool can still serve later), ``auto`` decides per request, in this order:
   reported holding) is at most ``local_tokens``: local (``short``): a short
   chunk costs the decode steps less than a transfer and a second queue;
 - no prefill worker in the picks: local (``no_prefill_worker``);
-- every prefill worker is busy: local (``prefill_busy``), unless the decode
-  worker has as many prompts of its own to prefill as the least busy
-  prefill worker has in flight (then remote, ``long``). Busy is a time:
-  the uncached prompt tokens the router has in flight on the worker times
-  that worker's prompt time a token (``prompt_ms_per_token`` of its
+- every prefill worker is busy and the decode worker's cost is lower:
+  local (``prefill_busy``), else remote (``decode_busy``). Busy is a
+  time: the uncached prompt tokens the router has in flight on the worker
+  times that worker's prompt time a token (``prompt_ms_per_token`` of its
   ``step_times``: the median over its recent prompt steps, the first, cold
   one left out) is at least ``prefill_wait_ms``: the wait a prompt sent
-  there now would have before its own prefill. Until a worker has run two
-  prompt steps (and with ``prefill_wait_ms`` 0) busy is a count:
-  ``prefill_queue`` prompts or more in flight. (A count alone sent 70% of 512-token prompts local
-  at 32 concurrent streams, where the prefill queue was ~4 prompts, ~0.1 s,
-  and every local prompt stalled ~24 decoding rows.)
+  there now would have before its own prefill. The decode worker's cost is
+  what prefilling there adds to everyone's time: its own local prompts'
+  wait, plus the prompt's compute once for each sequence decoding there
+  (every one of them waits for it): ``local_wait + rows x tokens x
+  ms_per_token``. A closed loop of clients is fastest when the sum of
+  these waits is least, so a decode worker with few rows takes prompts
+  from a short prefill queue while one decoding 28 rows leaves a 512-token
+  prompt (16 ms there, 450 row-ms) to a prefill queue shorter than that
+  (a rule by queue alone sent 75% of such prompts local at 32 streams and
+  cost a third of the throughput). Until a worker has run two prompt steps
+  (and with ``prefill_wait_ms`` 0) busy is a count: ``prefill_queue``
+  prompts or more in flight, and then local only while the decode worker
+  has fewer prompts of its own to prefill.
 - otherwise remote (``long``).
 
 Local prefill on a decode worker runs in chunks under that worker's
@@ -42,6 +49,7 @@ class Decision:
     where: str  # "local" | "remote"
     reason: str
     wait_ms: float | None = None  # the least busy prefill worker's estimated wait (auto, where it was known)
+    local_ms: float | None = None  # what prefilling on the decode worker would cost (auto, where weighed)
 
 
 @dataclass
@@ -60,9 +68,9 @@ class DisaggPolicy:
 
     def decide(self, uncached_tokens: int, prefill_workers: list, decode_worker) -> Decision:
         """``prefill_workers``: those in the picks (``outstanding``: prompts the router has in flight there, until
-        their first token; ``prefill_wait_ms()``: the wait behind them, or None);
-        ``decode_worker``: the one this request will decode on (its ``info["prefilling"]``: local prompts it has
-        not finished)."""
+        their first token; ``prefill_wait_ms()``: the wait behind them; ``prompt_ms_per_token()``, or None);
+        ``decode_worker``: the one this request will decode on (``outstanding``: its requests; ``prompt_tokens_out``:
+        its local prompts until their first token; its ``info["prefilling"]``: local prompts it has not finished)."""
         if self.mode == "always":
             return Decision("remote", "always")
         if self.mode == "never":
@@ -72,9 +80,24 @@ class DisaggPolicy:
         if not prefill_workers:
             return Decision("local", "no_prefill_worker")
         queue = min(w.outstanding for w in prefill_workers)
-        waits = [w.prefill_wait_ms() for w in prefill_workers]
-        wait = min(waits) if self.prefill_wait_ms and None not in waits else None
-        busy = wait >= self.prefill_wait_ms if wait is not None else queue >= self.prefill_queue
-        if busy and int(decode_worker.info.get("prefilling") or 0) < queue:
-            return Decision("local", "prefill_busy", wait)
-        return Decision("remote", "long", wait)
+        per_token = [w.prompt_ms_per_token() for w in prefill_workers]
+        if not self.prefill_wait_ms or None in per_token:  # by count
+            if queue >= self.prefill_queue and int(decode_worker.info.get("prefilling") or 0) < queue:
+                return Decision("local", "prefill_busy")
+            return Decision("remote", "long")
+        wait = min(w.prefill_wait_ms() for w in prefill_workers)
+        if wait < self.prefill_wait_ms:
+            return Decision("remote", "long", wait)
+        local = self.local_cost_ms(uncached_tokens, decode_worker, min(per_token))
+        if wait > local:
+            return Decision("local", "prefill_busy", wait, local)
+        return Decision("remote", "decode_busy", wait, local)
+
+    @staticmethod
+    def local_cost_ms(uncached_tokens: int, decode_worker, fallback_per_token: float) -> float:
+        """The waits a local prefill adds: the decode worker's own prompts ahead of it, and the prompt's compute
+        once for each sequence decoding there (``outstanding`` less its local prompts)."""
+        per_token = decode_worker.prompt_ms_per_token() or fallback_per_token
+        ahead = decode_worker.prefill_wait_ms(per_token) or 0.0
+        rows = max(decode_worker.outstanding - len(decode_worker.prompt_tokens_out), 0)
+        return ahead + rows * uncached_tokens * per_token

@@ -204,6 +204,7 @@ class Service:
             if not run.local and first_worker in involved:
                 first_worker.release(rid)  # its prompt is done: a prefill worker's load is prompts, not streams
                 released.add(first_worker)
+            first_worker.prompt_tokens_out.pop(rid, None)  # a local prompt's wait is over too
             if run.first is None:
                 first = run.first = fresh
                 timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
@@ -270,6 +271,7 @@ class Service:
         decode = held
         if await self._decide(run, decode, prompt) == "local":
             run.local = True
+            decode.prompt_tokens_out[rid] = run.uncached  # the wait it adds to the next local prompt
             return await self._generate_here(run, decode, rid, involved)
         twins = {c for c in self.groups["prefill"].clients if c.address == decode.address}
         prefill = run.workers["prefill"] = await self._pick("prefill", prompt, run.avoid | twins)
@@ -315,6 +317,8 @@ class Service:
         run.timing.update(disagg=decision.where, disagg_reason=decision.reason)
         if decision.wait_ms is not None:
             run.timing["disagg_wait_ms"] = round(decision.wait_ms, 1)
+        if decision.local_ms is not None:
+            run.timing["disagg_local_ms"] = round(decision.local_ms, 1)
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where
 

@@ -74,13 +74,19 @@ class WorkerClient:
         self.outstanding -= 1
         self.prompt_tokens_out.pop(rid, None)
 
-    def prefill_wait_ms(self) -> float | None:
-        """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
-        worker's prompt time a token over its recent steps (``step_times``); None before its second prompt step."""
+    def prompt_ms_per_token(self) -> float | None:
+        """The worker's prompt time a token over its recent steps (``step_times``); None before its second
+        prompt step."""
         per_token = (self.info.get("step_times") or {}).get("prompt_ms_per_token")
+        return None if per_token is None else float(per_token)
+
+    def prefill_wait_ms(self, per_token: float | None = None) -> float | None:
+        """How long a prompt sent now would wait behind those already sent: their uncached tokens times the
+        worker's prompt time a token (``per_token`` where it has none of its own); None where neither is known."""
+        per_token = self.prompt_ms_per_token() or per_token
         if per_token is None:
             return None
-        return sum(self.prompt_tokens_out.values()) * float(per_token)
+        return sum(self.prompt_tokens_out.values()) * per_token
 
     def suspect(self, why: str) -> None:
         """Out of the picks for a while (a KV transfer to it failed), longer each time it fails again."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -18,10 +17,20 @@ from engine.sequence import Sequence
 from engine.step_budget import PrefillBudget, StepRecord
 from router.config import RouterConfig
 from router.disagg import DisaggPolicy
+from router.workers import WorkerClient
 
 
-def worker(outstanding=0, prefilling=0, wait_ms=None):
-    return SimpleNamespace(outstanding=outstanding, info={"prefilling": prefilling}, prefill_wait_ms=lambda: wait_ms)
+def worker(outstanding=0, prefilling=0, wait_ms=None, per_token=0.01, local_tokens=()):
+    """A worker as the router sees it: ``wait_ms`` of prompt tokens in flight at ``per_token`` ms a token (None:
+    no prompt step timed yet); ``local_tokens``: the local prompts it has in flight."""
+    w = WorkerClient("tcp://127.0.0.1:1", "decode", {})
+    w.outstanding, w.info = outstanding, {"prefilling": prefilling}
+    if wait_ms is not None:
+        w.info["step_times"] = {"prompt_ms_per_token": per_token}
+        if wait_ms:
+            w.prompt_tokens_out["in-flight"] = round(wait_ms / per_token)
+    w.prompt_tokens_out.update({f"local-{i}": n for i, n in enumerate(local_tokens)})
+    return w
 
 
 @pytest.mark.parametrize("mode,uncached,prefill,decode,expected", [
@@ -51,9 +60,23 @@ def test_busy_is_the_wait_behind_the_prompts_in_flight_once_the_workers_report_t
     assert (d.where, d.reason, d.wait_ms) == expected
 
 
-def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token():
-    from router.workers import WorkerClient
+@pytest.mark.parametrize("decode,expected", [
+    (worker(28), ("local", "prefill_busy", 430.1)),  # 28 rows each wait 512 x 0.03 ms: less than the 600 ms queue
+    (worker(40), ("remote", "decode_busy", 614.4)),  # 40 rows: more
+    (worker(22, local_tokens=[10_000]), ("remote", "decode_busy", 622.6)),  # its own prompts' 300 ms, 21 rows
+    (worker(22, wait_ms=0.0, per_token=0.06), ("remote", "decode_busy", 675.8)),  # its own time a token: 0.06
+    (worker(0, local_tokens=[19_000]), ("local", "prefill_busy", 570.0)),  # no rows: the shorter queue
+])
+def test_a_busy_prefill_queue_goes_local_only_where_the_decode_workers_cost_is_lower(decode, expected):
+    """The decode worker's cost of a local 512-token prompt: its local prompts ahead at its time a token (the
+    prefill worker's, 0.03, until it has one) plus the prompt's compute once for each of its decoding rows."""
+    prefill = [worker(6, wait_ms=600.0, per_token=0.03)]
+    d = DisaggPolicy("auto", local_tokens=256, prefill_wait_ms=500).decide(512, prefill, decode)
+    assert (d.where, d.reason, d.wait_ms) == expected[:2] + (pytest.approx(600.0),)
+    assert d.local_ms == pytest.approx(expected[2], abs=0.1)
 
+
+def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token():
     w = WorkerClient("tcp://127.0.0.1:1", "prefill", {})
     assert w.prefill_wait_ms() is None  # no prompt step yet
     w.info = {"step_times": {"prompt_ms_per_token": 0.03}}

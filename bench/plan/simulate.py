@@ -22,8 +22,10 @@ picks decode first), then waits the profile's ``handoff_steps`` decode steps (wh
 serving adds: admission, the step already in flight; calibrated from measured
 second tokens); ``decode`` instances decode and, with ``local_tokens``
 (``--disagg auto``), prefill short prompts themselves, and long ones when
-every prefill instance's backlog takes ``prefill_wait_ms`` or more (as the
-router decides). Every choice is the
+every prefill instance's backlog takes ``prefill_wait_ms`` or more and
+longer than the prompt would cost the decode instance (its backlog, and
+the prompt's compute once for each of its decoding rows), as the router
+decides. Every choice is the
 least outstanding instance, as the router's default policy.
 
 Per request: TTFT (the first token leaves the instance that prefilled),
@@ -220,13 +222,19 @@ def _least(instances: list) -> Instance:
     return min(instances, key=lambda i: i.outstanding)
 
 
-def _prefill_busy(layout: Layout, queue: int) -> bool:
+def _prefill_here(layout: Layout, queue: int, req: SimRequest, dest: Instance) -> bool:
     """As ``router.disagg``: every prefill instance's backlog (prompt tokens not yet computed) takes at least
-    ``prefill_wait_ms`` (0: ``prefill_queue`` prompts or more in flight on each)."""
+    ``prefill_wait_ms``, and that wait is longer than what prefilling on ``dest`` costs (its own backlog, and the
+    prompt's compute once for each row decoding there); with ``prefill_wait_ms`` 0, ``prefill_queue`` prompts or
+    more in flight on each and fewer of its own on ``dest``."""
     if not layout.prefill_wait_ms:
-        return queue >= layout.prefill_queue
+        return queue >= layout.prefill_queue and len(dest.queue) < queue
     wait = min(p.profile.prefill_ms(sum(r.left for r in p.queue)) for p in layout.prefill)
-    return wait >= layout.prefill_wait_ms
+    if wait < layout.prefill_wait_ms:
+        return False
+    per_token = dest.profile.prefill_ms_per_token()
+    local = sum(r.left for r in dest.queue) * per_token + len(dest.decoding) * req.prompt * per_token
+    return wait > local
 
 
 def _route(layout: Layout, req: SimRequest) -> Instance:
@@ -240,7 +248,7 @@ def _route(layout: Layout, req: SimRequest) -> Instance:
     local = not layout.prefill
     if layout.local_tokens is not None and not local:
         queue = min(p.outstanding for p in layout.prefill)
-        local = req.prompt <= layout.local_tokens or (_prefill_busy(layout, queue) and len(dest.queue) < queue)
+        local = req.prompt <= layout.local_tokens or _prefill_here(layout, queue, req, dest)
     if local:
         dest.queue.append(req)
         return dest
