@@ -63,10 +63,25 @@ def test_every_kernel_of_a_decode_step_builds_for_hopper(monkeypatch):
     assert run() == want
     prompts = [engine.tokenizer.encode(p) for p in ("a b c", "hello there friend", "x")]
     generate_many(engine, prompts, [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)] * 3)
+    _prompt_rope_store()  # prompt chunks of 128 tokens or more: a program per block of heads
     names = {case[1] for case in cases.values()}
-    assert {"_one_row_kernel", "_decode_kernel", "_combine_kernel", "_rope_store_kernel"} <= names, names
+    assert {"_one_row_kernel", "_decode_kernel", "_combine_kernel", "_rope_store_kernel",
+            "_rope_store_heads_kernel"} <= names, names
     built = compile_for_hopper(list(cases.values()))
     failed = [(case[1], case[3], result["error"][-600:]) for case, result in zip(cases.values(), built)
               if "error" in result]
     assert not failed, failed
     assert all(result["cubin_bytes"] > 0 for result in built)
+
+
+def _prompt_rope_store():
+    """A GQA prompt chunk's rotary and K/V store (Mistral's 32 query and 8 KV heads) through the head-block kernel."""
+    from engine.kernels import triton_attention
+    from engine.models.rope import Rotary
+
+    tokens, heads, kv_heads, dim = 4, 32, 8, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    rotary = Rotary(dim, 64, 10000.0)
+    pool = [torch.zeros(2, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    triton_attention.rope_store(qkv, rotary.cos[:tokens], rotary.sin[:tokens], *pool, torch.arange(tokens), heads,
+                                kv_heads, keep=True, heads_a_program=8)

@@ -62,6 +62,28 @@ def store_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:
 
 
 @triton.jit
+def _keep_and_store(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, token, kvh, r1, r2, v1, v2, d, mask, stride_slot,
+                    k_scale, v_scale, KV_HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+                    KEEP: tl.constexpr):
+    """KV head(s) ``kvh`` of ``token``: the rotated key halves and the value halves to the token's pool slot (none
+    for a negative slot), and with ``KEEP`` also packed, as computed, for attention over the new tokens."""
+    if KEEP:
+        kept = (token * KV_HEADS + kvh) * 2 * HALF
+        tl.store(k_ptr + kept + d, r1, mask=mask)
+        tl.store(k_ptr + kept + HALF + d, r2, mask=mask)
+        tl.store(v_ptr + kept + d, v1, mask=mask)
+        tl.store(v_ptr + kept + HALF + d, v2, mask=mask)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:
+        at = slot * stride_slot + kvh * 2 * HALF
+        dt = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + at + d, _quantized(r1, k_scale, FP8).to(dt), mask=mask)
+        tl.store(kc_ptr + at + HALF + d, _quantized(r2, k_scale, FP8).to(dt), mask=mask)
+        tl.store(vc_ptr + at + d, _quantized(v1, v_scale, FP8).to(dt), mask=mask)
+        tl.store(vc_ptr + at + HALF + d, _quantized(v2, v_scale, FP8).to(dt), mask=mask)
+
+
+@triton.jit
 def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_row,
                        stride_slot, k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                        HALF: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, KEEP: tl.constexpr,
@@ -84,20 +106,8 @@ def _rope_store_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_ptr, si
         v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
         v1 = tl.load(qkv_ptr + v_at + d, mask=mask)
         v2 = tl.load(qkv_ptr + v_at + HALF + d, mask=mask)
-        if KEEP:  # the new keys and values as computed, packed, for attention over the new tokens
-            kept = (token * KV_HEADS + kvh) * 2 * HALF
-            tl.store(k_ptr + kept + d, r1, mask=mask)
-            tl.store(k_ptr + kept + HALF + d, r2, mask=mask)
-            tl.store(v_ptr + kept + d, v1, mask=mask)
-            tl.store(v_ptr + kept + HALF + d, v2, mask=mask)
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        if slot >= 0:
-            at = slot * stride_slot + kvh * 2 * HALF
-            dt = kc_ptr.dtype.element_ty
-            tl.store(kc_ptr + at + d, _quantized(r1, k_scale, FP8).to(dt), mask=mask)
-            tl.store(kc_ptr + at + HALF + d, _quantized(r2, k_scale, FP8).to(dt), mask=mask)
-            tl.store(vc_ptr + at + d, _quantized(v1, v_scale, FP8).to(dt), mask=mask)
-            tl.store(vc_ptr + at + HALF + d, _quantized(v2, v_scale, FP8).to(dt), mask=mask)
+        _keep_and_store(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, token, kvh, r1, r2, v1, v2, d, mask, stride_slot,
+                        k_scale, v_scale, KV_HEADS, HALF, FP8, KEEP)
 
 
 @triton.jit
@@ -136,20 +146,8 @@ def _rope_store_heads_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_p
         v_at = token * stride_row + (HEADS + KV_HEADS + kvh) * 2 * HALF
         v1 = tl.load(qkv_ptr + v_at + d, mask=mask)
         v2 = tl.load(qkv_ptr + v_at + HALF + d, mask=mask)
-        if KEEP:
-            kept = (token * KV_HEADS + kvh) * 2 * HALF
-            tl.store(k_ptr + kept + d, r1, mask=mask)
-            tl.store(k_ptr + kept + HALF + d, r2, mask=mask)
-            tl.store(v_ptr + kept + d, v1, mask=mask)
-            tl.store(v_ptr + kept + HALF + d, v2, mask=mask)
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        if slot >= 0:
-            at = slot * stride_slot + kvh * 2 * HALF
-            ct = kc_ptr.dtype.element_ty
-            tl.store(kc_ptr + at + d, _quantized(r1, k_scale, FP8).to(ct), mask=mask)
-            tl.store(kc_ptr + at + HALF + d, _quantized(r2, k_scale, FP8).to(ct), mask=mask)
-            tl.store(vc_ptr + at + d, _quantized(v1, v_scale, FP8).to(ct), mask=mask)
-            tl.store(vc_ptr + at + HALF + d, _quantized(v2, v_scale, FP8).to(ct), mask=mask)
+        _keep_and_store(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, token, kvh, r1, r2, v1, v2, d, mask, stride_slot,
+                        k_scale, v_scale, KV_HEADS, HALF, FP8, KEEP)
 
 
 HEADS_A_PROGRAM = int(os.environ.get("PDSERVE_ROPE_STORE_HEADS", "8"))  # 1: a program per head at every size
