@@ -121,10 +121,10 @@ def test_add_rmsnorm_rounds_like_the_torch_form(dtype):
                                    rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("heads_a_program", [1, 4])  # a program per head (decode), per block of heads (prompts)
+@pytest.mark.parametrize("hb", [1, 4])  # a program per head (decode), per block of heads (prompts)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (4, 1, 32), (6, 2, 16)], ids=str)
-def test_rope_store_matches_the_torch_form(shape, dtype, heads_a_program):
+def test_rope_store_matches_the_torch_form(shape, dtype, hb):
     from engine.kernels import triton_attention
     from engine.models.rope import Rotary
 
@@ -137,7 +137,7 @@ def test_rope_store_matches_the_torch_form(shape, dtype, heads_a_program):
     pools = [[torch.zeros(6, 8, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2)] for _ in range(2)]
     args = (rotary.cos[positions], rotary.sin[positions])
     want = paged.rope_store(qkv, *args, *pools[0], slots, heads, kv_heads)
-    got = triton_attention.rope_store(qkv, *args, *pools[1], slots, heads, kv_heads, heads_a_program=heads_a_program)
+    got = triton_attention.rope_store(qkv, *args, *pools[1], slots, heads, kv_heads, heads_a_program=hb)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3.2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     for a, b in zip(pools[1], pools[0]):
@@ -146,8 +146,7 @@ def test_rope_store_matches_the_torch_form(shape, dtype, heads_a_program):
     # keep: the same queries and pool, and the new keys and values as computed (a padding row's too)
     kept = [[torch.zeros_like(p) for p in pool] for pool in pools]
     want = paged.rope_store(qkv, *args, *kept[0], slots, heads, kv_heads, keep=True)
-    got = triton_attention.rope_store(qkv, *args, *kept[1], slots, heads, kv_heads, keep=True,
-                                      heads_a_program=heads_a_program)
+    got = triton_attention.rope_store(qkv, *args, *kept[1], slots, heads, kv_heads, keep=True, heads_a_program=hb)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol)
     for a, b in zip(kept[1] + kept[0], pools[1] + pools[0]):

@@ -122,22 +122,12 @@ def _rope_store_heads_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_p
     q_blocks: tl.constexpr = (HEADS + HB - 1) // HB
     d = tl.arange(0, BLOCK)[None, :]
     h = tl.arange(0, HB)[:, None]
-    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=d < HALF, other=0.0)
-    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=d < HALF, other=0.0)
-    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=d < HALF, other=0.0)
-    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=d < HALF, other=0.0)
-    dt = q_ptr.dtype.element_ty
-    c1, c2 = c1.to(dt).to(tl.float32), c2.to(dt).to(tl.float32)
-    s1, s2 = s1.to(dt).to(tl.float32), s2.to(dt).to(tl.float32)
     head = block * HB + h  # a query head (in a query block)
     kvh = (block - q_blocks) * HB + h  # a KV head (in a KV block)
     is_q = block < q_blocks
     mask = (d < HALF) & tl.where(is_q, head < HEADS, (kvh >= 0) & (kvh < KV_HEADS))
     base = token * stride_row + tl.where(is_q, head, HEADS + kvh) * 2 * HALF
-    x1 = tl.load(qkv_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(qkv_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    r1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)  # as ``rotate`` rounds
-    r2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    r1, r2 = rotate(qkv_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF, q_ptr.dtype.element_ty)
     if is_q:
         out = (token * HEADS + head) * 2 * HALF
         tl.store(q_ptr + out + d, r1, mask=mask)
