@@ -11,6 +11,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 
 
+@pytest.fixture
+def few_splits(monkeypatch):
+    """Tiny engines on the Triton kernels under the interpreter, where a program costs ~40 ms: decode attention split
+    for 2 stand-in SMs, not 8 (4 splits at batch 1, not 16). The kernels' own tests keep 8 (their many splits)."""
+    from engine.kernels import triton_attention
+    monkeypatch.setattr(triton_attention, "CPU_SMS", 2)
+
+
 @pytest.fixture(scope="session")
 def clusters():
     started = {"disagg": Cluster(), "colocated": Cluster("--colocated")}

@@ -24,6 +24,7 @@ def test_the_prefetch_kernel_reads_and_changes_nothing():
     assert pf.words_of(w).numel() == 300 * 70 and pf.words_of(w[:, :10]) is None  # strided: skipped
 
 
+@pytest.mark.usefixtures("few_splits")
 def test_tiny_engine_prefetching_during_attention_gives_the_same_tokens():
     from engine.kernels import l2_prefetch
     from tests.test_triton_gemv import batch1_on_the_kernels

@@ -92,6 +92,7 @@ def test_the_decode_path_takes_the_fused_kernel_only_when_enabled(monkeypatch):
     assert not fused.takes(torch.zeros(1, 8 * 24, device=DEVICE), torch.zeros(1, 16, 2, 24, device=DEVICE))  # 24
 
 
+@pytest.mark.usefixtures("few_splits")
 def test_tiny_engine_decodes_the_same_tokens_through_the_fused_kernel(monkeypatch):
     from engine import EngineConfig, SamplingParams
     from engine.engine import Engine

@@ -117,6 +117,7 @@ def test_linear_takes_only_the_rows_and_dtypes_it_has_tiles_for():
         _close(fr.linear(x, lin), lin(x))
 
 
+@pytest.mark.usefixtures("few_splits")
 def test_tiny_engine_on_the_kernel_gives_the_same_tokens(monkeypatch):
     """Decode steps of three sequences of the tiny model (fp32: bf16's rounding flips its near-tied tokens) with
     every projection on the kernel (split along K), the norms between them split into their epilogues: the greedy

@@ -121,6 +121,7 @@ def batch1_on_the_kernels():
     return fast, lambda: [generate_many(fast, [p], [greedy])[0][1].output_ids for p in prompts], want
 
 
+@pytest.mark.usefixtures("few_splits")
 def test_tiny_engine_with_the_gemv_kernel_gives_the_same_tokens():
     """Every batch-1 decode step of the tiny model (fp32) through the kernel: the norms deferred into q/k/v and
     gate/up, SiLU-times-up fused, o and down on it; the same greedy tokens as the torch forms."""

@@ -154,6 +154,7 @@ def test_rope_store_matches_the_torch_form(shape, dtype, hb):
     assert got[2].equal(qkv[:, (heads + kv_heads) * dim:].view(4, kv_heads, dim))
 
 
+@pytest.mark.usefixtures("few_splits")
 def test_tiny_engine_on_the_kernels_gives_the_same_tokens():
     from engine import EngineConfig, SamplingParams
     from engine.kernels import triton_attention as triton_ops, triton_layers
@@ -381,6 +382,7 @@ def test_fused_moe_matches_the_expert_loop(tokens, experts, top_k):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("few_splits")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode graphs capture the MoE kernels on CUDA")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
 def test_moe_engine_on_the_kernels_gives_the_same_tokens(tmp_path, family):

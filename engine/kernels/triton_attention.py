@@ -271,6 +271,7 @@ class DecodeConfig:
         return asdict(self)
 
 
+CPU_SMS = 8  # what splits_for counts on the CPU (the interpreter): enough splits to test the combine at small batch
 CONFIG = DecodeConfig(per_sm=int(os.environ.get("PDSERVE_DECODE_PER_SM", "4")))  # the variable: an A/B of splits
 SMALL = DecodeConfig(tile=128, stages=3)  # a few sequences: longer tiles per split (H200 sweep, 1 x 4k-8k context)
 FP8 = DecodeConfig(tile=128, stages=2)  # an FP8 pool at any batch: within 2% of the best (H200 sweep; 64 x 4: 1.4x)
@@ -284,14 +285,16 @@ def config_for(batch: int, kv_heads: int, fp8: bool = False) -> DecodeConfig:
 
 def splits_for(batch: int, kv_heads: int, device, config: DecodeConfig = CONFIG) -> int:
     """A power of two (a compile-time constant of the kernels: few variants, all compiled by ``precompile``)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else CPU_SMS
     want = max(1, min(config.max_splits, (config.per_sm * sms) // max(1, batch * kv_heads)))
     return 1 << (want.bit_length() - 1)
 
 
 def precompile(q, k_cache, v_cache, scale: float, window: int, max_batch: int) -> None:
     """Compile every variant ``decode`` can pick for up to ``max_batch`` sequences (a mixed step may have any
-    number of decode rows), so none compiles while serving."""
+    number of decode rows), so none compiles while serving. The interpreter compiles nothing: nothing to do."""
+    if INTERPRETED:
+        return
     kv_heads, fp8 = k_cache.shape[2], k_cache.dtype == torch.float8_e4m3fn
     tables = torch.zeros(max_batch, 2, dtype=torch.long, device=q.device)
     packed = torch.zeros(max_batch, 3, dtype=torch.long, device=q.device)  # the runner's tables: lengths last

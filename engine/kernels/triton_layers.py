@@ -87,11 +87,14 @@ def rotate(x_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF: tl.constexpr, dt
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, heads, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """A token's heads (``BLOCK_H`` of them) a program: under the interpreter a program per head made the tiny
+    engine tests' prompts thousands of programs."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    mask = d < HALF
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    mask = (d < HALF) & (head < heads)
     base = (token * heads + head) * 2 * HALF
     r1, r2 = rotate(x_ptr, base, cos_ptr, sin_ptr, token, d, mask, HALF, out_ptr.dtype.element_ty)
     tl.store(out_ptr + base + d, r1, mask=mask)
@@ -104,9 +107,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     out = []
     for x in (q.contiguous(), k.contiguous()):
         y = torch.empty_like(x)
-        half = x.shape[-1] // 2
-        _rotary_kernel[(x.shape[0], x.shape[1])](x, y, cos, sin, x.shape[1], HALF=half,
-                                                 BLOCK=triton.next_power_of_2(half))
+        half, heads = x.shape[-1] // 2, x.shape[1]
+        block_h = min(triton.next_power_of_2(heads), 8)
+        _rotary_kernel[(x.shape[0], triton.cdiv(heads, block_h))](x, y, cos, sin, heads, HALF=half,
+                                                                  BLOCK=triton.next_power_of_2(half), BLOCK_H=block_h)
         out.append(y)
     return out[0], out[1]
 
