@@ -198,3 +198,26 @@ def test_a_tile_that_does_not_fit_steps_down_to_two_stages_of_64():
         seen.append((tile.stages, tile.block_k))
         tile = smaller(tile)
     assert seen == [(4, 256), (3, 256), (2, 256), (2, 128), (2, 64)]
+
+
+def test_every_shipped_pick_names_a_swept_shape_and_a_tile_the_kernel_takes():
+    """``engine/kernels/picks/fewrow-*.json``: keys as ``pick_key`` writes them, tiles of powers of two (or null:
+    cuBLAS there), and loaded for that GPU's name."""
+    import json
+    import re
+
+    from engine.kernels import shipped_picks
+
+    fr = _fewrow()
+    files = sorted(shipped_picks.DIR.glob("fewrow-*.json"))
+    assert files, "no few-row picks shipped"
+    for path in files:
+        gpu = path.stem.split("-", 1)[1]
+        assert shipped_picks.path_for("fewrow", f"NVIDIA {gpu.upper()} 80GB HBM3") == str(path)
+        for key, tile in json.loads(path.read_text()).items():
+            kind, rows, n, k = re.fullmatch(r"(bf16|fp8|fp32)-(\d+)x(\d+)x(\d+)", key).groups()
+            assert fr.pick_key(kind, int(rows), int(n), int(k)) == key
+            if tile is not None:
+                config = fr.FewRowConfig(**tile)
+                assert all(v > 0 and v & (v - 1) == 0 for v in (config.block_n, config.block_k, config.warps,
+                                                                config.split_k)), (key, tile)
