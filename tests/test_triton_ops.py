@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tests.triton_env import DEVICE, needs_triton  # first: it sets the interpreter up where there is no GPU
-
 from engine.kernels import paged
 
 pytestmark = needs_triton
@@ -382,7 +381,6 @@ def test_fused_moe_matches_the_expert_loop(tokens, experts, top_k):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.usefixtures("few_splits")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode graphs capture the MoE kernels on CUDA")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
 def test_moe_engine_on_the_kernels_gives_the_same_tokens(tmp_path, family):
