@@ -5,6 +5,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.checkpoints import SLOW, write_checkpoint
 from tests.fleet import Fleet
@@ -44,6 +45,7 @@ def test_budget_queue_429_then_503_with_retry_after():
         assert 'pdserve_admission_rejected_total{status="429"} 1.0' in metrics
 
 
+@pytest.mark.serial
 def test_queued_request_is_served_when_memory_frees():
     with Fleet() as f:
         f.worker("p", "prefill")

@@ -1,6 +1,8 @@
 """Fast runs of every bench code path (tiny payloads, few requests)."""
 import json
 
+import pytest
+
 from deploy.cli import main
 
 
@@ -62,11 +64,10 @@ def test_bench_idle_small(tmp_path):
     assert report["summary"]["after decode"]["vs_after_decode"] == 1.0
 
 
+@pytest.mark.serial
 def test_bench_transfer_over_netns_link(tmp_path):
     import os
     import subprocess
-
-    import pytest
 
     if os.geteuid() != 0:
         pytest.skip("netns link emulation needs root")

@@ -138,6 +138,7 @@ def test_stalled_decode_times_out_and_prefill_frees_the_kv():
         assert complete(f.url).status_code == 200
 
 
+@pytest.mark.serial
 def test_client_disconnect_aborts_and_frees_within_a_second():
     with Fleet() as f:
         f.pair(router=("--heartbeat", "0.1"))
@@ -154,6 +155,7 @@ def test_client_disconnect_aborts_and_frees_within_a_second():
         assert 'pdserve_worker_active_sequences{role="decode"' in metrics
 
 
+@pytest.mark.serial
 def test_non_stream_client_that_gives_up_aborts_its_request():
     with Fleet() as f:
         f.pair(router=("--heartbeat", "0.1"))

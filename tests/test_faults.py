@@ -20,6 +20,8 @@ from tests.fleet import Fleet
 from tests.streams import StreamClient, started
 from tests.test_failures import complete, decode_is_clean, eventually, prefill_is_clean, two_decodes
 
+pytestmark = pytest.mark.serial  # network namespaces, and a hung worker out of the picks within 1.3 s
+
 BIG = {"model": "tiny-llama", "prompt": "The quick brown fox. " * 43, "max_tokens": 8, "temperature": 0,
        "ignore_eos": True}
 

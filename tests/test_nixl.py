@@ -9,6 +9,7 @@ pytest.importorskip("nixl")
 from kvtransfer import TransportConfig, make_receiver, make_sender  # noqa: E402
 
 
+@pytest.mark.serial
 def test_idle_nixl_agents_do_not_spin():
     cfg = TransportConfig(options={"nixl_pool_bytes": 16 << 20})
     receiver, sender = make_receiver("nixl", cfg), make_sender("nixl", cfg)

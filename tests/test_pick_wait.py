@@ -3,7 +3,11 @@ waits a few seconds for one before it answers 503, instead of failing at once.""
 import asyncio
 import time
 
+import pytest
+
 from router.workers import WorkerClient, WorkerGroup
+
+pytestmark = pytest.mark.serial  # waits of 0.2-1.5 s, timed
 
 
 class First:

@@ -160,6 +160,7 @@ def test_a_stage_that_disagrees_is_refused():
         stages._check({"stage": 1, "span": [2, 4], "model": {**own, "dtype": "torch.bfloat16"}}, own)
 
 
+@pytest.mark.serial
 def test_a_stage_that_dies_is_noticed_at_once():
     engine = pp_engine(pp=3)
     lost = []
