@@ -1,6 +1,9 @@
 import importlib.util
+import json
 import os
+import resource
 import secrets
+import time
 
 import pytest
 
@@ -9,6 +12,30 @@ from deploy.local import Cluster
 # Ray reads its auth settings when first imported: fix this session's token before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
+
+# Under pytest-xdist (tests/run.sh) each worker's clusters draw ports from a range of their own (deploy.up.port_range).
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and _worker[2:].isdigit() and "PDSERVE_PORT_RANGE" not in os.environ:
+    _low = 20000 + 2000 * (int(_worker[2:]) % 6)
+    os.environ["PDSERVE_PORT_RANGE"] = f"{_low}-{_low + 2000}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``PDSERVE_TEST_CPU=FILE``: each test's CPU seconds (this process and the children it reaped: its clusters)
+    and wall seconds appended to FILE as JSON lines, to find where the suite's time goes."""
+    path = os.environ.get("PDSERVE_TEST_CPU")
+    if not path:
+        yield
+        return
+    def cpu():
+        return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                              resource.RUSAGE_CHILDREN)))
+    c0, w0 = cpu(), time.monotonic()
+    yield
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu() - c0, 2),
+                            "wall_s": round(time.monotonic() - w0, 2)}) + "\n")
 
 
 @pytest.fixture

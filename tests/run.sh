@@ -11,12 +11,12 @@ python -m pip install -q --no-deps nixl nixl-cu12      # plain `nixl` would pull
 if ! command -v iperf3 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   timeout 180 apt-get install -y -q iperf3 >/dev/null 2>&1 || echo "iperf3 not installed; benchmarks fall back to a plain socket reference"
 fi
-# Three workers (pytest-xdist; on two cores the third fills the time the others wait on their clusters' sleeps and
-# timeouts) for all but the tests marked `serial` (bounds of about a second, or host-wide state such as network
-# namespaces), which then run alone so that no other test's load stretches their timings. PYTEST_WORKERS sets the
-# count; 0 runs everything in one process. Exit 5 (nothing selected, e.g. one file without serial tests) is fine.
+# Two workers (pytest-xdist; a third was no faster on two cores: the suite is CPU-bound) for all but the tests marked
+# `serial` (bounds of about a second, or host-wide state such as network namespaces), which then run alone so that
+# no other test's load stretches their timings. PYTEST_WORKERS sets the count; 0 runs everything in one process.
+# PDSERVE_TEST_CPU=FILE records each test's CPU and wall seconds (tests/conftest.py). Exit 5 (nothing selected, e.g. one file without serial tests) is fine.
 rc=0
-python -m pytest -q -n "${PYTEST_WORKERS:-3}" -m "not serial" --durations=25 "$@" || rc=$?
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" -m "not serial" --durations=25 "$@" || rc=$?
 [ $rc = 5 ] && rc=0
 src=0
 python -m pytest -q -m serial "$@" || src=$?

@@ -125,3 +125,13 @@ def test_up_passes_the_disagg_settings_to_its_router():
     assert router[router.index("--disagg-prefill-queue") + 1] == "6"
     args = _parser().parse_args(router[3:])  # the router's own command line
     assert (args.disagg, args.disagg_prefill_wait_ms, args.disagg_prefill_queue) == ("auto", 80.0, 6)
+
+
+def test_ports_come_from_the_range_named(monkeypatch):
+    from deploy.up import free_port
+
+    monkeypatch.setenv("PDSERVE_PORT_RANGE", "24000-24100")
+    assert all(24000 <= free_port() < 24100 for _ in range(20))
+    monkeypatch.setenv("PDSERVE_PORT_RANGE", "80-90")
+    with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
+        free_port()

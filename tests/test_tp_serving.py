@@ -42,7 +42,7 @@ def streams_of_the_reference(url: str, reference: list) -> list:
 
 
 @pytest.mark.parametrize("transport,prefill_tp,decode_tp", [
-    ("tcp", 2, 1), ("tcp", 1, 2), ("tcp", 2, 2), ("shm", 2, 1), ("shm", 1, 2), ("shm", 2, 2),
+    ("tcp", 2, 2), ("shm", 2, 1), ("shm", 1, 2), ("shm", 2, 2),
     ("arrow", 1, 2), ("nixl", 2, 1), ("pickle", 2, 2), ("nccl", 2, 1), ("nccl", 1, 2),
 ], ids=lambda v: str(v))
 def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, prefill_tp, decode_tp):
