@@ -265,6 +265,11 @@ def place_stages(args) -> None:
 
 
 def up(args) -> int:
+    try:
+        port_range()
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     if args.port == 0:
         args.port = free_port(args.host)
     if getattr(args, "pp_nodes", None):

@@ -135,3 +135,6 @@ def test_ports_come_from_the_range_named(monkeypatch):
     monkeypatch.setenv("PDSERVE_PORT_RANGE", "80-90")
     with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
         free_port()
+    from deploy.cli import main
+
+    assert main(["up", "--port", "0"]) == 2  # a clear error before anything starts
