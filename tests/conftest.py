@@ -28,6 +28,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not path:
         yield
         return
+
     def cpu():
         return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
                                                                               resource.RUSAGE_CHILDREN)))

@@ -14,7 +14,8 @@ fi
 # Two workers (pytest-xdist; a third was no faster on two cores: the suite is CPU-bound) for all but the tests marked
 # `serial` (bounds of about a second, or host-wide state such as network namespaces), which then run alone so that
 # no other test's load stretches their timings. PYTEST_WORKERS sets the count; 0 runs everything in one process.
-# PDSERVE_TEST_CPU=FILE records each test's CPU and wall seconds (tests/conftest.py). Exit 5 (nothing selected, e.g. one file without serial tests) is fine.
+# PDSERVE_TEST_CPU=FILE records each test's CPU and wall seconds (tests/conftest.py). Exit 5 (nothing selected,
+# e.g. one file without serial tests) is fine.
 rc=0
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" -m "not serial" --durations=25 "$@" || rc=$?
 [ $rc = 5 ] && rc=0

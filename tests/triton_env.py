@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 def _patch_the_language_once_a_launch() -> None:
     """Triton's interpreter patches ``triton.language`` at each launch (and undoes it after), and again, never undone,
     at each call of a ``@triton.jit`` helper inside the kernel: ~2 ms a call, a third of a tiny engine's time on the
