@@ -128,6 +128,7 @@ def test_up_passes_the_disagg_settings_to_its_router():
 
 
 def test_ports_come_from_the_range_named(monkeypatch):
+    from deploy.cli import main
     from deploy.up import free_port
 
     monkeypatch.setenv("PDSERVE_PORT_RANGE", "24000-24100")
@@ -135,6 +136,4 @@ def test_ports_come_from_the_range_named(monkeypatch):
     monkeypatch.setenv("PDSERVE_PORT_RANGE", "80-90")
     with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
         free_port()
-    from deploy.cli import main
-
     assert main(["up", "--port", "0"]) == 2  # a clear error before anything starts
