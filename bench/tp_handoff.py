@@ -38,13 +38,18 @@ def complete(url: str, model: str, prompt: str, tokens: int, logprobs: int | Non
     return r.json()["choices"][0]
 
 
-def served(args: list[str], model: str, prompts: list[str], tokens: int, logprobs: int | None = None) -> list:
+def served(args: list[str], model: str, prompts: list[str], tokens: int, logprobs: int | None = None,
+           check=None) -> list:
+    """The prompts' completions from a cluster of ``pdserve up`` ``args``; ``check(url)`` runs before it stops."""
     from deploy.local import Cluster
 
     cluster = Cluster(*args, ready_timeout=300)
     try:
         cluster.wait_ready()
-        return [complete(cluster.url, model, p, tokens, logprobs) for p in prompts]
+        got = [complete(cluster.url, model, p, tokens, logprobs) for p in prompts]
+        if check is not None:
+            check(cluster.url)
+        return got
     finally:
         cluster.stop()
 
@@ -110,16 +115,18 @@ LAYOUTS8 = {  # issue 32's run 4: groups of four hand KV to groups of two and ba
 
 
 def cross_tp(shape: list[str], model: str, refs: dict, layouts: dict, transport: str, tokens: int = 16,
-             prompts: list[str] | None = None) -> dict:
+             prompts: list[str] | None = None, check=None) -> dict:
     """Colocated references (``refs``: name -> ``pdserve up`` arguments, the first the one each is held to), then
     each handoff layout: greedy tokens and logprobs, how far each follows each reference. Two references of
-    different TP differ by the bf16 noise a handoff is judged against (fp32: by nothing)."""
+    different TP differ by the bf16 noise a handoff is judged against (fp32: by nothing). ``check(url, name)``:
+    more of each layout's cluster, before it stops."""
     prompts = prompts or [p * 8 for p in PROMPTS]
     runs = {name: served([*args, *shape], model, prompts, tokens, 5) for name, args in refs.items()}
     first = next(iter(refs))
     out = {"of": tokens, "references": {name: agreement(runs[first], runs[name]) for name in list(refs)[1:]}}
     for name, args in layouts.items():
-        got = served(["--transport", transport, *args, *shape], model, prompts, tokens, 5)
+        got = served(["--transport", transport, *args, *shape], model, prompts, tokens, 5,
+                     check and (lambda url, name=name: check(url, name)))
         out[name] = {ref: agreement(runs[ref], got) for ref in refs}
     return out
 

@@ -63,32 +63,6 @@ def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, pr
         cluster.stop()
 
 
-@pytest.mark.parametrize("layout", [
-    ("--prefill", "1", "--prefill-tp", "4", "--decode", "2", "--decode-tp", "2"),
-    ("--prefill", "2", "--prefill-tp", "2", "--decode", "1", "--decode-tp", "4"),
-], ids=["prefill-tp4-to-two-decode-tp2", "two-prefill-tp2-to-decode-tp4"])
-def test_groups_of_four_hand_kv_to_groups_of_two_and_back(reference, layout):
-    """Issue 32's eight-GPU layouts at the tiny model's scale (nccl's protocol over gloo, 2 KV heads: a group of
-    four holds each head twice): a prefill group of TP=4 hands its KV to two decode groups of TP=2, and two prefill
-    groups of TP=2 to one decode group of TP=4. Both stream the reference, every group takes part, and each decode
-    rank reports its own slice."""
-    cluster = Cluster(*layout, "--transport", "nccl", "--kv-option", "nccl_backend=gloo", "--device", "cpu")
-    try:
-        cluster.wait_ready()
-        decode_tp = int(layout[-1])
-        for _ in range(2):  # twice: with two groups on a side, the router's picks reach both
-            for c in streams_of_the_reference(cluster.url, reference):
-                assert len(c.pdserve["kv_ranks"]) == decode_tp and all(r["bytes"] > 0 for r in c.pdserve["kv_ranks"])
-        workers = health(cluster.url)["workers"]
-        assert [w["tp"] for w in workers["prefill"]] == [int(layout[3])] * int(layout[1])
-        assert [w["tp"] for w in workers["decode"]] == [decode_tp] * int(layout[5])
-        assert all(w["prefix_prompt_tokens"] > 0 for w in workers["prefill"]), workers["prefill"]
-        assert all(w["completed"] > 0 for w in workers["decode"]), workers["decode"]
-        assert eventually(lambda: all_back(cluster.url), 30, 0.5)
-    finally:
-        cluster.stop()
-
-
 def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
     cluster = Cluster("--decode", "2", "--decode-tp", "2").wait_ready()
     try:
@@ -165,16 +139,36 @@ def test_prefill_and_decode_of_different_models_are_a_clear_error(tmp_path):
         fleet.stop()
 
 
-def test_the_eight_gpu_cross_tp_check_holds_on_the_cpu():
-    """``bench.tp_handoff.cross_tp``, what issue 32's run 4 runs on 8 GPUs with Llama-3-70B, here with the tiny
-    model in fp32: both layouts of ``LAYOUTS8`` (without their ``--gpus``) follow colocated TP=4 and TP=1 token for
-    token, logprobs within fp32 rounding."""
+def test_the_eight_gpu_layouts_hand_kv_between_groups_of_four_and_two_on_the_cpu(reference):
+    """Issue 32's run 4 (``bench.tp_handoff.cross_tp`` over ``LAYOUTS8``, without their ``--gpus``) at the tiny
+    model's scale in fp32 (nccl's protocol over gloo, 2 KV heads: a group of four holds each head twice): a prefill
+    group of TP=4 hands its KV to two decode groups of TP=2, and two prefill groups of TP=2 to one decode group of
+    TP=4. Both follow colocated TP=4 and TP=1 token for token, logprobs within fp32 rounding; streamed at once twice
+    (with two groups on a side, the router's picks reach both) they give the reference, every group takes part, and
+    each decode rank reports its own slice."""
     from bench.tp_handoff import LAYOUTS8, cross_tp
 
     shape = ["--dtype", "float32", "--device", "cpu", "--kv-option", "nccl_backend=gloo"]
     layouts = {name: args[:args.index("--gpus")] for name, args in LAYOUTS8.items()}
     refs = {"colocated-tp4": ["--colocated", "--tp", "4"], "colocated-tp1": ["--colocated"]}
-    out = cross_tp(shape, "tiny-llama", refs, layouts, "nccl", tokens=8, prompts=PROMPTS)
+    checked = []
+
+    def groups_take_part(url: str, name: str) -> None:
+        layout = layouts[name]
+        decode_tp = int(layout[layout.index("--decode-tp") + 1])
+        for _ in range(2):
+            for c in streams_of_the_reference(url, reference):
+                assert len(c.pdserve["kv_ranks"]) == decode_tp and all(r["bytes"] > 0 for r in c.pdserve["kv_ranks"])
+        workers = health(url)["workers"]
+        assert [w["tp"] for w in workers["prefill"]] == [int(layout[3])] * int(layout[1])
+        assert [w["tp"] for w in workers["decode"]] == [decode_tp] * int(layout[5])
+        assert all(w["prefix_prompt_tokens"] > 0 for w in workers["prefill"]), workers["prefill"]
+        assert all(w["completed"] > 0 for w in workers["decode"]), workers["decode"]
+        assert eventually(lambda: all_back(url), 30, 0.5)
+        checked.append(name)
+
+    out = cross_tp(shape, "tiny-llama", refs, layouts, "nccl", tokens=8, prompts=PROMPTS, check=groups_take_part)
+    assert checked == list(layouts)
     checks = [out["references"]["colocated-tp1"]] + [out[name][ref] for name in layouts for ref in refs]
     assert len(checks) == 5
     for c in checks:
