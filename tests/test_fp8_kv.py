@@ -79,7 +79,7 @@ def _capture(kv_cache_dtype: str, dtype: str):
 
 
 def test_fp8_kv_error_against_the_models_own_kv():
-    """Attention output within 5% per layer (the e4m3 floor: ~2.7% on V alone, the K error adds; see README), logits
+    """Attention output within 5% per layer (the e4m3 floor: ~2.7% on V alone, the K error adds; see bench/RESULTS.md, FP8), logits
     cosine >= 0.99."""
     ref, ref_logits = _capture("auto", "bfloat16")
     got, got_logits = _capture("fp8", "bfloat16")
