@@ -82,7 +82,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden: int, group: TPGroup = SINGLE):
         self.start, rows = vocab_slice(vocab_size, group)
-        super().__init__(rows, hidden)
+        # uninitialised (weights are loaded): nn.Embedding's own init on the meta device imports torch._dynamo (~2 s)
+        super().__init__(rows, hidden, _weight=torch.empty(rows, hidden))
         mark(self, "weight", 0, [(self.start, rows)], vocab_size)
         self.group = group
 
