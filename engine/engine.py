@@ -11,6 +11,7 @@ after its first token with its blocks kept, so its KV can be sent, then
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_BUDGET = 2 << 30
+CPU_DEFAULT_BUDGET = int(os.environ.get("PDSERVE_CPU_KV_MIB", "2048")) << 20  # a CPU pool's size without --kv-budget
 
 
 @dataclass
