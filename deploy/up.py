@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 from deploy.supervise import Child, Supervisor
@@ -204,24 +205,37 @@ def plan(args) -> list[list[str]]:
 
 def wait_ready(url: str, procs, timeout: float) -> dict:
     """The router's /health once every worker it knows is healthy (a worker still loading its model would leave
-    the first requests, and a benchmark's first rate, to part of the cluster)."""
+    the first requests, and a benchmark's first rate, to part of the cluster). A child that exits before the router
+    first said ready is a failed start; one that exits after it (``ready_since``: clients polling /health may be
+    using the cluster) is left to the supervisor, which restarts it."""
     end, waiting = time.monotonic() + timeout, "the router"
     while time.monotonic() < end:
         dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                health = json.loads(r.read())
-        except OSError:
-            time.sleep(0.3)
-            continue
-        loading = unhealthy_workers(health)
-        if not loading:
+        health = _health(url)
+        if health is not None and health.get("status") == "ok" and not unhealthy_workers(health):
             return health
-        waiting = ", ".join(loading)
+        if dead and not (health or {}).get("ready_since"):
+            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
+        if dead:
+            return health
+        if health is not None:
+            waiting = ", ".join(unhealthy_workers(health)) or health.get("status", "the router")
         time.sleep(0.3)
     raise TimeoutError(f"cluster not healthy after {timeout:.0f}s (waiting for {waiting})")
+
+
+def _health(url: str) -> dict | None:
+    """The router's /health body, 503s included; None while it does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
 
 
 def unhealthy_workers(health: dict) -> list[str]:

@@ -97,3 +97,55 @@ def test_up_waits_for_every_worker_not_just_the_router():
     assert unhealthy_workers({"workers": {"prefill": [], "decode": []}}) == ["workers to register"]
     ready = {"workers": {"colocated": [{"address": "tcp://a", "healthy": True}]}}
     assert unhealthy_workers(ready) == []
+
+
+def test_a_worker_killed_once_the_router_said_ready_is_restarted_not_a_failed_start():
+    """``up`` polls the router's /health as clients do, and a client may kill a worker between the router first
+    saying ready and ``up``'s next look: the router, one role short, answers 503 but with ``ready_since``, and the
+    child is the supervisor's to restart, not a failed start that takes the cluster down. A child that exits
+    before the router was ever ready is one."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import pytest
+
+    from deploy.up import wait_ready
+
+    healthy = {"prefill": [{"address": "tcp://a", "healthy": True}], "decode": [{"address": "tcp://b", "healthy": True}]}
+    one_short = {**healthy, "decode": [{"address": "tcp://b", "healthy": False}]}
+    state = {}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(state["health"]).encode()
+            self.send_response(200 if state["health"]["status"] == "ok" else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Killed:  # a decode worker that got SIGKILL
+        args, returncode = ["python", "-m", "deploy.cli", "decode", "--host", "127.0.0.1"], -9
+
+        def poll(self):
+            return self.returncode
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        state["health"] = {"status": "unavailable", "ready_since": 1.5e9, "workers": one_short}
+        assert wait_ready(url, [Killed()], 5) == state["health"]
+        state["health"] = {"status": "unavailable", "ready_since": None, "workers": one_short}
+        with pytest.raises(RuntimeError, match="a child exited early: decode"):
+            wait_ready(url, [Killed()], 5)
+        state["health"] = {"status": "ok", "ready_since": 1.5e9, "workers": healthy}
+        assert wait_ready(url, [], 5) == state["health"]
+        state["health"] = {"status": "warming", "ready_since": None, "workers": healthy}
+        with pytest.raises(TimeoutError, match="warming"):
+            wait_ready(url, [], 1)
+    finally:
+        server.shutdown()

@@ -23,6 +23,7 @@ class RouterState:
     admission: Admission
     groups: dict
     api_key: str | None = None
+    ready_since: float | None = None  # when /health first answered ok (``pdserve up``: the cluster has started)
 
     @property
     def mode(self) -> str:

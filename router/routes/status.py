@@ -1,7 +1,9 @@
 """``/v1/models``, ``/health`` (200 when a worker of every role a request needs is in the picks and the pairs
 seen at start-up are warm (``router.warmup``; 503 with status ``warming`` until then), with what each worker last
-reported) and ``/metrics`` (Prometheus)."""
+reported and ``ready_since``, when it first answered 200) and ``/metrics`` (Prometheus)."""
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -26,7 +28,10 @@ async def health(st: RouterState = Depends(router_state)):
     ok, warm = st.service.ready(), st.service.warmer.status()
     problems = st.service.mismatches()
     status = "ok" if ok and warm["ready"] else "warming" if ok else "unavailable"
-    return JSONResponse({"status": status, "mode": st.mode, "workers": workers, "pairs": warm,
+    if status == "ok" and st.ready_since is None:
+        st.ready_since = time.time()
+    return JSONResponse({"status": status, "mode": st.mode, "ready_since": st.ready_since, "workers": workers,
+                         "pairs": warm,
                          **({"problems": problems} if problems else {}),
                          "admission": {"queued": st.admission.queued, "in_flight": len(st.service.inboxes),
                                        "reserved": len(st.admission.reserved)}},
