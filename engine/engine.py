@@ -34,7 +34,6 @@ from .step_budget import PrefillBudget, StepLog, StepRecord
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
-
 CPU_DEFAULT_BUDGET = int(os.environ.get("PDSERVE_CPU_KV_MIB", "2048")) << 20  # a CPU pool's size without --kv-budget
 
 
