@@ -214,10 +214,10 @@ def wait_ready(url: str, procs, timeout: float) -> dict:
         health = _health(url)
         if health is not None and health.get("status") == "ok" and not unhealthy_workers(health):
             return health
-        if dead and not (health or {}).get("ready_since"):
-            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
         if dead:
-            return health
+            if (health or {}).get("ready_since"):
+                return health  # clients were told ready: the supervisor restarts the child
+            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
         if health is not None:
             waiting = ", ".join(unhealthy_workers(health)) or health.get("status", "the router")
         time.sleep(0.3)
