@@ -142,6 +142,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "of the picks after max(1s, 2 intervals) without a pong, its requests failed after max(3s, 6))")
     r.add_argument("--retries", type=int, default=None, help="times a request that failed before decode streamed a "
                    "token runs again on other workers (default 2)")
+    r.add_argument("--retry-wait", type=float, default=None, help="seconds a retry waits for a worker of each role it "
+                   "needs to be in the picks, e.g. a restarting one (default 3)")
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -182,6 +184,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
                    "streamed a token runs again on other workers")
+    u.add_argument("--retry-wait", type=float, default=3.0, help="router: seconds a retry waits for a worker to be in "
+                   "the picks (with one worker of a role: longer than it takes to restart)")
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")

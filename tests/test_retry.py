@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from deploy.local import Cluster
+from deploy.local import Cluster, children_of
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
 from engine.generate import generate_many
@@ -67,6 +67,23 @@ def test_up_decode_killed_then_eight_requests_at_once_all_succeed():
         assert len(failed) == on_victim >= 1 and all(c.ended_at - killed_at <= 5 for c in failed)
         assert all(c.finished and c.tokens == LONG["max_tokens"] for c in clients if not c.error)
         assert eventually(lambda: all_back(cluster.url), 60, 0.5)  # `up` restarted it
+    finally:
+        cluster.stop()
+
+
+def test_the_only_decode_worker_killed_the_next_request_waits_for_its_restart():
+    """One decode worker: a request right after its SIGKILL waits (``--retry-wait``) for ``up`` to restart it and
+    succeeds, where the default 3 s is about a restart's time on two cores."""
+    cluster = Cluster("--retry-wait", "60").wait_ready()
+    try:
+        router = [pid for pid in children_of(cluster.proc.pid) if "router" in open(f"/proc/{pid}/cmdline").read()]
+        assert "--retry-wait\x0060.0\x00" in open(f"/proc/{router[0]}/cmdline").read()
+        victim = health(cluster.url)["workers"]["decode"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        r = httpx.post(cluster.url + "/v1/completions", json={**SHORT, "max_tokens": 4}, timeout=90)
+        assert r.status_code == 200, r.text
+        back = health(cluster.url)["workers"]["decode"][0]
+        assert back["pid"] != victim["pid"] and back["restarts"] == 1
     finally:
         cluster.stop()
 
