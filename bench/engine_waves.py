@@ -51,7 +51,7 @@ def wave(engine, seqs: list, concurrency: int) -> dict:
         if out.scheduled:
             kinds[kind].append((ms, prompt))
         now = time.perf_counter()
-        for seq, _ in out.tokens:
+        for seq in (tok.seq for tok in out.tokens):
             first.setdefault(id(seq), now - added[id(seq)])
         for seq in [s for s in live if s.finished]:
             live.discard(seq)

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MIN_DRAIN_S = 0.3
 ROUTER_LOST_S = 5.0
+PROGRESS_EVERY_S = 1.0  # a request's ``progress`` messages, at most this often (the router's stall watchdog)
 
 
 class WorkerLoop:
@@ -46,6 +47,8 @@ class WorkerLoop:
         self.draining_since: float | None = None
         self.restarts = int(os.environ.get("PDSERVE_RESTARTS", "0") or 0)
         self._local = threading.local()
+        self.progressed: dict[str, float] = {}  # rid -> when its last ``progress`` went out
+        self.muted = Muted.from_env()
 
     def info(self) -> dict:
         return {"role": self.role}
@@ -92,6 +95,7 @@ class WorkerLoop:
             self.on_abort(rid)
         else:
             self.reply_to[rid] = identity
+            self.muted.consider(rid, msg)
         self.inbox.put(msg)
 
     def profile_steps(self, engine) -> None:
@@ -160,13 +164,44 @@ class WorkerLoop:
         identity = self.reply_to.get(rid)
         if identity is None:
             return
+        if op in ("done", "error"):
+            self.reply_to.pop(rid, None)
+        if op != "progress":
+            self.progressed.pop(rid, None)
+        if self.muted.drops(rid, op):
+            return
         outbox = getattr(self._local, "outbox", None)
         if outbox is None:
             self.server.send(identity, op, rid=rid, **fields)
         else:
             outbox.setdefault(identity, []).append({"op": op, "rid": rid, **fields})
-        if op in ("done", "error"):
-            self.reply_to.pop(rid, None)
+
+    def report_progress(self, out, waiting=()) -> None:
+        """After a step: ``progress`` for the prompts it computed a chunk of without a token yet (``prefilling``) and
+        for those still ``queued`` behind it (``waiting``: sequences), each at most every ``PROGRESS_EVERY_S``: the
+        router's stall watchdog hears that they move (``router.waits``)."""
+        now = time.monotonic()
+        done = {id(tok.seq) for tok in out.tokens}
+        for state, seqs in (("prefilling", [s for s in out.scheduled if id(s) not in done and not s.output_ids]),
+                            ("queued", waiting)):
+            for seq in seqs:
+                if seq.rid in self.reply_to and now - self.progressed.get(seq.rid, 0.0) >= PROGRESS_EVERY_S:
+                    self.progressed[seq.rid] = now
+                    self.emit(seq.rid, "progress", state=state)
+
+    def where_is(self, rid: str) -> str:
+        """Where this worker's scheduler has request ``rid`` (logged when the router gives it up as stalled)."""
+        scheduler = getattr(getattr(self, "engine", None), "scheduler", None)
+        for name in ("waiting", "running"):
+            for seq in list(getattr(scheduler, name, ())):
+                if seq.rid == rid:
+                    return (f"{name} in the scheduler: {seq.num_computed} of {len(seq.prompt_ids)} prompt tokens "
+                            f"computed, {seq.num_output} output tokens, {seq.pending} on the device, finish "
+                            f"{seq.finish_reason}")
+        places = [name for name in ("live", "waiting", "held", "landing", "sending") if rid in getattr(self, name, {})]
+        places += ["blocked (waiting for blocks)"] if any(e[0].rid == rid for e in getattr(self, "blocked", ())) else []
+        return f"not in the scheduler; in {', '.join(places)}" if places else "unknown to this worker (finished, " \
+            "aborted, or never received)"
 
     @contextlib.contextmanager
     def batched(self):
@@ -267,6 +302,11 @@ class WorkerLoop:
         if msg["op"] == "_kv_snapshot":
             self.server.send(msg["to"], "kv_events", reset=True, stored=self.prefix_blocks.keys(), evicted=[])
             return
+        if msg["op"] == "abort":
+            self.progressed.pop(msg["rid"], None)
+        if msg["op"] == "abort" and msg.get("reason") == "stalled":
+            log.warning("request %s given up by the router as stalled; here it was %s", msg["rid"],
+                        self.where_is(msg["rid"]))
         try:
             self.handle(msg)
         except Exception as e:
@@ -286,3 +326,35 @@ def fixed_world(transport: str, engine_cfg) -> None:
     if getattr(engine_cfg, "tp", 1) > 1 and transport == "mlx":
         raise ValueError(f"--transport {transport} pairs two processes in one fixed world and cannot carry the KV "
                          f"of --tp {engine_cfg.tp} groups; use tcp, shm, nccl, nixl, arrow, ray or pickle")
+
+
+class Muted:
+    """A test hook (``PDSERVE_TEST_MUTE=MARKER[@N],...``): of each request whose prompt holds a MARKER, every message
+    after the first N (default 0; ``progress`` not counted) is dropped, the engine otherwise untouched: a stall the
+    router must notice."""
+
+    def __init__(self, markers: dict | None = None):
+        self.markers, self.left = markers or {}, {}
+
+    @classmethod
+    def from_env(cls) -> "Muted":
+        spec = os.environ.get("PDSERVE_TEST_MUTE", "")
+        pairs = [item.partition("@") for item in spec.split(",") if item]
+        return cls({marker: int(after or 0) for marker, _, after in pairs})
+
+    def consider(self, rid: str, msg: dict) -> None:
+        if not self.markers or msg.get("op") not in ("generate", "prefill"):
+            return
+        prompt = str(msg.get("prompt") or msg.get("messages"))
+        for marker, after in self.markers.items():
+            if marker in prompt:
+                log.warning("test hook: the messages of %s after its first %d are dropped", rid, after)
+                self.left[rid] = after
+
+    def drops(self, rid: str, op: str) -> bool:
+        if rid not in self.left:
+            return False
+        if self.left[rid] <= 0 or op == "progress":
+            return self.left[rid] <= 0
+        self.left[rid] -= 1
+        return False

@@ -104,13 +104,14 @@ class MixedWorker(DecodeWorker):
         self.for_others[rid] = (seq, dest, skip if isinstance(skip, list) else [], time.perf_counter())
         self.engine.add(seq)
 
-    def _emit(self, seq, text):
+    def _emit(self, tok):
+        seq = tok.seq
         entry = self.for_others.pop(seq.rid, None)
         if entry is None:
-            return super()._emit(seq, text)
+            return super()._emit(tok)
         _, dest, skip, received = entry
         now, scheduled = time.perf_counter(), seq.scheduled_at or received
-        self.emit(seq.rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - received) * 1e3),
+        self.emit(seq.rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - received) * 1e3),
                   kv_tp=1)
         if seq.finished:
             self.engine.free(seq)

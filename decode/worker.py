@@ -361,32 +361,36 @@ class DecodeWorker(WorkerLoop):
                 self._finish(seq.rid)
                 self.fail(seq.rid, 400,
                           f"the request needs more KV blocks than this worker has ({self.engine.num_blocks})")
-            for seq, text in out.tokens:
-                self._emit(seq, text)
+            for tok in out.tokens:
+                self._emit(tok)
+            self.report_progress(out, getattr(getattr(self.engine, "scheduler", None), "waiting", ()))
 
-    def _emit(self, seq, text):
+    def _emit(self, tok):
+        """One token out, as what it is: ``first`` (a prompt computed here), ``tokens``, or ``done`` with the finish
+        it caused; ``index`` (its place among the outputs) lets the router see a token lost or out of order."""
+        seq = tok.seq
         live = self.live.get(seq.rid)
         if live is None:
             return
-        if live.colocated and seq.num_output == 1:
+        if live.colocated and tok.first:
             now, scheduled = time.perf_counter(), seq.scheduled_at or live.started
-            self.emit(seq.rid, "first", **first_message(seq, text, (now - scheduled) * 1e3,
-                                                         (scheduled - live.started) * 1e3))
+            self.emit(seq.rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - live.started) * 1e3))
             live.started = time.perf_counter()
-            if seq.finished:
+            if tok.finish_reason:
                 self._finish(seq.rid)
+                self.completed += 1
                 self.reply_to.pop(seq.rid, None)
             return
-        if not seq.finished:
-            self.emit(seq.rid, "tokens", ids=[seq.last_token], text=text, logprobs=seq.take_logprobs())
+        if not tok.finish_reason:
+            self.emit(seq.rid, "tokens", ids=[tok.token], text=tok.text, logprobs=tok.logprobs, index=tok.index)
             return
         self._finish(seq.rid)
         self.completed += 1
         decode_ms = (time.perf_counter() - live.started) * 1e3
         phases = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
-        self.emit(seq.rid, "done", ids=[seq.last_token], text=text, finish_reason=seq.finish_reason,
-                  completion_tokens=seq.num_output, timing={"decode": decode_ms, **pp_timing(seq)}, phases=phases,
-                  logprobs=seq.take_logprobs())
+        self.emit(seq.rid, "done", ids=[tok.token], text=tok.text, finish_reason=tok.finish_reason,
+                  completion_tokens=tok.index + 1, timing={"decode": decode_ms, **pp_timing(seq)}, phases=phases,
+                  logprobs=tok.logprobs, index=tok.index)
 
     def close(self):
         if self.receiver:

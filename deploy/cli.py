@@ -11,6 +11,9 @@ import sys
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
+              "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
+
 def kv_option(text: str) -> tuple[str, object]:
     """``KEY=VALUE``; the value becomes a bool, an int (sizes like 2G too) or stays a string."""
     key, sep, value = text.partition("=")
@@ -144,6 +147,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "token runs again on other workers (default 2)")
     r.add_argument("--retry-wait", type=float, default=None, help="seconds a retry waits for a worker of each role it "
                    "needs to be in the picks, e.g. a restarting one (default 3)")
+    r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -186,6 +190,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "streamed a token runs again on other workers")
     u.add_argument("--retry-wait", type=float, default=3.0, help="router: seconds a retry waits for a worker to be in "
                    "the picks (with one worker of a role: longer than it takes to restart)")
+    u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")

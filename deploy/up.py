@@ -190,7 +190,8 @@ def plan(args) -> list[list[str]]:
     router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
                      "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5)),
                      "--retries", str(getattr(args, "retries", 2)),
-                     "--retry-wait", str(getattr(args, "retry_wait", 3.0)), "--disagg", getattr(args, "disagg", "always"),
+                     "--retry-wait", str(getattr(args, "retry_wait", 3.0)),
+                     "--stall-timeout", str(getattr(args, "stall_timeout", 30.0)), "--disagg", getattr(args, "disagg", "always"),
                      "--disagg-local-tokens", str(getattr(args, "disagg_local_tokens", 512))]
     if getattr(args, "disagg_prefill_queue", None):
         router += ["--disagg-prefill-queue", str(args.disagg_prefill_queue)]

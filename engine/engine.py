@@ -21,6 +21,7 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, free_memory
 from .decode_path import engine_graphs
+from .emitted import Emitted
 from .loader import load, rank_device
 from .model_runner import ModelRunner, StepRow, step_rows
 from .models.llama import use_fp8_kv
@@ -39,7 +40,7 @@ CPU_DEFAULT_BUDGET = int(os.environ.get("PDSERVE_CPU_KV_MIB", "2048")) << 20  # 
 
 @dataclass
 class StepOutput:
-    tokens: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # Emitted, in order (a sequence can have two: ``engine.emitted``)
     refused: list = field(default_factory=list)
     scheduled: list = field(default_factory=list)
     batch_tokens: int = 0
@@ -337,7 +338,7 @@ class Engine:
         previous.finish(lambda seq, delta: self._took(seq, delta, out, True))
 
     def _took(self, seq: Sequence, delta: str, out: StepOutput, held: bool = False) -> None:
-        out.tokens.append((seq, delta))
+        out.tokens.append(Emitted.of(seq, delta))
         if held:
             self.register(seq)
         hold = self.hold_after_first or seq.hold_after_first

@@ -7,26 +7,32 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 
-def generate_many(engine: Engine, prompts: list, params: list[SamplingParams]) -> list[tuple[str, Sequence]]:
-    """Run several prompts batched together until all finish; ``(text, sequence)`` each."""
+def generate_all(engine: Engine, prompts: list, params: list[SamplingParams]) -> list[tuple[str, Sequence, list]]:
+    """Run several prompts batched together until all finish; ``(text, sequence, logprob entries)`` each (the
+    entries are empty unless ``params.logprobs`` is set)."""
     seqs = [Sequence.create(f"local-{i}", p, sp, engine.tokenizer, engine.max_len) for i, (p, sp) in enumerate(zip(prompts, params))]
-    texts = {id(s): "" for s in seqs}
+    texts, logprobs = {id(s): "" for s in seqs}, {id(s): [] for s in seqs}
     for seq in seqs:
         engine.add(seq)
     while not all(s.finished for s in seqs):
         out = engine.step()
         if out.refused:
             raise RuntimeError(f"{len(out.refused)} sequences do not fit in the KV pool")
-        for seq, delta in out.tokens:
-            if id(seq) in texts:
-                texts[id(seq)] += delta
-    return [(texts[id(s)], s) for s in seqs]
+        for tok in out.tokens:
+            if id(tok.seq) in texts:
+                texts[id(tok.seq)] += tok.text
+                logprobs[id(tok.seq)] += tok.logprobs or []
+    return [(texts[id(s)], s, logprobs[id(s)]) for s in seqs]
+
+
+def generate_many(engine: Engine, prompts: list, params: list[SamplingParams]) -> list[tuple[str, Sequence]]:
+    """Run several prompts batched together until all finish; ``(text, sequence)`` each."""
+    return [(text, seq) for text, seq, _ in generate_all(engine, prompts, params)]
 
 
 def generate_sequence(engine: Engine, prompt, params: SamplingParams) -> tuple[str, Sequence, list]:
     """``(text, sequence, logprob entries)``; the entries are empty unless ``params.logprobs`` is set."""
-    text, seq = generate_many(engine, [prompt], [params])[0]
-    return text, seq, seq.take_logprobs() or []
+    return generate_all(engine, [prompt], [params])[0]
 
 
 def generate(engine: Engine, prompt, params: SamplingParams) -> tuple[str, list[int], str]:

@@ -6,6 +6,7 @@ one process would: the prompt's token ids and the fully resolved sampling
 parameters (``max_tokens`` settled against the context limit)."""
 from __future__ import annotations
 
+from .emitted import Emitted
 from .errors import RequestError
 from .sampling import SamplingParams
 from .sequence import Sequence, logprob_entry
@@ -65,16 +66,18 @@ def guided(engine, seq: Sequence) -> Sequence:
     return seq
 
 
-def first_message(seq: Sequence, text: str, prefill_ms: float, queue_ms: float) -> dict:
+def first_message(tok: Emitted, prefill_ms: float, queue_ms: float) -> dict:
+    """``first`` for a sequence's first token (``tok``: what the step emitted for it, ``engine.emitted``)."""
+    seq = tok.seq
     out = {
-        "token": seq.output_ids[-1],
-        "text": text,
-        "emitted": seq.detok.emitted,
+        "token": tok.token,
+        "text": tok.text,
+        "emitted": tok.emitted,
         "prompt_tokens": len(seq.prompt_ids),
         "prompt_ids": seq.prompt_ids,
         "params": seq.params.to_dict(),
-        "finish_reason": seq.finish_reason,
-        "logprobs": seq.take_logprobs(),
+        "finish_reason": tok.finish_reason,
+        "logprobs": tok.logprobs,
         "timing": {"queue": queue_ms, "prefill": prefill_ms},
     }
     out["timing"].update(pp_timing(seq))

@@ -198,12 +198,13 @@ class PrefillWorker(WorkerLoop):
         for seq in out.refused:
             self._drop(seq.rid, seq)
             self.fail(seq.rid, 400, f"the prompt needs more KV blocks than this worker has ({self.engine.num_blocks})")
-        for seq, text in out.tokens:
-            entry = self.live.pop(seq.rid, None)
+        for tok in out.tokens:
+            entry = self.live.pop(tok.seq.rid, None)
             if entry is None:
-                self.engine.free(seq)
+                self.engine.free(tok.seq)
                 continue
-            self._first(seq, text, entry[1], entry[2], entry[4])
+            self._first(tok, entry[1], entry[2], entry[4])
+        self.report_progress(out, getattr(getattr(self.engine, "scheduler", None), "waiting", ()))
 
     def _scheduled(self, batch):
         """Before a step's forward: prompts whose last chunk it computes start streaming their KV now."""
@@ -262,10 +263,11 @@ class PrefillWorker(WorkerLoop):
             self._unqueue(entry)
         self.engine.free(seq)
 
-    def _first(self, seq, text, dest, queued_at, skip=()):
+    def _first(self, tok, dest, queued_at, skip=()):
+        seq = tok.seq
         rid, now = seq.rid, time.perf_counter()
         scheduled = seq.scheduled_at or queued_at
-        self.emit(rid, "first", **first_message(seq, text, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
+        self.emit(rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
                   kv_tp=self.engine.group.size if self.paged else 1,  # the mlx engine sends whole heads
                   **kv_spans(self.engine, dest))
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends

@@ -30,8 +30,8 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
     admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
-                      retry_wait_s=cfg.retry_wait_s,
-                      disagg=cfg.disagg_policy())
+                      retry_wait_s=cfg.retry_wait_s, disagg=cfg.disagg_policy(),
+                      stall_timeout_s=cfg.stall_timeout_s)
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
     return RouterState(cfg, service, metrics, admission, groups, api_key)
@@ -62,7 +62,7 @@ async def tick(st: RouterState) -> None:
         await asyncio.sleep(TICK_S)
         st.admission.wake()
         st.metrics.queue.set(st.admission.queued)
-        st.service.expire_waits()
+        st.service.waits.expire()
 
 
 def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | None = None) -> FastAPI:

@@ -20,6 +20,7 @@ class RouterConfig:
     tokenizer: str = ""
     first_timeout_s: float = 300.0
     token_timeout_s: float = 60.0
+    stall_timeout_s: float = 30.0  # a request with no word from its worker for this long fails (0: never; router.waits)
     heartbeat_s: float = 0.25
     stale_after_s: float = 1.0  # no pong for this long: out of the picks
     dead_after_s: float = 3.0  # no pong for this long: the requests it owns fail (and are retried)
@@ -40,6 +41,8 @@ class RouterConfig:
             raise ValueError(f"policy {self.policy!r} not in {sorted(POLICIES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must be >= 0 (0 turns the stall watchdog off)")
         if self.retries < 0 or self.retry_wait_s < 0:
             raise ValueError("retries and retry_wait_s must be >= 0")
         if not 0 < self.heartbeat_s < self.stale_after_s <= self.dead_after_s:

@@ -51,6 +51,9 @@ class Metrics:
                                ["reason"], registry=r)
         self.disagg = Counter("pdserve_disagg_requests", "Prompts prefilled on a prefill worker (remote) or on their "
                               "decode worker (local), by why (router.disagg)", ["where", "reason"], registry=r)
+        self.stalled = Counter("pdserve_requests_stalled", "Requests failed by the stall watchdog (no word from their "
+                               "worker for --stall-timeout), by the role waited on and where the request stood",
+                               ["role", "state"], registry=r)
         self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)

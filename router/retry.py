@@ -64,14 +64,19 @@ class RequestRun:
     local: bool = False  # this attempt's prompt is computed where it decodes (colocated, or --disagg local)
     warm: bool = False  # a pair's warm-up (router.warmup): pinned by ``avoid``, counted in no metric
     uncached: int = 0  # prompt tokens the decode worker does not hold (``--disagg auto`` only; else 0)
+    state: str = "queued"  # where the current attempt stands (``router.waits``)
+    where: object = None  # the worker client it waits on
+    since: float = 0.0  # when the current attempt began (monotonic)
+    last: float | None = None  # when a message of it last came
+    stalled: bool = False  # the current attempt ended in the stall watchdog
 
     @property
     def attempt_rid(self) -> str:
         return self.rid if self.attempt == 0 else f"{self.rid}~{self.attempt}"
 
     def may_retry(self, failure: StreamError, retries: int) -> bool:
-        return isinstance(failure, WorkerFailure) and failure.status in RETRYABLE_STATUS and not self.streamed \
-            and self.attempt < retries
+        retryable = failure.status in RETRYABLE_STATUS or bool(getattr(failure, "msg", {}).get("stalled"))
+        return isinstance(failure, WorkerFailure) and retryable and not self.streamed and self.attempt < retries
 
     def blame(self, failure: WorkerFailure) -> None:
         """Keep the next attempt off the workers that failed this one; a decode worker the KV could not reach

@@ -24,15 +24,15 @@ from .events import Delta, Finished
 from .policy import cached_blocks
 from .prompts import PromptTokenizer
 from .retry import RequestRun, StreamError, WorkerFailure
+from .waits import DECODING, PREFILLING, QUEUED, WAITING_KV, Stalled, Waits, check_index
 from .inbox import coalesce
 from .timing import close_timing, note_hops
 from .warmup import PairWarmer
-from .workers import SOURCE, pair_mismatch
+from .workers import pair_mismatch
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
-EXPIRED = "_expired"  # put in an inbox by Service.expire_waits
 KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
 
 
@@ -43,7 +43,7 @@ def new_rid() -> str:
 class Service:
     def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0,
                  kv_aware: bool = False, tokenizer: str | None = None, retries: int = 2, retry_wait_s: float = 3.0,
-                 disagg: DisaggPolicy | None = None):
+                 disagg: DisaggPolicy | None = None, stall_timeout_s: float = 30.0):
         self.disagg = disagg or DisaggPolicy()
         self.retries = retries
         self.retry_wait_s = retry_wait_s
@@ -54,7 +54,7 @@ class Service:
         self.warmer = PairWarmer(self, groups, "never")  # the router's app sets its own (router.warmup)
         self.admission = admission
         self.inboxes: dict[str, asyncio.Queue] = {}
-        self.waits: dict[int, tuple] = {}  # inboxes awaited: (inbox, deadline, timeout, what)
+        self.waits = Waits(stall_timeout_s)  # every wait for a worker's message, and the stall watchdog
         self.first_timeout_s = first_timeout_s
         self.token_timeout_s = token_timeout_s
 
@@ -105,31 +105,6 @@ class Service:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return group.policy.pick(ready, prompt)
 
-    async def _next(self, inbox: asyncio.Queue, timeout: float, what: str) -> dict:
-        """The inbox's next message; a 504 once ``timeout`` passes without one (``expire_waits`` puts a mark in the
-        inbox: no timer per message)."""
-        if inbox.empty():
-            self.waits[id(inbox)] = (inbox, time.monotonic() + timeout, timeout, what)
-            try:
-                msg = await inbox.get()
-            finally:
-                self.waits.pop(id(inbox), None)
-        else:
-            msg = inbox.get_nowait()
-        if msg["op"] == EXPIRED:
-            raise StreamError(504, f"timed out after {msg['timeout']:.0f}s waiting for {msg['what']}")
-        if msg["op"] == "error":
-            raise WorkerFailure(msg, msg.get(SOURCE))
-        return msg
-
-    def expire_waits(self) -> None:
-        """(Every fraction of a second) Mark the inboxes waited on past their time."""
-        now = time.monotonic()
-        for key, (inbox, deadline, timeout, what) in list(self.waits.items()):
-            if now > deadline:
-                del self.waits[key]
-                inbox.put_nowait({"op": EXPIRED, "timeout": timeout, "what": what})
-
     async def _prompt(self, payload: dict, always: bool = False):
         return await self.prompts.keys(payload) if self.kv_aware or always else None
 
@@ -143,7 +118,7 @@ class Service:
         keys = prompt.keys(int(bs), str(decode.info.get("model") or ""))[:n]
         decode.owned.add(rid)
         await decode.send("hold", rid=rid, keys=keys)
-        msg = await self._next(inbox, 10.0, "the decode worker's cached blocks")
+        msg = await self.waits.next(inbox, 10.0, "the decode worker's cached blocks")
         return keys[:int(msg.get("blocks") or 0)] if msg["op"] == "held" else []
 
     async def generate(self, payload: dict, rid: str):
@@ -157,6 +132,10 @@ class Service:
                         yield ev
                 return
             except WorkerFailure as failure:
+                if isinstance(failure, Stalled):
+                    log.error("request %s: %s", rid, failure.message)
+                    if self._metrics(run) is not None:
+                        self.metrics.stalled.labels(failure.role, failure.state).inc()
                 if not run.may_retry(failure, self.retries):
                     raise
                 run.blame(failure)
@@ -194,10 +173,11 @@ class Service:
         """One pass of the request through the workers, under its own id."""
         rid, timing = run.attempt_rid, run.timing
         inbox = self.inboxes[rid] = asyncio.Queue()
+        self.waits.track(rid, run)
         run.workers, involved, finished = {}, [], False
         released = set()  # involved workers whose part is done (counted out of ``outstanding`` already)
         try:
-            first_worker = await self._send_prompt(run, rid, inbox, involved)
+            first_worker = run.where = await self._send_prompt(run, rid, inbox, involved)
             fresh = None
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
                 fresh = await self._first(inbox, run, first_worker)
@@ -226,7 +206,9 @@ class Service:
                 yield Finished(first["finish_reason"], first["prompt_tokens"], 1,
                                close_timing(run, self._metrics(run)))
                 return
+            run.state = DECODING
             if decode_worker is not None:
+                run.where, run.state = decode_worker, WAITING_KV
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
                                      prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"],
                                      kv_tp=kv_tp, **kv_pp)
@@ -235,15 +217,19 @@ class Service:
             finished = True
             for worker in involved:
                 worker.vouch()
+        except Stalled:
+            run.stalled = True
+            raise
         finally:
             self.inboxes.pop(rid, None)
+            self.waits.untrack(rid)
             self.admission.release(rid)
             for worker in involved:
                 if worker not in released:
                     worker.release(rid)
                 worker.owned.discard(rid)
                 if not finished:
-                    await self._abort(worker, rid)
+                    await self._abort(worker, rid, "stalled" if run.stalled else None)
             holder = run.workers.get("decode")
             if holder is not None:
                 if not finished and holder not in involved:
@@ -329,21 +315,36 @@ class Service:
     async def _first(self, inbox, run: RequestRun, first_worker) -> dict:
         """The ``first`` message (a streamed KV can be in place before the first token is out)."""
         while True:
-            msg = await self._next(inbox, self.first_timeout_s, "the first token")
-            if msg["op"] == "first":
+            msg = await self.waits.next(inbox, self.first_timeout_s, "the first token", run)
+            op = msg["op"]
+            if op == "first":
                 return msg
-            if msg["op"] == "kv_sent":
+            if op == "progress":
+                run.state = PREFILLING if msg.get("state") == PREFILLING else QUEUED
+            elif op == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
                 self._kv_sent(run, msg)
+            elif op in ("tokens", "done"):  # never dropped: the client would wait for a first token that has gone
+                log.error("request %s: %s worker %s sent %r before the first token", msg["rid"],
+                          first_worker.role, first_worker.address, op)
+                raise WorkerFailure({"status": 502, "message": f"{first_worker.role} worker sent {op!r} before the "
+                                     "first token"}, first_worker)
+            else:
+                log.warning("request %s: unexpected %r while waiting for the first token", msg["rid"], op)
 
     async def _relay(self, run: RequestRun, inbox, first_worker):
         """Decode's tokens up to ``done``, then ``Finished``."""
         timing, completion = run.timing, 1
         while True:
-            msg = await self._next(inbox, self.token_timeout_s, "the next token")
+            msg = await self.waits.next(inbox, self.token_timeout_s, "the next token", run)
+            if msg["op"] in ("tokens", "done"):
+                run.state = DECODING
+                check_index(msg, completion)
             if msg["op"] == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
                 self._kv_sent(run, msg)
+            elif msg["op"] == "progress":
+                pass
             elif msg["op"] == "tokens":
                 msg = coalesce(msg, inbox)
                 completion += len(msg["ids"])
@@ -364,6 +365,8 @@ class Service:
                 yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
                                close_timing(run, self._metrics(run)))
                 return
+            else:
+                log.warning("request %s: unexpected %r from a worker while decoding", msg["rid"], msg["op"])
 
     def _kv_sent(self, run: RequestRun, msg: dict) -> None:
         stream, timing = msg.get("stream"), run.timing
@@ -389,8 +392,10 @@ class Service:
         involved.append(worker)
         await worker.send(op, rid=rid, **fields)
 
-    async def _abort(self, worker, rid):
+    async def _abort(self, worker, rid, reason=None):
+        """``reason`` "stalled": the worker logs where the request stood in its scheduler."""
         try:
-            await worker.send("abort", rid=rid)
+            await worker.send("abort", rid=rid, **({"reason": reason} if reason else {}))
         except Exception:
             pass
+

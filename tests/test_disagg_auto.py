@@ -171,7 +171,7 @@ def run_engine(cap: int | None, prompts: list[list[int]], max_tokens: int) -> tu
         engine.add(s)
     out = {}
     while engine.has_work:
-        for s, _ in engine.step().tokens:
+        for s in (tok.seq for tok in engine.step().tokens):
             out[s.rid] = list(s.output_ids)
     return out, engine
 

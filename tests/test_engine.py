@@ -120,7 +120,8 @@ def test_split_generation_over_tcp_matches_in_process(dtype):
 
     seq = Sequence.create("r1", "The quick brown fox", SamplingParams(**params), prefill.tokenizer, prefill.max_len)
     prefill.add(seq)
-    (_, text), = prefill.step().tokens
+    (tok,) = prefill.step().tokens
+    text = tok.text
     kv = prefill.gather(seq)
     prefill.free(seq)
     assert prefill.blocks.num_free == prefill.num_blocks
@@ -138,7 +139,7 @@ def test_split_generation_over_tcp_matches_in_process(dtype):
                               SamplingParams(**params), decode.tokenizer, decode.max_len)
     assert decode.add_prefilled(resumed, layers)
     while not resumed.finished:
-        text += "".join(d for s, d in decode.step().tokens if s is resumed)
+        text += "".join(tok.text for tok in decode.step().tokens if tok.seq is resumed)
     assert (text, resumed.output_ids, resumed.finish_reason) == expected
     assert decode.blocks.num_free == decode.num_blocks
 

@@ -36,7 +36,7 @@ def run(engine, seqs) -> list[str]:
         engine.add(s)
     texts = {s.rid: "" for s in seqs}
     while engine.has_work:
-        for s, delta in engine.step().tokens:
+        for s, delta in ((tok.seq, tok.text) for tok in engine.step().tokens):
             texts[s.rid] += delta
     return [texts[s.rid] for s in seqs]
 

@@ -25,15 +25,18 @@ GRAPHS = ["eager"] + (["cuda"] if torch.cuda.is_available() else [])  # cuda: ca
 def run(overlap: bool, abort_at: int | None = None, graphs: str = "eager", **kw):
     engine = Engine(EngineConfig(threads=1, dtype="float32", decode_graphs=graphs, overlap=overlap, **kw))
     seqs = [Sequence.create(f"r{i}", p, params(i), engine.tokenizer, engine.max_len) for i, p in enumerate(PROMPTS)]
-    texts, logprobs, steps = {s.rid: "" for s in seqs}, {s.rid: [] for s in seqs}, 0
+    texts, logprobs, steps, seen = {s.rid: "" for s in seqs}, {s.rid: [] for s in seqs}, 0, {}
     while engine.has_work or steps < len(seqs):
         if steps < len(seqs) and steps % 2 == 0:  # two join now, the rest later: mixed and pure decode steps
             for s in seqs[steps:steps + 2]:
                 engine.add(s)
         out = engine.step()
-        for seq, delta in out.tokens:
-            texts[seq.rid] += delta
-            logprobs[seq.rid] += seq.take_logprobs() or []
+        for tok in out.tokens:
+            seq = tok.seq
+            texts[seq.rid] += tok.text
+            logprobs[seq.rid] += tok.logprobs or []
+            assert tok.token == seq.output_ids[tok.index] and tok.index == seen.get(seq.rid, -1) + 1  # each in turn
+            seen[seq.rid] = tok.index
             assert PENDING not in seq.output_ids[:seq.num_output]
         steps += 1
         if abort_at is not None and steps == abort_at:

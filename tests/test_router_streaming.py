@@ -74,21 +74,20 @@ def test_tokens_faster_than_the_router_come_in_fewer_events(fake_cluster):
 
 
 def test_a_wait_past_its_time_ends_in_a_504():
-    from router.service import Service, StreamError
+    from router.waits import StreamError, Waits
 
     async def main():
-        svc = Service.__new__(Service)
-        svc.waits = {}
+        waits = Waits(stall_timeout_s=30.0)
         inbox = asyncio.Queue()
-        waiter = asyncio.ensure_future(svc._next(inbox, 0.05, "the next token"))
+        waiter = asyncio.ensure_future(waits.next(inbox, 0.05, "the next token"))
         await asyncio.sleep(0.01)
-        svc.expire_waits()  # not yet
-        assert not waiter.done() and len(svc.waits) == 1
+        waits.expire()  # not yet
+        assert not waiter.done() and len(waits.pending) == 1
         await asyncio.sleep(0.06)
-        svc.expire_waits()
+        waits.expire()
         with pytest.raises(StreamError) as e:
             await waiter
-        assert e.value.status == 504 and "the next token" in e.value.message and not svc.waits
+        assert e.value.status == 504 and "the next token" in e.value.message and not waits.pending
         inbox.put_nowait({"op": "tokens", "ids": [1], "text": "a"})
-        assert (await svc._next(inbox, 1.0, "x"))["text"] == "a"  # a message already there: no wait at all
+        assert (await waits.next(inbox, 1.0, "x"))["text"] == "a"  # a message already there: no wait at all
     asyncio.run(main())

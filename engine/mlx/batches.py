@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..emitted import Emitted
+
 
 @dataclass
 class Chunk:
@@ -175,7 +177,7 @@ class MlxBatches:
         choices = engine._pick(logits, seqs)
         out.batch_tokens += len(seqs)
         for seq, choice in zip(seqs, choices):
-            out.tokens.append((seq, seq.append(choice)))
+            out.tokens.append(Emitted.of(seq, seq.append(choice)))
         engine._chosen(seqs)
         for seq in seqs:
             if engine._finished(seq):

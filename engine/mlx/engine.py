@@ -33,6 +33,7 @@ import torch
 
 from ..blocks import BlockManager
 from ..config import EngineConfig
+from ..emitted import Emitted
 from ..engine import StepOutput
 from ..errors import RequestError
 from ..guided.grammars import engine_guides
@@ -281,7 +282,7 @@ class MlxEngine:
         if seq in self.waiting:
             self.waiting.remove(seq)
         choice = self._pick(logits, [seq])[0]
-        out.tokens.append((seq, seq.append(choice)))
+        out.tokens.append(Emitted.of(seq, seq.append(choice)))
         self._chosen([seq])
         if self.hold_after_first:
             return

@@ -33,6 +33,7 @@ async def health(st: RouterState = Depends(router_state)):
     return JSONResponse({"status": status, "mode": st.mode, "ready_since": st.ready_since, "workers": workers,
                          "pairs": warm,
                          **({"problems": problems} if problems else {}),
+                         "stalled_after_s": st.cfg.stall_timeout_s, "older_than_stall": st.service.waits.stuck(),
                          "admission": {"queued": st.admission.queued, "in_flight": len(st.service.inboxes),
                                        "reserved": len(st.admission.reserved)}},
                         status_code=200 if status == "ok" else 503)
