@@ -229,22 +229,29 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely_with_the_col
 
 def test_local_prefill_next_to_a_decoding_stream_keeps_to_the_step_cap(pair):
     auto, colocated = pair
-    decoding = threading.Event()
+    decoding, enough, ended = threading.Event(), threading.Event(), threading.Event()
 
-    def stream_on():
+    def stream_on():  # decodes until told to stop (it closes the stream): the prompt below always meets it
         client = openai.OpenAI(base_url=auto.url + "/v1", api_key="none")
-        for _ in client.completions.create(model="tiny-llama", prompt="stream on", max_tokens=200, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
-            decoding.set()
+        with client.completions.create(model="tiny-llama", prompt="stream on", max_tokens=1000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}) as events:
+            for _ in events:
+                decoding.set()
+                if enough.is_set():
+                    return
+        ended.set()  # all 1000 tokens out: the condition below was not arranged after all
 
     stream = threading.Thread(target=stream_on)
     stream.start()
     try:
         assert decoding.wait(60)  # the prompt below arrives while this stream decodes
         prompt = "x" * 60  # 62 tokens: local, in chunks of 16 next to the decoding stream
-        assert complete(auto.url, prompt).choices[0].text == complete(colocated.url, prompt).choices[0].text
+        got = complete(auto.url, prompt).choices[0].text
+        assert not ended.is_set(), "the stream ended before the local prompt was computed"
     finally:
+        enough.set()
         stream.join(120)
+    assert got == complete(colocated.url, prompt).choices[0].text
     assert eventually(lambda: decode_info(auto)["local_prefills"] >= 2, 5, 0.1)
     decode = decode_info(auto)
     assert decode["step_prefill_cap"] == 16

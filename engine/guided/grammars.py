@@ -32,6 +32,22 @@ CACHE = 256
 KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
 
 
+# xgrammar (0.2.8) writes a string with minLength/maxLength as a bounded repeat of this character class, which
+# admits raw control characters (not JSON: a strict answer then fails to parse) while its unbounded strings exclude
+# them. Bounded strings get the unbounded strings' class instead (escapes stay out of them, as xgrammar has it).
+BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_ebnf(schema: dict) -> str:
+    """The compact-JSON grammar of ``schema`` as xgrammar writes it, with every string character one that JSON
+    allows unescaped."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    return ebnf.replace(BOUNDED_STRING_CHAR, JSON_STRING_CHAR)
+
+
 def ebnf_choice(options: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(o) for o in options)
 
@@ -95,7 +111,7 @@ class Guides:
             if kind == "json_object":
                 grammar = self.compiler.compile_builtin_json_grammar()
             elif kind == "json_schema":
-                grammar = self.compiler.compile_json_schema(json.dumps(value), any_whitespace=False)
+                grammar = self.compiler.compile_grammar(json_schema_ebnf(value))
             elif kind == "choice":
                 grammar = self.compiler.compile_grammar(ebnf_choice(value))
             elif kind == "regex":
