@@ -136,9 +136,13 @@ class Reply:
         finally:
             self.metrics.in_flight.dec()
             await self._close()
-        for c in self.choices:
-            self._calls(c)
-            self._finished(c)
+        try:
+            for c in self.choices:
+                self._calls(c)
+                self._finished(c)
+        except StreamError as e:
+            self.metrics.requests.labels(self.endpoint, "error").inc()
+            raise ApiError(e.status, e.message) from None
         return JSONResponse(self.shaper.full(self.choices, usage_of(self.choices), self.with_ids))
 
     def _calls(self, choice: Choice) -> None:
@@ -148,6 +152,8 @@ class Reply:
         text, names = "".join(choice.text), self.req.tool_names
         if self.tools == "forced":
             choice.tool_calls, choice.content = parse_forced(text, names), None
+            if not choice.tool_calls and choice.finish_reason != "length":  # never a required call as content
+                raise StreamError(500, "the required tool call did not come out as a call of the given tools")
         else:
             choice.content, choice.tool_calls = parse_auto(text, names)
         if choice.tool_calls:
