@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU suite in one command: what the machine's GPU count allows of bench.gpu_suite's modes (1 GPU: colocated with
+# and without the step ahead, FP8; 2: 1P1D over nccl and tcp, TP=2 colocated; 4: prefill TP=2 -> decode TP=2), after
+# the burst of cached prompts that once hung (bench serve c1 x 8, then c32 x 128 over the same prompts). The report:
+# $OUT/gpu-suite-$TAG.json and the bench serve tables beside it.
+#   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu_suite.sh [MODEL_ARGS...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+OUT=${OUT:-bench/out/gpu-suite}; TAG=${TAG:-gpu}; mkdir -p "$OUT"
+PY=${PY:-python3}
+model=${*:-"--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 4096 --max-num-seqs 64"}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+if [ "${SKIP_HANG:-0}" = 0 ]; then
+  port=8123
+  $PY -m deploy.cli up --colocated $model --port $port --ready-timeout 600 > "$OUT/hang-up-$TAG.log" 2>&1 &
+  up=$!
+  for _ in $(seq 1 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 2; done
+  for wave in "1 8" "32 128"; do
+    set -- $wave
+    timeout 400 $PY -m deploy.cli bench serve --url http://127.0.0.1:$port --concurrency $1 --requests $2 \
+      --prompt-len 512 --max-tokens 64 --out "$OUT/hang-c$1-$TAG" 2>&1 | grep -E "^\||requests|error" | tail -4
+  done
+  curl -s localhost:$port/metrics | grep -E "^pdserve_requests_stalled_total|^pdserve_requests_total"
+  kill -TERM $up; wait $up
+fi
+modes=colocated,colocated-eager,fp8-colocated
+[ "$gpus" -ge 2 ] && modes=$modes,1p1d-nccl,1p1d-tcp,tp2-colocated
+[ "$gpus" -ge 4 ] && modes=$modes,tp2-1p1d-nccl
+$PY -m bench.gpu_suite --modes "${MODES:-$modes}" --gpus --out "$OUT/gpu-suite-$TAG.json" $model
