@@ -16,7 +16,8 @@ if [ "${SKIP_HANG:-0}" = 0 ]; then
   port=8123
   $PY -m deploy.cli up --colocated $model --port $port --ready-timeout 600 > "$OUT/hang-up-$TAG.log" 2>&1 &
   up=$!
-  for _ in $(seq 1 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 2; done
+  for _ in $(seq 1 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 2; done
+  kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/hang-up-$TAG.log"; exit 1; }
   for wave in "1 8" "32 128"; do
     set -- $wave
     timeout 400 $PY -m deploy.cli bench serve --url http://127.0.0.1:$port --concurrency $1 --requests $2 \
