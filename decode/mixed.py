@@ -65,7 +65,7 @@ class MixedWorker(DecodeWorker):
     def handle(self, msg):
         op, rid = msg["op"], msg["rid"]
         if op == "prefill":
-            return self._prefill(msg)
+            return self._prefill(msg) if self.grammars.ready(msg) else None
         if op == "_sent":
             return push_ended(self, msg)
         if op == "abort" and rid in self.for_others:

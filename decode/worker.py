@@ -31,6 +31,7 @@ import torch
 from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
+from engine.guided.background import Background
 from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
 from kvtransfer import (KVLayout, Landing, PiecewiseKV, PoolRows, TransferError, TransferStatus, TransportConfig,
                         make_receiver)
@@ -105,6 +106,7 @@ class DecodeWorker(WorkerLoop):
         self.held: dict[str, tuple[list, float]] = {}
         self.kv_landed = 0
         self.local_prefills = 0  # prompts computed here (generate) by a decode worker of a disaggregated cluster
+        self.grammars = Background(self.engine, self.inbox.put, lambda rid: rid in self.reply_to)
 
     def info(self):
         e = self.engine
@@ -151,6 +153,8 @@ class DecodeWorker(WorkerLoop):
 
     def handle(self, msg):
         op, rid = msg["op"], msg["rid"]
+        if op in ("decode", "generate", "prefill") and not self.grammars.ready(msg):
+            return  # back once its grammar is compiled (engine.guided.background)
         if op == "decode" and not self.colocated:
             self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
             self._try_start(rid)

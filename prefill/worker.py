@@ -36,6 +36,7 @@ import torch
 from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
+from engine.guided.background import Background
 from engine.progress import LayerProgress, StepFailed
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
@@ -91,6 +92,7 @@ class PrefillWorker(WorkerLoop):
         self.senders = ThreadPoolExecutor(send_threads, thread_name_prefix="kv-send")
         self.aborted: set[str] = set()
         self.received_at: dict[str, float] = {}
+        self.grammars = Background(self.engine, self.inbox.put, lambda rid: True)  # an abort meanwhile: see handle
 
     def _pool_memory(self, nbytes: int, device):
         """The KV pool in host memory the sender registers once (nixl), so it sends from the blocks."""
@@ -160,6 +162,8 @@ class PrefillWorker(WorkerLoop):
             elif rid not in self.reply_to:
                 self.aborted.discard(rid)
             return
+        if msg["op"] == "prefill" and not self.grammars.ready(msg):
+            return  # back once its grammar is compiled (engine.guided.background)
         queued_at = self.received_at.pop(rid, time.perf_counter())
         if msg["op"] != "prefill":
             return self.fail(rid, 400, f"prefill worker does not handle {msg['op']!r}")

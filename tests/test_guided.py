@@ -177,3 +177,67 @@ def test_what_cannot_be_honoured_is_a_400_and_the_server_keeps_serving(disagg, e
     message = r.json()["error"]["message"]
     assert field.split("_")[0] in message or "compile" in message, message
     assert chat(disagg.url, max_tokens=4).choices[0].message.content is not None
+
+
+def test_a_grammar_compiles_off_the_engine_thread_and_a_plain_request_does_not_wait(monkeypatch):
+    """A worker's first guided request builds the vocabulary's grammar state and compiles (made to take 1.5 s
+    here): the engine thread hands that to a thread of its own and keeps serving; a plain request sent just after
+    is answered first, the guided one then follows its grammar, and one that does not compile is still a 400."""
+    import threading
+    import time
+
+    from decode.worker import DecodeWorker
+    from engine.guided import grammars
+
+    slow = grammars.Guides._compile
+
+    def slower(self, guide):
+        time.sleep(1.5)
+        return slow(self, guide)
+    monkeypatch.setattr(grammars.Guides, "_compile", slower)
+    w = DecodeWorker(EngineConfig(device="cpu", dtype="float32", warmup=False), colocated=True)
+    got, ended = {}, {}
+    w.emit = lambda rid, op, **f: (got.setdefault(rid, []).append((op, f)),
+                                   ended.setdefault(rid, time.monotonic()) if op in ("done", "error") else None)
+    stop = threading.Event()
+
+    def serve():  # the worker loop: its inbox, then a step
+        while not stop.is_set():
+            _drain(w)
+            w.tick()
+            time.sleep(0.001)
+    loop = threading.Thread(target=serve)
+    try:
+        for rid in ("guided", "bad", "plain"):
+            w.reply_to[rid] = b"router"
+        guide = {"kind": "regex", "value": "(ab){2,3}c"}
+        w.inbox.put({"op": "generate", "rid": "guided", "prompt": "x", "params": {"max_tokens": 12, "guide": guide}})
+        w.inbox.put({"op": "generate", "rid": "bad", "prompt": "x",
+                     "params": {"max_tokens": 4, "guide": {"kind": "regex", "value": "(unclosed"}}})
+        w.inbox.put({"op": "generate", "rid": "plain", "prompt": "x", "params": {"max_tokens": 4}})
+        t0 = time.monotonic()
+        loop.start()
+        deadline = time.monotonic() + 30
+        while len(ended) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ended["plain"] - t0 < 1.2 and ended["guided"] - t0 >= 1.5, {k: v - t0 for k, v in ended.items()}
+        text = got["guided"][0][1]["text"] + "".join(f["text"] for op, f in got["guided"][1:])
+        assert re.fullmatch("(ab){2,3}c", text), text
+        assert got["bad"][-1][0] == "error" and got["bad"][-1][1]["status"] == 400
+        assert not w.live and w.engine.blocks.num_free == w.engine.num_blocks
+    finally:
+        stop.set()
+        if loop.is_alive():
+            loop.join(10)
+        w.close()
+
+
+def _drain(w):
+    """One pass of the worker loop's inbox (what ``serve_forever`` does between steps)."""
+    import queue
+
+    try:
+        while True:
+            w._safe_handle(w.inbox.get_nowait())
+    except queue.Empty:
+        pass

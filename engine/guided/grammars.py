@@ -22,6 +22,7 @@ A guide that does not compile fails its request (400)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 
 import torch
@@ -99,13 +100,40 @@ class Guides:
             info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
                                      stop_token_ids=[tokenizer.eos_token_id])
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self.compiled: OrderedDict[str, object] = OrderedDict()
+        self.compiled: OrderedDict[str, object] = OrderedDict()  # a compiled grammar, or the RequestError it gave
+        self.lock = threading.Lock()  # the cache is shared with the compiling thread (``guided.background``)
 
-    def compile(self, guide: dict):
+    def has(self, guide: dict) -> bool:
+        with self.lock:
+            return json.dumps(guide, sort_keys=True) in self.compiled
+
+    def compile(self, guide: dict, keep_errors: bool = False):
+        """The compiled grammar (cached); a guide that does not compile raises ``RequestError``, which
+        ``keep_errors`` caches too."""
         key = json.dumps(guide, sort_keys=True)
-        if key in self.compiled:
-            self.compiled.move_to_end(key)
-            return self.compiled[key]
+        with self.lock:
+            if key in self.compiled:
+                self.compiled.move_to_end(key)
+                found = self.compiled[key]
+                if isinstance(found, RequestError):
+                    raise found
+                return found
+        try:
+            grammar = self._compile(guide)
+        except RequestError as e:
+            if keep_errors:
+                self._keep(key, e)
+            raise
+        self._keep(key, grammar)
+        return grammar
+
+    def _keep(self, key: str, value) -> None:
+        with self.lock:
+            self.compiled[key] = value
+            while len(self.compiled) > CACHE:
+                self.compiled.popitem(last=False)
+
+    def _compile(self, guide: dict):
         kind, value = guide["kind"], guide.get("value")
         try:
             if kind == "json_object":
@@ -120,9 +148,6 @@ class Guides:
                 grammar = self.compiler.compile_grammar(value)
         except Exception as e:  # xgrammar's own errors: the message says what is wrong with the input
             raise RequestError(f"the {kind} guide does not compile: {e}", param="response_format") from None
-        self.compiled[key] = grammar
-        while len(self.compiled) > CACHE:
-            self.compiled.popitem(last=False)
         return grammar
 
     def matcher(self, guide: dict, tokens=()) -> Guide:
