@@ -232,9 +232,11 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
             del layers, flat
         results["eager_sends"], results["gathered_bytes"] = s.eager_sends, s.gathered_bytes
         results["piece_sends"], results["ipc_sends"] = s.piece_sends, s.ipc_sends
+        key = s.pairs.for_dest(dest)[0].key
+        kept, s.pairs = s.pairs, None  # the pair's group stays up (closing would close it): a sender that hangs up
         s.close()
         dist.barrier()
-        begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"), s.pairs.for_dest(dest)[0].key)
+        begin_then_hang_up(dest, KVLayout(2, 2, 8, 16, "float16"), key)
     # the hang-up left the pair unusable (the receiver aborted it); this check's own world is done too
     if dist.is_initialized():
         dist.distributed_c10d._abort_process_group()

@@ -59,6 +59,19 @@ class Pair:
         except Exception as e:  # noqa: BLE001 - a stuck operation stays stuck; the pair is dropped anyway
             log.warning("could not abort the pair's process group: %s", e)
 
+    def close(self) -> None:
+        """Shut the process group down, then let its store go: a group whose store went first has its NCCL
+        watchdog print pages of failed store reads (``recvValue failed``, ``should dump``) as the process ends."""
+        with self._lock:
+            pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                stop = getattr(pg, "shutdown", None) if self.backend == "nccl" and not self.broken else None
+                (stop or getattr(pg, "abort", lambda: None))()
+            except Exception as e:  # noqa: BLE001 - closing anyway
+                log.debug("nccl pair %s: shutdown: %s", self.key, e)
+        self.store = None
+
 
 class Pairs:
     """One end's pairs: ``for_dest`` (sender: by receiver address) and ``join`` (receiver: by the sender's store)."""
@@ -72,6 +85,13 @@ class Pairs:
     def aborted(self) -> int:
         """Pairs this process aborted (workers report it: each costs the next transfer a new communicator)."""
         return len(broken)
+
+    def close(self) -> None:
+        """Every pair's group down before its store (the end's ``close``)."""
+        with self._lock:
+            pairs, self.by_key = list(self.by_key.values()), {}
+        for pair in pairs:
+            pair.close()
 
     def for_dest(self, dest: str) -> tuple[Pair, bool]:
         """``(pair, new)``: the live pair with the receiver at ``dest``, or a new one to announce in the BEGIN."""
@@ -96,3 +116,13 @@ class Pairs:
                 pair = self.by_key[key] = Pair(key, store, 1, self.backend, self.device, self.timeout_s)
                 log.info("nccl pair %s joined", key)
             return pair
+
+
+class ClosesPairs:
+    """(Mixed into either end) Closing the end closes its pairs first."""
+
+    def close(self):
+        pairs = getattr(self, "pairs", None)
+        if pairs is not None:
+            pairs.close()
+        super().close()

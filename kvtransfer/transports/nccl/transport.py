@@ -85,7 +85,7 @@ from .ops import (await_all, count_cuts, gather, layer_bytes, lock, on_side, p2p
                        post, scatter, segment_ops, side_stream, sync_device, use_device, whole_pieces)
 from . import same_gpu
 from .cancels import CANCELLED, Cancels
-from .pairs import Pairs
+from .pairs import ClosesPairs, Pairs
 from ...tensors import check_layer
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _attach(endpoint) -> None:
                                keep_bytes=int(endpoint.cfg.options.get("nccl_keep_bytes", DEFAULT_KEEP_BYTES)))
 
 
-class NcclSender(SocketSender):
+class NcclSender(ClosesPairs, SocketSender):
     name = "nccl"
     sends_pieces = True
     one_at_a_time = True
@@ -281,7 +281,7 @@ class NcclSender(SocketSender):
             p2p_all(ops, dst, sock, self.cfg.timeout_s)
 
 
-class NcclReceiver(SocketReceiver):
+class NcclReceiver(ClosesPairs, SocketReceiver):
     name = "nccl"
     lands_pieces = True
 
