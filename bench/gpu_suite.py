@@ -52,19 +52,15 @@ class Traffic:
         self.client = httpx.Client(timeout=timeout)
 
     def complete(self, prompt, max_tokens=64, **extra) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-        try:
-            r = self.client.post(self.url + "/v1/completions", json=body)
-        except httpx.TimeoutException:
-            return {"stuck": True}
-        if r.status_code != 200:
-            return {"error": f"{r.status_code} {r.text[:200]}"}
-        return r.json()
+        return self._post("/v1/completions", prompt=prompt, max_tokens=max_tokens, **extra)
 
     def chat(self, messages, max_tokens=32, **extra) -> dict:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self._post("/v1/chat/completions", messages=messages, max_tokens=max_tokens, **extra)
+
+    def _post(self, path: str, **fields) -> dict:
+        """The response's JSON; ``{"stuck": True}`` past the timeout, ``{"error": ...}`` for any other status."""
         try:
-            r = self.client.post(self.url + "/v1/chat/completions", json=body)
+            r = self.client.post(self.url + path, json={"model": self.model, "temperature": 0, **fields})
         except httpx.TimeoutException:
             return {"stuck": True}
         return r.json() if r.status_code == 200 else {"error": f"{r.status_code} {r.text[:200]}"}
