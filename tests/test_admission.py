@@ -16,30 +16,35 @@ from tests.test_failures import LONG, complete, decode_is_clean, eventually
 BUDGET = "1.2M"
 
 
-def test_budget_queue_429_then_503_with_retry_after():
-    with Fleet() as f:
+def test_budget_queue_429_then_503_with_retry_after(tmp_path):
+    """On the slow model (6 KiB of KV a token: one LONG request fits in 8M, two do not; its 900 tokens take seconds),
+    so the running stream holds its memory past the queued one's 2 s and the third request meets the queue full,
+    however loaded the machine."""
+    slow = write_checkpoint(tmp_path / "slow", SLOW)
+    long, short = {**LONG, "model": "slow"}, {"model": "slow", "prompt": "Hi", "max_tokens": 8}
+    with Fleet("--model", slow) as f:
         f.worker("p", "prefill")
-        f.worker("d", "decode", "--kv-budget", BUDGET)
-        f.router("--max-queue", "1", "--queue-timeout", "0.5")
+        f.worker("d", "decode", "--kv-budget", "8M")
+        f.router("--max-queue", "1", "--queue-timeout", "2")
         f.wait_healthy()
         info = f.worker_info("d")
         block = info["kv_block_size"] * info["kv_bytes_per_token"]
-        assert int(1.2 * (1 << 20)) - block < info["kv_budget_bytes"] <= int(1.2 * (1 << 20))
-        running = StreamClient(f.url, LONG)
+        assert (8 << 20) - block < info["kv_budget_bytes"] <= 8 << 20
+        running = StreamClient(f.url, long)
         running.start()
         running.wait_tokens(3)
-        waiting = StreamClient(f.url, LONG)
+        waiting = StreamClient(f.url, long)
         waiting.start()
         assert eventually(lambda: f.health()["admission"]["queued"] == 1, 2)
-        refused = complete(f.url)
+        refused = complete(f.url, short)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        waiting.join(10)
+        waiting.join(20)
         assert waiting.status == 503 and "no KV memory free" in waiting.error["message"]
         assert running.ended_at is None or running.ended_at > waiting.ended_at
-        running.join(60)
+        running.join(180)
         assert running.finished and running.tokens == LONG["max_tokens"]
-        assert complete(f.url).status_code == 200
+        assert complete(f.url, short).status_code == 200
         assert eventually(lambda: decode_is_clean(f, "d"))
         metrics = httpx.get(f.url + "/metrics").text
         assert 'pdserve_admission_rejected_total{status="429"} 1.0' in metrics
