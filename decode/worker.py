@@ -167,21 +167,17 @@ class DecodeWorker(WorkerLoop):
         elif op == "generate":
             self._generate(msg)
         elif op == "hold" and not self.colocated:
-            self._hold(rid, msg.get("keys"))
+            holds.hold(self, rid, msg.get("keys"))
         elif op == "abort":
             self._abort(rid)
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
 
-    def _hold(self, rid, keys):
-        holds.hold(self, rid, keys)
-
     def _prefix(self, rid, seq, kv_tokens) -> list[int]:
         return holds.prefix(self, rid, seq, kv_tokens)
 
     def _transport_pool(self, nbytes: int, device):
-        """The KV pool (host memory) where the transport can write into its blocks: a shared-memory file for shm,
-        memory registered once with the NIXL agent for nixl."""
+        """The KV pool in host memory the transport writes into: a shared-memory file (shm), NIXL-registered (nixl)."""
         if device.type != "cpu":
             return None
         if self.transport == "shm":
@@ -370,8 +366,7 @@ class DecodeWorker(WorkerLoop):
             self.report_progress(out, getattr(getattr(self.engine, "scheduler", None), "waiting", ()))
 
     def _emit(self, tok):
-        """One token out, as what it is: ``first`` (a prompt computed here), ``tokens``, or ``done`` with the finish
-        it caused; ``index`` (its place among the outputs) lets the router see a token lost or out of order."""
+        """One token out as what it is: ``first`` (prompt computed here), ``tokens`` or ``done``, with its ``index``."""
         seq = tok.seq
         live = self.live.get(seq.rid)
         if live is None:

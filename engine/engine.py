@@ -107,15 +107,14 @@ class Engine:
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
-        self.profiler = None  # a window of steps under the torch profiler (``step_profiler``; the worker sets it)
-        self._last_step_end: float | None = None  # when the step before ended, if work was left (gaps between)
+        self.profiler, self._last_step_end = None, None  # the worker's step profiler; when the last busy step ended
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
         self.on_schedule = None  # called with each batch before its forward runs; may return a LayerProgress
         self.inflight: overlap.InFlight | None = None  # a decode step still on the device (``overlap``)
-        self.overlapped = 0  # steps left on the device while the next was prepared
+        self.overlapped = 0  # steps left on the device while the next was prepared (``overlap``)
         self.shared_tokens = None  # (a follower rank) rank 0's tokens of the step before, on the device
         log.info("KV pool: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),

@@ -55,8 +55,7 @@ class Service:
         self.admission = admission
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.waits = Waits(stall_timeout_s)  # every wait for a worker's message, and the stall watchdog
-        self.first_timeout_s = first_timeout_s
-        self.token_timeout_s = token_timeout_s
+        self.first_timeout_s, self.token_timeout_s = first_timeout_s, token_timeout_s
 
     @property
     def colocated(self) -> bool:
