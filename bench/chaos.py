@@ -224,7 +224,7 @@ def write_report(report: dict, out: str) -> list[str]:
 
 
 def run(args) -> int:
-    cluster = Cluster(*shlex.split(args.up_args)).wait_ready()
+    cluster = Cluster(*shlex.split(args.up_args), ready_timeout=600).wait_ready()
     try:
         args.router_pid = router_pid(cluster.proc.pid)
         report = asyncio.run(chaos(cluster.url, args))

@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,9 +38,10 @@ MODES = {
     "tp2-colocated": ["--colocated", "--tp", "2"],
     "fp8-colocated": ["--colocated", "--kv-cache-dtype", "fp8", "--quantization", "fp8"],
     "tp2-1p1d-nccl": ["--transport", "nccl", "--prefill-tp", "2", "--decode-tp", "2"],
+    "ray-1p1d-nccl": ["--transport", "nccl"],  # pdserve deploy ray: a prefill and a decode actor of one GPU each
 }
 GPUS = {"colocated": 1, "colocated-eager": 1, "1p1d-nccl": 2, "1p1d-tcp": 2, "tp2-colocated": 2, "fp8-colocated": 1,
-        "tp2-1p1d-nccl": 4}
+        "tp2-1p1d-nccl": 4, "ray-1p1d-nccl": 2}
 PROMPT_LEN = 512
 
 
@@ -133,12 +137,61 @@ def stalls(url: str) -> float:
     return sum(float(v) for v in re.findall(r"pdserve_requests_stalled_total\{[^}]*\} (\S+)", text))
 
 
-def run_mode(mode: str, args) -> list[dict]:
+class RayDeployment:
+    """``pdserve deploy ray`` (a local Ray cluster it starts) with one prefill and one decode actor of
+    ``gpus_per_worker`` GPUs each; ``url`` and ``stop`` as ``deploy.local.Cluster`` has them."""
+
+    def __init__(self, *args: str, gpus_per_worker: float = 1, ready_timeout: float = 600):
+        self.name = f"suite-{os.getpid()}"
+        self._deploy("ray", "--name", self.name, "--prefill", "1", "--decode", "1", "--gpus-per-worker",
+                     str(gpus_per_worker), "--port", "0", *args)
+        self.url = json.loads(self._deploy("status", "--name", self.name, "--json"))["url"]
+        end = time.monotonic() + ready_timeout
+        while not self.ready():
+            if time.monotonic() > end:
+                self.stop()
+                raise TimeoutError("the Ray deployment's workers did not become healthy")
+            time.sleep(1)
+
+    @staticmethod
+    def _deploy(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "deploy.cli", "deploy", *args], capture_output=True, text=True,
+                             timeout=600)
+        if out.returncode:
+            raise RuntimeError(f"pdserve deploy {args[0]} failed: {out.stderr[-1500:]}")
+        return out.stdout
+
+    def ready(self) -> bool:
+        try:
+            workers = httpx.get(self.url + "/health", timeout=5).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return all(len([w for w in workers.get(r, []) if w.get("healthy")]) == 1 for r in ("prefill", "decode"))
+
+    def gpus_in_use(self) -> list[str]:
+        """The GPUs (bus ids) that hold a process: one each for the prefill and the decode actor's process."""
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_bus_id", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        return sorted(set(out.stdout.split()))
+
+    def stop(self) -> None:
+        self._deploy("down", "--name", self.name)
+
+
+def start(mode: str, args):
+    if mode.startswith("ray-"):
+        log.info("mode %s: pdserve deploy ray %s", mode, " ".join(MODES[mode] + args.up))
+        return RayDeployment(*MODES[mode], *args.up, gpus_per_worker=1 if args.gpus else 0)
     extra = MODES[mode] + args.up + (["--gpus", str(GPUS[mode])] if args.gpus else [])
     log.info("mode %s: pdserve up %s", mode, " ".join(extra))
-    cluster = Cluster(*extra, ready_timeout=600).wait_ready()
+    return Cluster(*extra, ready_timeout=600).wait_ready()
+
+
+def run_mode(mode: str, args) -> list[dict]:
+    cluster = start(mode, args)
     rows = []
     try:
+        placed = cluster.gpus_in_use() if isinstance(cluster, RayDeployment) and args.gpus else None
         t = Traffic(cluster.url, args.served, args.timeout)
         for name, case in cases(t).items():
             t0 = time.perf_counter()
@@ -150,6 +203,7 @@ def run_mode(mode: str, args) -> list[dict]:
             texts = [c.get("text", (c.get("message") or {}).get("content")) for r in results
                      for c in r.get("choices", [])[:1]]
             rows.append({"mode": mode, "case": name, "requests": len(results), "errors": len(errors),
+                         **({"gpus_in_use": placed} if placed is not None else {}),
                          "error_samples": errors[:3], "stuck": stuck, "tok_s": round(tokens / wall, 1),
                          "wall_s": round(wall, 2), "texts": texts})
         bad, stalled = leaked(cluster.url), stalls(cluster.url)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: what the machine's GPU count allows of bench.gpu_suite's modes (1 GPU: colocated with
-# and without the step ahead, FP8; 2: 1P1D over nccl and tcp, TP=2 colocated; 4: prefill TP=2 -> decode TP=2), after
-# the burst of cached prompts that once hung (bench serve c1 x 8, then c32 x 128 over the same prompts). The report:
-# $OUT/gpu-suite-$TAG.json and the bench serve tables beside it; with 2 GPUs or more, a stop of a 1P1D nccl cluster
-# whose log must hold no stack trace. SKIP_HANG, SKIP_SHUTDOWN, SKIP_MODES=1 leave a part out; MODES picks modes.
+# and without the step ahead, FP8; 2: 1P1D over nccl and tcp, TP=2 colocated, and pdserve deploy ray with a GPU for
+# each role where Ray imports; 4: prefill TP=2 -> decode TP=2), after the burst of cached prompts that once hung
+# (bench serve c1 x 8, then c32 x 128 over the same prompts). With 2 GPUs or more, clean stops: a 1P1D nccl cluster,
+# a bench goodput configuration and bench stream over nccl, whose logs must hold no stack trace. With 4 GPUs, chaos:
+# bench chaos for CHAOS_S seconds (default 300) on 2P2D over nccl and, beside it, on two colocated replicas, a worker
+# SIGKILLed every 30 s in each. The report: $OUT/gpu-suite-$TAG.json, chaos-*-$TAG.{json,md}, the bench serve
+# tables and the logs beside them. SKIP_HANG, SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES
+# picks modes.
 #   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu_suite.sh [MODEL_ARGS...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,11 +40,27 @@ if [ "$gpus" -ge 2 ] && [ "${SKIP_SHUTDOWN:-0}" = 0 ]; then  # a clean stop of a
   for i in 1 2 3 4; do curl -s localhost:$port/v1/completions -H 'content-type: application/json' \
     -d "{\"model\": \"$served\", \"prompt\": \"hello $i\", \"max_tokens\": 8}" | head -c 150; echo; done
   kill -TERM $up; wait $up
-  echo "nccl shutdown: $(grep -cE 'Traceback|recvValue failed|should dump|ProcessGroupNCCL.*(error|Error)' \
-    "$OUT/shutdown-nccl-$TAG.log") lines of stack traces or store errors (log: shutdown-nccl-$TAG.log)"
+  $PY -m deploy.cli bench goodput --config "nccl=--transport nccl --gpus 2 $model" --rates 2 --requests 24 \
+    --prompt-len 512 --max-tokens 64 --ready-timeout 600 --out "$OUT/shutdown-goodput-$TAG" \
+    > "$OUT/shutdown-goodput-$TAG.log" 2>&1 || echo "bench goodput exited $?"
+  $PY -m deploy.cli bench stream --transport nccl --model tiny-llama --device cuda --rounds 4 \
+    --out "$OUT/shutdown-stream-$TAG" > "$OUT/shutdown-stream-$TAG.log" 2>&1 || echo "bench stream exited $?"
+  for what in nccl goodput stream; do
+    echo "clean stop, $what: $(grep -cE 'Traceback|recvValue failed|should dump|ProcessGroupNCCL.*(error|Error)' \
+      "$OUT/shutdown-$what-$TAG.log") lines of stack traces or store errors (log: shutdown-$what-$TAG.log)"
+  done
+fi
+if [ "$gpus" -ge 4 ] && [ "${SKIP_CHAOS:-0}" = 0 ]; then  # kills under load: 2P2D over nccl beside 2 colocated
+  chaos() { $PY -m deploy.cli bench chaos --duration "${CHAOS_S:-300}" --kill-every 30 --streams 32 \
+    --up-args "$1 --ready-timeout 600 $model" --out "$OUT/chaos-$2-$TAG" > "$OUT/chaos-$2-$TAG.log" 2>&1; }
+  chaos "--prefill 2 --decode 2 --gpus 4 --transport nccl --kv-budget 16G" 2p2d-nccl & first=$!
+  chaos "--colocated --decode 2 --gpus 2 --kv-budget 8G" colocated-x2 & second=$!
+  wait $first; echo "chaos 2p2d-nccl exited $?"; wait $second; echo "chaos colocated-x2 exited $?"
+  for c in 2p2d-nccl colocated-x2; do tail -n +3 "$OUT/chaos-$c-$TAG.md" 2>/dev/null | grep -E "requests|leaked|verdict"; done
 fi
 [ "${SKIP_MODES:-0}" = 1 ] && exit 0
 modes=colocated,colocated-eager,fp8-colocated
 [ "$gpus" -ge 2 ] && modes=$modes,1p1d-nccl,1p1d-tcp,tp2-colocated
+[ "$gpus" -ge 2 ] && $PY -c "import ray" 2>/dev/null && modes=$modes,ray-1p1d-nccl
 [ "$gpus" -ge 4 ] && modes=$modes,tp2-1p1d-nccl
 $PY -m bench.gpu_suite --modes "${MODES:-$modes}" --gpus --out "$OUT/gpu-suite-$TAG.json" $model
