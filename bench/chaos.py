@@ -5,7 +5,8 @@ going for ``--duration`` seconds and every ``--kill-every`` seconds SIGKILLs a r
 another worker in the picks, so the cluster can always serve); ``up`` restarts it. Each request ends as one of:
 
 - ``ok``: all its tokens and ``[DONE]``;
-- ``failed_before_first_byte``: an HTTP error, or an error event before any token (retries exist to make this 0);
+- ``failed_before_first_byte``: an HTTP error, or an error event before any token (retries exist to make this 0;
+  requests ask for token ids, so every token is a chunk, even one whose text is held back);
 - ``failed_mid_stream``: an error event after tokens (a stream whose decode worker died: never replayed).
 
 At the end it lets the cluster settle and reports, per worker, KV blocks free against the pool size at the start
@@ -58,7 +59,8 @@ def clean(w: dict) -> bool:
 
 async def one_request(client, url, model, rng, max_tokens, out: dict) -> None:
     body = {"model": model, "prompt": "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(8, 400))),
-            "max_tokens": rng.randint(8, max_tokens), "temperature": rng.choice([0.0, 0.8]), "stream": True}
+            "max_tokens": rng.randint(8, max_tokens), "temperature": rng.choice([0.0, 0.8]), "stream": True,
+            "return_token_ids": True}  # a chunk for every token: text can be held back (a byte model's partial UTF-8)
     start, tokens, error, retries = time.perf_counter(), 0, None, 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:

@@ -3,11 +3,11 @@
 # and without the step ahead, FP8; 2: 1P1D over nccl and tcp, TP=2 colocated, and pdserve deploy ray with a GPU for
 # each role where Ray imports; 4: prefill TP=2 -> decode TP=2), after the burst of cached prompts that once hung
 # (bench serve c1 x 8, then c32 x 128 over the same prompts). With 2 GPUs or more, clean stops: a 1P1D nccl cluster,
-# a bench goodput configuration and bench stream over nccl, whose logs must hold no stack trace. With 4 GPUs, chaos:
-# bench chaos for CHAOS_S seconds (default 300) on 2P2D over nccl and, beside it, on two colocated replicas, a worker
-# SIGKILLed every 30 s in each. The report: $OUT/gpu-suite-$TAG.json, chaos-*-$TAG.{json,md}, the bench serve
-# tables and the logs beside them. SKIP_HANG, SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES
-# picks modes.
+# a bench goodput configuration and bench stream over nccl, whose logs must hold no stack trace; then, side by side,
+# bench chaos for CHAOS_S seconds (default 300) on 2P2D over nccl and on two colocated replicas, a worker SIGKILLed
+# every 30 s in each (with 2 GPUs three workers share a card: on 80 GB cards give --max-num-seqs 16). The report:
+# $OUT/gpu-suite-$TAG.json, chaos-*-$TAG.{json,md}, the bench serve tables and the logs beside them. SKIP_HANG,
+# SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES picks modes, CHAOS the chaos runs.
 #   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu_suite.sh [MODEL_ARGS...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -43,20 +43,29 @@ if [ "$gpus" -ge 2 ] && [ "${SKIP_SHUTDOWN:-0}" = 0 ]; then  # a clean stop of a
   $PY -m deploy.cli bench goodput --config "nccl=--transport nccl --gpus 2 $model" --rates 2 --requests 24 \
     --prompt-len 512 --max-tokens 64 --ready-timeout 600 --out "$OUT/shutdown-goodput-$TAG" \
     > "$OUT/shutdown-goodput-$TAG.log" 2>&1 || echo "bench goodput exited $?"
-  $PY -m deploy.cli bench stream --transport nccl --model tiny-llama --device cuda --rounds 4 \
+  $PY -m deploy.cli bench stream --transport nccl --model tiny-llama --device cuda --prompt-len 512 --rounds 4 \
     --out "$OUT/shutdown-stream-$TAG" > "$OUT/shutdown-stream-$TAG.log" 2>&1 || echo "bench stream exited $?"
   for what in nccl goodput stream; do
     echo "clean stop, $what: $(grep -cE 'Traceback|recvValue failed|should dump|ProcessGroupNCCL.*(error|Error)' \
       "$OUT/shutdown-$what-$TAG.log") lines of stack traces or store errors (log: shutdown-$what-$TAG.log)"
   done
 fi
-if [ "$gpus" -ge 4 ] && [ "${SKIP_CHAOS:-0}" = 0 ]; then  # kills under load: 2P2D over nccl beside 2 colocated
+if [ "$gpus" -ge 2 ] && [ "${SKIP_CHAOS:-0}" = 0 ]; then  # kills under load: 2P2D over nccl, 2 colocated replicas
   chaos() { $PY -m deploy.cli bench chaos --duration "${CHAOS_S:-300}" --kill-every 30 --streams 32 \
-    --up-args "$1 --ready-timeout 600 $model" --out "$OUT/chaos-$2-$TAG" > "$OUT/chaos-$2-$TAG.log" 2>&1; }
-  chaos "--prefill 2 --decode 2 --gpus 4 --transport nccl --kv-budget 16G" 2p2d-nccl & first=$!
-  chaos "--colocated --decode 2 --gpus 2 --kv-budget 8G" colocated-x2 & second=$!
-  wait $first; echo "chaos 2p2d-nccl exited $?"; wait $second; echo "chaos colocated-x2 exited $?"
-  for c in 2p2d-nccl colocated-x2; do tail -n +3 "$OUT/chaos-$c-$TAG.md" 2>/dev/null | grep -E "requests|leaked|verdict"; done
+    --up-args "$1 --ready-timeout 600 $model" --out "$OUT/chaos-$2-$TAG" > "$OUT/chaos-$2-$TAG.log" 2>&1
+    echo "chaos $2 exited $?"; }
+  wide=$([ "$gpus" -ge 4 ] && echo 4 || echo 2)  # 2 GPUs: each prefill worker shares its GPU with a decode worker
+  for c in ${CHAOS:-2p2d-nccl colocated-x2}; do
+    case $c in
+      2p2d-nccl) chaos "--prefill 2 --decode 2 --gpus $wide --transport nccl --kv-budget 8G" $c & ;;
+      colocated-x2) chaos "--colocated --decode 2 --gpus 2 --kv-budget 8G" $c & ;;
+    esac
+  done
+  wait
+  for c in ${CHAOS:-2p2d-nccl colocated-x2}; do
+    tail -n +3 "$OUT/chaos-$c-$TAG.md" 2>/dev/null | grep -E "requests|leaked|verdict"
+    echo "chaos $c: $(grep -cE 'Traceback|recvValue failed|should dump' "$OUT/chaos-$c-$TAG.log") lines of stack traces"
+  done
 fi
 [ "${SKIP_MODES:-0}" = 1 ] && exit 0
 modes=colocated,colocated-eager,fp8-colocated

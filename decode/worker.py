@@ -343,7 +343,7 @@ class DecodeWorker(WorkerLoop):
                 self.receiver.abort(rid)
                 if GroupReceive.sliced(msg, self.engine):
                     self.group_kv.abort(rid, GroupReceive.split(msg, self.engine) or {"kv_tp": 1})
-                self.fail(rid, 504, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s")
+                self.fail(rid, 502, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s", stage="kv_recv")
         self._admit_blocked()
         if not self.engine.has_work:
             return

@@ -139,6 +139,8 @@ class Service:
                     raise
                 run.blame(failure)
                 if not await self._await_workers():
+                    log.warning("request %s: no retry after %s: %s", rid, failure.reason,
+                                "; ".join(f"{r}: {self.groups[r].describe()}" for r in self._roles()))
                     raise
                 self.metrics.retries.labels(failure.reason).inc()
                 log.warning("request %s: retry %d after %s (%s)", rid, run.attempt, failure.reason, failure.message)
@@ -162,12 +164,11 @@ class Service:
         most (for a restart, or the death of a hung worker to be noticed)."""
         roles = self._roles()
         end = time.monotonic() + self.retry_wait_s
-        while not all(self.groups[r].ready() for r in roles):
+        while not all(self.groups[r].healthy() for r in roles):
             if time.monotonic() >= end:
                 return False
             await asyncio.sleep(0.05)
         return True
-
     async def _attempt(self, run: RequestRun):
         """One pass of the request through the workers, under its own id."""
         rid, timing = run.attempt_rid, run.timing
@@ -307,8 +308,7 @@ class Service:
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where
 
-    def _metrics(self, run: RequestRun):
-        """Where ``run``'s figures go: nowhere for a pair's warm-up."""
+    def _metrics(self, run: RequestRun):  # where run's figures go: nowhere for a pair's warm-up
         return None if run.warm else self.metrics
 
     async def _first(self, inbox, run: RequestRun, first_worker) -> dict:

@@ -242,11 +242,13 @@ class WorkerGroup:
         while not (ready := self.healthy(avoid)) and self.clients and time.monotonic() < end:
             await asyncio.sleep(0.05)
         if not ready:
-            now = time.monotonic()
-            log.warning("no %s worker in the picks after %.1fs: %s", self.role, wait_s, "; ".join(
-                f"{c.address} last pong {now - c.last_pong:.1f}s ago, suspect {max(0.0, c.suspect_until - now):.1f}s"
-                f"{', draining' if c.info.get('draining') else ''}" for c in self.clients))
+            log.warning("no %s worker in the picks after %.1fs: %s", self.role, wait_s, self.describe())
         return ready
+
+    def describe(self) -> str:
+        now = time.monotonic()
+        return ", ".join(f"{c.address} pong {now - c.last_pong:.1f}s ago, suspect {max(0.0, c.suspect_until - now):.1f}s"
+                         f"{', draining' if c.info.get('draining') else ''}" for c in self.clients) or "none"
 
     def ready(self) -> bool:
         """Some worker is in the picks by its own heartbeat (no fallback)."""

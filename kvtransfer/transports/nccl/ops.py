@@ -46,8 +46,15 @@ def p2p(op: str, tensor, pair, sock, timeout_s: float) -> None:
 
 
 def p2p_all(ops: list, pair, sock, timeout_s: float) -> None:
-    """Post ``("send"|"recv", tensor)`` operations (several as one NCCL group) and wait for them (``await_all``)."""
-    await_all(post(ops, pair), ops[0][1].device, sock, timeout_s, pair)
+    """Post ``("send"|"recv", tensor)`` operations (several as one NCCL group) and wait for them (``await_all``).
+    An error of the backend (the peer's process exited while the communicator formed, say) aborts the pair and
+    is raised as a one-line ``TransferError``: an expected failure, not a crash."""
+    try:
+        await_all(post(ops, pair), ops[0][1].device, sock, timeout_s, pair)
+    except torch.distributed.DistBackendError as e:
+        reason = str(e).strip().splitlines()[0][:300]
+        pair.abort(reason)
+        raise TransferError(f"nccl transfer lost: {reason}") from None
 
 
 def post(ops: list, pair) -> list:

@@ -12,6 +12,7 @@ lost mid-way aborts its pair only; the next transfer forms a new one."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from datetime import timedelta
 
@@ -19,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+# PyTorch's NCCL monitor polls each group's store for a "should dump" flag; a pair's store lives in the sender's
+# process, so once a sender died (or exited first) it printed a failed store read every second. Transfers have
+# their own timeouts (``ops.await_all``), which abort a pair that stops making progress.
+os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 broken: list[str] = []  # why pairs were aborted, oldest first (reports and tests read it)
 
 
@@ -99,6 +105,8 @@ class Pairs:
             pair = self.by_key.get(dest)
             if pair is not None and not pair.broken:
                 return pair, False
+            if pair is not None:
+                pair.close()
             store = dist.TCPStore(self.host, 0, 2, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=self.timeout_s))
             pair = Pair(f"{self.host}:{store.port}", store, 0, self.backend, self.device, self.timeout_s)
@@ -107,8 +115,12 @@ class Pairs:
             return pair, True
 
     def join(self, key: str) -> Pair:
-        """The pair a sender announced (``host:port`` of its store), joined on first sight."""
+        """The pair a sender announced (``host:port`` of its store), joined on first sight. Broken pairs are
+        closed here (their senders start a new store for the next transfer)."""
         with self._lock:
+            gone = [k for k, p in self.by_key.items() if p.broken]
+            for k in gone:
+                self.by_key.pop(k).close()
             pair = self.by_key.get(key)
             if pair is None:
                 host, _, port = key.rpartition(":")
