@@ -131,7 +131,7 @@ def rates_to_try(args, probe) -> None:
 
 def probe_length(args, rate: float) -> tuple[int, float | None]:
     """Requests and seconds of arrivals for one rate: enough for ``--min-timed`` requests after the warm-up ones
-    (the 70B sweeps of session 28 judged rates of 0.25-0.5 req/s by one to five requests)."""
+    (the 70B sweeps of 2026-11-26 (646033b) judged rates of 0.25-0.5 req/s by one to five requests)."""
     least = getattr(args, "warmup_requests", 0) + getattr(args, "min_timed", 0)
     duration = getattr(args, "duration", None)
     if duration is not None:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Decode-speed benchmarks on one GPU (issue 27; the device tool's nvidia-h200): kernels with a decode-attention
+# Decode-speed benchmarks on one GPU (issue 27; one H100 or H200): kernels with a decode-attention
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
 #   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
@@ -36,7 +36,7 @@ for step in $steps; do
       # first: the first wave after start-up; second: new prompts; repeat: the first's prompts again, cached where
       # the pool still holds them (what a second run of the same command measures). Seeds differ per concurrency:
       # the same seed makes the same prompts, and a later level's "fresh" waves would hit an earlier level's cache
-      # (session 21 found c64's 4,419 / 4,695 tok/s were such: 3,291 / 3,190 when fresh)
+      # (2026-11-25, be76c76 found c64's 4,419 / 4,695 tok/s were such: 3,291 / 3,190 when fresh)
       for c in ${CONCURRENCY:-32 1 64}; do
         n=$(( c == 1 ? 16 : 4 * c ))
         for wave in first:$((c * 10)) second:$((c * 10 + 1)) repeat:$((c * 10)); do

@@ -1,5 +1,5 @@
 #!/bin/bash
-# FP8 on one GPU (issue 28; the device tool's nvidia-h200): the Triton/FP8 checks on the GPU, then `pdserve bench fp8`
+# FP8 on one GPU (issue 28; one H100 or H200): the Triton/FP8 checks on the GPU, then `pdserve bench fp8`
 # (projection GEMMs bf16 vs FP8, decode tok/s with bf16 and FP8 weights, 8k sequences per KV budget, 16 x 8k steps,
 # logits agreement), _scaled_mm for every batch, without the few-row kernel (ab), serving with an FP8 KV cache (serve), and
 # 1P1D over NCCL with FP8 KV (serve1p1d: two GPUs).

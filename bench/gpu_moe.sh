@@ -1,5 +1,5 @@
 #!/bin/bash
-# Mixture-of-experts on one GPU (issue 29; the device tool's nvidia-h200): the MoE kernel checks on the GPU, engine
+# Mixture-of-experts on one GPU (issue 29; one H100 or H200): the MoE kernel checks on the GPU, engine
 # decode for the Qwen3-30B-A3B and Mixtral-8x7B shapes (random bf16 weights made on the GPU), serving Qwen3-30B-A3B
 # colocated (serve) and 1P1D over NCCL (serve1p1d: two GPUs).
 #   OUT=bench/out/moe bash bench/gpu_moe.sh [steps...]   (steps: test engine loop serve; serve1p1d needs two GPUs)

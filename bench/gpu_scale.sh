@@ -19,7 +19,7 @@
 # hetero8 (8 GPUs, run 4): Llama-3-70B shape, prefill TP=4 -> two decode TP=2 groups and two prefill TP=2 groups ->
 #   decode TP=4 over nccl: bench serve c32 (errors, each rank's wire time), then bench.tp_handoff's llama8 part
 #   (greedy tokens and logprobs of both layouts held to colocated TP=4 and TP=2).
-# stall: why a P/D decode worker falls behind (3P1D stalled whole rates in session 24): 3P1D under the mixed
+# stall: why a P/D decode worker falls behind (3P1D stalled whole rates on 2026-11-26 (9630024)): 3P1D under the mixed
 #   workload at RATE (12) for 12 s, /health sampled every second (health-*.jsonl: queues, blocks, step times),
 #   every worker's stacks dumped (kill -USR1) at 8 s into the up log.
 # plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on

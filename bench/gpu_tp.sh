@@ -1,5 +1,5 @@
 #!/bin/bash
-# Tensor-parallel benchmarks on a 2-GPU machine (the device tool's nvidia-h100-x2 / nvidia-h200-x2).
+# Tensor-parallel benchmarks on a 2-GPU machine (2x H100 or 2x H200).
 #   OUT=bench/out/tp TAG=2xh100 bash bench/gpu_tp.sh [steps...]
 # steps (default: allreduce mistral llama70b serve):
 #   allreduce  NCCL against the one-shot all-reduce inside CUDA graphs

@@ -75,7 +75,7 @@ def varlen_kernel():
 class GqaProbe:
     """Whether a varlen kernel with no ``enable_gqa`` (torch 2.11's) takes fewer K/V heads than query heads as they
     are (FlashAttention's kernel under it does), which saves repeating them (2.5% of a prefill worker's GPU time,
-    session 32's profile). Decided once, on the first such call outside a CUDA graph capture, against the heads
+    the 2026-11-27 (6d05ae9) profile). Decided once, on the first such call outside a CUDA graph capture, against the heads
     repeated; until then, and where it failed or differed, the heads are repeated."""
 
     def __init__(self):

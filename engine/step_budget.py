@@ -29,7 +29,7 @@ every mixed step breaks the step time anyway, and the decoding sequences'
 TPOT (a mean over their tokens) loses ``fixed`` per mixed step on top of
 the chunk's compute, so fewer, larger chunks cost them least and prompts
 move at full speed. Measured on 4x H100 (Mistral-7B shape, mixed workload,
-session 26): colocated replicas with the old half-speed cap reached 4.5
+2026-11-26, aa8ec07): colocated replicas with the old half-speed cap reached 4.5
 req/s within TTFT 2 s / TPOT 10 ms, the same replicas uncapped 10.
 
 ``StepLog`` keeps what the recent steps took, for the worker's ``info``

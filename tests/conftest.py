@@ -9,7 +9,7 @@ import pytest
 
 from deploy.local import Cluster
 
-# Ray reads its auth settings when first imported: fix this session's token before anything imports ray.
+# Ray reads its auth settings when first imported: fix the test session's token before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 

@@ -2,7 +2,7 @@
 
 A ``bench goodput`` report holds, for every rate and worker, what its
 decode-only steps took under load (``step_times``: steps, mean ms, mean rows
-and, from session 25 on, the rows' mean context). Against the profile's step
+and, from 2026-11-26 (8a9f8a5) on, the rows' mean context). Against the profile's step
 of the same rows at its shortest context, the extra time is the K/V the
 longer contexts read; the bytes over that time, summed over every point,
 give the rate serving's decode steps read K/V at (per GPU), the profile's
@@ -104,7 +104,7 @@ def kv_read_gb_s(profiles: dict[int, Profile], measured: list[dict]) -> float | 
 
 def prefill_points(paths: list[str], workload: str | None = None) -> list[dict]:
     """Every prefill worker's prompt steps at every rate (of ``workload``'s results only, when given): {tokens, ms,
-    steps, tp}: the mean prompt tokens and milliseconds of its steps (reports from session 30 on: earlier prefill
+    steps, tp}: the mean prompt tokens and milliseconds of its steps (reports from 2026-11-26 (b80ba3d) on: earlier prefill
     workers did not report their steps)."""
     out = []
     for (_, _, _, prefill_tp, *_), _, rate in _rates(paths, workload):

@@ -21,7 +21,7 @@ count; decode in the batch, then in the context) and extrapolated from the
 last two points. With ``kv_read_gb_s`` a decode step takes at least the
 profile's step at its shortest context plus the extra context's K/V bytes at
 that rate: the engine benchmark's decode steps (every sequence of one length)
-ran faster at long contexts than serving's (mixed lengths, session 25: 9.3
+ran faster at long contexts than serving's (mixed lengths, 2026-11-26, 8a9f8a5: 9.3
 ms at 24.6 rows of ~2,700 tokens against a profile's 6.0 ms at 32 x 2,048)."""
 from __future__ import annotations
 

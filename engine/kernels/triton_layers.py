@@ -9,7 +9,7 @@ took 7 us on an H200 at one row against 1.5 + 1.5 for its parallel kernel and
 the quantization launch; a down projection quantizing as it reads broke the
 kernel's pipelining, and so did every few-row FP8 GEMM finding its rows' scales
 in a first pass: batch 1 at 3.98 ms a step against 3.39 on an H100,
-``fp8-ab-{gemmquant,launchquant}-h100-s30.md``. Given each row's max by its producer instead, the GEMM that
+``fp8-ab-{gemmquant,launchquant}-h100-2026-11-26.md``. Given each row's max by its producer instead, the GEMM that
 quantizes as it loads is no faster than the launch before it, which costs ~1 us under PDL: at one row on an H100
 o 11.3 against 9.3 us, down 24.1 against 24.8, q/k/v and gate/up within 0.3.) Each launches with programmatic dependent launch where the GPU has it (``triton_pdl``)."""
 from __future__ import annotations
