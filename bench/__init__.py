@@ -17,7 +17,7 @@ snapshot), ``engine_waves`` (``serve``'s closed-loop waves run on the
 engine in-process: steps by kind, under prefill caps), ``profile_engine`` (torch profiles of decode, prompt and
 mixed steps; the kernels of one decode graph replay against its wall time), ``pool_rows`` (a KV copy between a paged pool and one buffer by views or by index, as the blocks fall
 into more runs). ``transfer --against-fp8`` moves the same KV as an FP8 cache holds it in the same run.
-``engine --profile`` measures the profile ``pdserve plan`` (``bench.plan``) simulates configurations from
+``engine --profile`` measures the profile ``pdserve plan`` (``planner``) simulates configurations from
 (``--calibrate`` fits its long-context decode steps to a ``goodput`` report's serving steps);
-``serve`` and ``goodput`` share the workloads of ``bench.workload`` (uniform ranges, ``mid``, ``long``, ``mixed``,
+``serve`` and ``goodput`` share the workloads of ``planner.workload`` (uniform ranges, ``mid``, ``long``, ``mixed``,
 JSONL traces)."""

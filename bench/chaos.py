@@ -30,7 +30,7 @@ from deploy.local import Cluster
 
 from .report import command_line
 from .soak import process_name, rss_bytes
-from .stats import summary
+from planner.stats import summary
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 

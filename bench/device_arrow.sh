@@ -16,7 +16,7 @@ fi
 echo "cores $(nproc); iperf3 $(command -v iperf3 || echo missing); ip $(command -v ip || echo missing); tc $(command -v tc || echo missing)" | tee "$OUT/host.txt"
 transfer() {  # NAME LINK [KV-OPTION...]
   local name=$1 link=$2; shift 2
-  python3 -m deploy.cli bench transfer --preset mistral-7b@871 --transports arrow,tcp --reps 16 --link "$link" \
+  python3 -m pdserve bench transfer --preset mistral-7b@871 --transports arrow,tcp --reps 16 --link "$link" \
     "$@" --out "$OUT/transfer-arrow-$name"
 }
 if [ "$WHAT" != serve ]; then
@@ -32,11 +32,11 @@ fi
 if [ "$WHAT" != transfer ]; then
   [ -f "$CKPT/config.json" ] || python3 -m bench.random_checkpoint --shape mistral-7b --out "$CKPT"
   for t in tcp arrow; do
-    python3 -m deploy.cli --log-level WARNING up --transport "$t" --model "$CKPT" --dtype bfloat16 --device cuda \
+    python3 -m pdserve --log-level WARNING up --transport "$t" --model "$CKPT" --dtype bfloat16 --device cuda \
       --port 8000 --ready-timeout 300 &
     UP=$!
     for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
-    python3 -m deploy.cli bench serve --url http://127.0.0.1:8000 --requests 96 --concurrency 16 --prompt-len 871 \
+    python3 -m pdserve bench serve --url http://127.0.0.1:8000 --requests 96 --concurrency 16 --prompt-len 871 \
       --max-tokens 32 --out "$OUT/serve-1p1d-$t-h100"
     kill -TERM $UP; wait $UP
   done

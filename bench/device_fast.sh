@@ -16,16 +16,16 @@ case "$WHAT" in all|check)
 case "$WHAT" in all|attn)
   python3 -m bench.attention_choice --out "$OUT/attention-choice" 2>&1 | grep -E "^decode|^prefill|flashinfer";; esac
 case "$WHAT" in all|engine)
-  python3 -m deploy.cli --log-level INFO bench engine --model "$CKPT" --dtype bfloat16 --batches 1,8,32,64 \
+  python3 -m pdserve --log-level INFO bench engine --model "$CKPT" --dtype bfloat16 --batches 1,8,32,64 \
     --prompt-len 512 --decode-steps 32 --hf --compare-eager --requests 64 --input-len 128:1024 --output-len 32:128 \
     --out "$OUT/engine-mistral7b" 2>&1 | grep -E "captured|decode batch|HF eager|offline|\|" ;; esac
 case "$WHAT" in all|serve)
-  python3 -m deploy.cli up --colocated --model "$CKPT" --dtype bfloat16 --port 8000 --ready-timeout 300 > "$OUT/up.log" 2>&1 &
+  python3 -m pdserve up --colocated --model "$CKPT" --dtype bfloat16 --port 8000 --ready-timeout 300 > "$OUT/up.log" 2>&1 &
   UP=$!
   for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
-  python3 -m deploy.cli bench serve --url http://127.0.0.1:8000 --requests 128 --concurrency 32 --prompt-len 512 \
+  python3 -m pdserve bench serve --url http://127.0.0.1:8000 --requests 128 --concurrency 32 --prompt-len 512 \
     --max-tokens 64 --out "$OUT/serve-colocated-c32" 2>&1 | grep -E "^\||requests 128"
-  python3 -m deploy.cli bench serve --url http://127.0.0.1:8000 --requests 16 --concurrency 1 --prompt-len 512 \
+  python3 -m pdserve bench serve --url http://127.0.0.1:8000 --requests 16 --concurrency 1 --prompt-len 512 \
     --max-tokens 64 --out "$OUT/serve-colocated-c1" 2>&1 | grep -E "^\||requests 16"
   kill -TERM $UP; wait $UP;;
 esac

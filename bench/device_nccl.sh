@@ -14,11 +14,11 @@ case "$WHAT" in all|e2e) python3 -m bench.nccl_e2e --out "$OUT/nccl_e2e.json" > 
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('e2e all equal:', r['all_equal'], 'from blocks', r['prefill'].get('kv_from_blocks'), 'landed', r['decode'].get('kv_landed_in_blocks'))" "$OUT/nccl_e2e.json";; esac
 case "$WHAT" in all|serve)
   [ -f "$CKPT/config.json" ] || python3 -m bench.random_checkpoint --shape mistral-7b --out "$CKPT"
-  python3 -m deploy.cli up --transport nccl --model "$CKPT" --dtype bfloat16 --port 8000 --ready-timeout 300 ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
+  python3 -m pdserve up --transport nccl --model "$CKPT" --dtype bfloat16 --port 8000 --ready-timeout 300 ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
   UP=$!
   for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
   for run in 1 2; do  # the second run sees pools already churned by the first
-    python3 -m deploy.cli bench serve --url http://127.0.0.1:8000 --requests 128 --concurrency 32 --prompt-len 512 \
+    python3 -m pdserve bench serve --url http://127.0.0.1:8000 --requests 128 --concurrency 32 --prompt-len 512 \
       --max-tokens 64 --out "$OUT/serve-1p1d-nccl-c32-run$run"
   done
   curl -s localhost:8000/health > "$OUT/health.json"

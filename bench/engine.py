@@ -198,7 +198,7 @@ def run(args) -> int:
 
     rng = random.Random(args.seed)
     batches = [int(b) for b in args.batches.split(",")]
-    from deploy.cli import byte_size
+    from deploy.units import byte_size
 
     engine = make_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                       max_num_seqs=max(args.max_num_seqs, max(batches)), engine=args.engine,
@@ -232,7 +232,7 @@ def run(args) -> int:
           f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
     profile = None
     if args.profile:
-        from .plan.measure import measure
+        from .plan_profile import measure
 
         profile = measure(engine, batches, [int(x) for x in args.profile_prompts.split(",")],
                           [int(x) for x in args.profile_contexts.split(",")], max(8, args.decode_steps // 4), rng)

@@ -21,7 +21,7 @@ import time
 
 
 def _sequences(engine, seed: int, count: int, prompt_len: int, max_tokens: int) -> list:
-    from bench.workload import build
+    from planner.workload import build
     from engine import SamplingParams
     from engine.sequence import Sequence
 

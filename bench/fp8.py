@@ -47,7 +47,7 @@ def add_arguments(p):
 
 
 def _engine(args, **kw):
-    from deploy.cli import byte_size
+    from deploy.units import byte_size
     from engine import EngineConfig
     from engine.engine import Engine
 

@@ -38,8 +38,8 @@ import shlex
 from .health import busiest, step_delta, step_times, wait_idle
 from .report import command_line
 from .serve import PHASES, run_load, within
-from .stats import summary
-from .workload import WORKLOADS, longest_output
+from planner.stats import summary
+from planner.workload import WORKLOADS, longest_output
 from .transfer import environment
 
 

@@ -16,31 +16,31 @@ slo="--slo-ttft-ms 2000 --slo-tpot-ms 10"
 for step in $steps; do
   case $step in
     profile)
-      timeout 240 $PY -m deploy.cli bench engine $model --batches 1,8,32,64 --decode-steps 32 --requests 8 \
+      timeout 240 $PY -m pdserve bench engine $model --batches 1,8,32,64 --decode-steps 32 --requests 8 \
         --max-num-seqs 64 --kv-budget 40G --profile --profile-prompts 128,512,2048,8192 \
         --profile-contexts 512,2048,8192 --out "$OUT/engine-mistral7b-$TAG" 2>&1 | grep -v "^decode\|^offline" | tail -20 ;;
     cap)
       for variant in plain: capped:--slo-tpot-ms=15; do
         name=${variant%%:*}; extra=${variant#*:}
-        $PY -m deploy.cli up --colocated $model --max-num-seqs 64 --kv-budget 40G --port 8020 ${extra/=/ } \
+        $PY -m pdserve up --colocated $model --max-num-seqs 64 --kv-budget 40G --port 8020 ${extra/=/ } \
           --ready-timeout 200 > "$OUT/up-$name.log" 2>&1 &
         up=$!
         for i in $(seq 200); do curl -sf http://127.0.0.1:8020/health > /dev/null && break; sleep 1; done
-        timeout 120 $PY -m deploy.cli bench serve --url http://127.0.0.1:8020 --workload mixed --rate $RATE \
+        timeout 120 $PY -m pdserve bench serve --url http://127.0.0.1:8020 --workload mixed --rate $RATE \
           --concurrency 1000 --duration 45 --warmup-requests 5 --slo-ttft-ms 2000 --slo-tpot-ms 15 \
           --out "$OUT/serve-mixed-r$RATE-$name-$TAG" 2>&1 | grep -A12 "^| metric"
         kill -INT $up; wait $up
       done ;;
     goodput)  # every configuration started once; mid, long and mixed against it; distinct prompts per rate
       # WORKLOADS (default mid,long,mixed; one call per workload fits a 10-minute limit), START, PROBES, DURATION
-      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$model --max-num-seqs 64" $slo \
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m pdserve bench goodput --up-args "$model --max-num-seqs 64" $slo \
         --workload ${WORKLOADS:-mid,long,mixed} --search ${START:-2} --probes ${PROBES:-5} --duration ${DURATION:-15} \
         --warmup-requests 10 --ttft-concurrency "" \
         --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
         --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-${NAME:-$TAG}" 2>&1 \
         | grep -v "^  requests" ;;
     plan)
-      $PY -m deploy.cli plan --profile "$OUT/engine-mistral7b-$TAG-profile.json" --gpus 2 --workload mixed $slo \
+      $PY -m pdserve plan --profile "$OUT/engine-mistral7b-$TAG-profile.json" --gpus 2 --workload mixed $slo \
         --validate 2 --up-args "$model --max-num-seqs 64" --out "$OUT/plan-mixed-$TAG" ;;
   esac
 done

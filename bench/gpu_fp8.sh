@@ -16,18 +16,18 @@ for step in $steps; do
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kv.py \
             tests/test_fp8_weights.py -k "not cluster and not disaggregated and not convert_on_arrival" --tb=line 2>&1 \
             | grep -E "^(E |FAILED|/)|passed|failed" | tail -12 ;;
-    fp8) timeout 560 $PY -m deploy.cli bench fp8 $model --batches 1,8,32,64 --prompt-len 512 --context 8192 \
+    fp8) timeout 560 $PY -m pdserve bench fp8 $model --batches 1,8,32,64 --prompt-len 512 --context 8192 \
            --kv-budget 16G --out "$OUT/fp8-mistral7b-$TAG" 2>&1 | grep -v " INFO " | tail -45 ;;
-    ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m deploy.cli bench fp8 $model --batches 1,8,32 --prompt-len 512 \
+    ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m pdserve bench fp8 $model --batches 1,8,32 --prompt-len 512 \
           --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-scaled-mm-only-$TAG" 2>&1 | tail -8 ;;
     serve)  # colocated, FP8 weights and FP8 KV
-      $PY -m deploy.cli up --colocated $model --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 \
+      $PY -m pdserve up --colocated $model --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 \
         --max-num-seqs 64 --port 8013 --ready-timeout 300 > "$OUT/up-fp8.log" 2>&1 &
       up=$!
       serve_c32 8013 colocated-fp8
       kill -INT $up; wait $up ;;
     serve1p1d)  # two GPUs: prefill on cuda:0, decode on cuda:1, FP8 KV over NCCL
-      $PY -m deploy.cli up --transport nccl $model --kv-cache-dtype fp8 --max-model-len 4096 --max-num-seqs 64 \
+      $PY -m pdserve up --transport nccl $model --kv-cache-dtype fp8 --max-model-len 4096 --max-num-seqs 64 \
         --port 8014 --ready-timeout 300 > "$OUT/up-1p1d-fp8.log" 2>&1 &
       up=$!
       serve_c32 8014 1p1d-nccl-fp8kv

@@ -6,5 +6,5 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-bench/out/guided}; mkdir -p "$OUT"
 PY=${PY:-python3}
 TAG=${TAG:-h200}
-timeout 500 $PY -m deploy.cli bench guided --model mistral-7b --load-format dummy --dtype bfloat16 --batch 32 \
+timeout 500 $PY -m pdserve bench guided --model mistral-7b --load-format dummy --dtype bfloat16 --batch 32 \
   --prompt-len 512 --decode-steps 64 --out "$OUT/guided-mistral7b-bs32-$TAG" 2>&1 | tail -12

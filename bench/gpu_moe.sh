@@ -14,23 +14,23 @@ for step in $steps; do
   case $step in
     test) timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py -k moe --tb=line 2>&1 | tail -3 ;;
     engine)
-      timeout 200 $PY -m deploy.cli bench engine $qwen --batches 1,8,64 --prompt-len 512 --decode-steps 32 --requests 16 \
+      timeout 200 $PY -m pdserve bench engine $qwen --batches 1,8,64 --prompt-len 512 --decode-steps 32 --requests 16 \
         --max-num-seqs 64 --max-model-len 4096 --kv-budget 8G --out "$OUT/engine-qwen3-30b-a3b-$TAG" 2>&1 | tail -7
-      timeout 280 $PY -m deploy.cli bench engine --model mixtral-8x7b --load-format dummy --dtype bfloat16 --batches 1,32 \
+      timeout 280 $PY -m pdserve bench engine --model mixtral-8x7b --load-format dummy --dtype bfloat16 --batches 1,32 \
         --prompt-len 512 --decode-steps 32 --requests 16 --max-num-seqs 32 --max-model-len 4096 --kv-budget 8G \
         --out "$OUT/engine-mixtral-8x7b-$TAG" 2>&1 | tail -6 ;;
     loop)  # the reference loop over experts (no graphs: it synchronizes with the host), for the fused kernel's A/B
-      PDSERVE_MOE_KERNEL=0 timeout 300 $PY -m deploy.cli bench engine $qwen --batches 1,8,64 --prompt-len 512 \
+      PDSERVE_MOE_KERNEL=0 timeout 300 $PY -m pdserve bench engine $qwen --batches 1,8,64 --prompt-len 512 \
         --decode-steps 16 --requests 8 --max-num-seqs 64 --max-model-len 4096 --kv-budget 8G \
         --out "$OUT/engine-qwen3-30b-a3b-expert-loop-$TAG" 2>&1 | tail -7 ;;
     serve)
-      $PY -m deploy.cli up --colocated $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8015 \
+      $PY -m pdserve up --colocated $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8015 \
         --ready-timeout 300 > "$OUT/up-moe.log" 2>&1 &
       up=$!
       serve_c32 8015 colocated-qwen3-30b-a3b
       kill -INT $up; wait $up ;;
     serve1p1d)
-      $PY -m deploy.cli up --transport nccl $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8016 \
+      $PY -m pdserve up --transport nccl $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8016 \
         --ready-timeout 300 > "$OUT/up-moe-1p1d.log" 2>&1 &
       up=$!
       serve_c32 8016 1p1d-nccl-qwen3-30b-a3b

@@ -8,11 +8,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-bench/out/pp}; mkdir -p "$OUT"
 PY=${PY:-python3}
 TAG=${TAG:-h100}
-timeout 200 $PY -m deploy.cli bench pipeline --model llama-3-8b --device cuda:0,cuda:0 --dtype bfloat16 \
+timeout 200 $PY -m pdserve bench pipeline --model llama-3-8b --device cuda:0,cuda:0 --dtype bfloat16 \
   --layouts single,pp2 --pp-transport shm --batch 32 --prompt-len 256 --prefill-len 2048 \
   --decode-steps 32 --out "$OUT/pipeline-llama8b-1gpu-shm-$TAG" 2>&1 | tail -14
 for dtype in float32 bfloat16; do  # fp32: the split itself adds no error beyond the dtype's rounding
-  timeout 150 $PY -m deploy.cli bench pipeline --model qwen3-0.6b --device cuda:0,cuda:0 --dtype $dtype \
+  timeout 150 $PY -m pdserve bench pipeline --model qwen3-0.6b --device cuda:0,cuda:0 --dtype $dtype \
     --layouts single,pp2 --pp-transport tcp --batch 32 --prompt-len 256 --prefill-len 2048 \
     --decode-steps 32 --out "$OUT/pipeline-qwen3-0.6b-1gpu-$dtype-$TAG" 2>&1 | tail -14
 done

@@ -64,30 +64,30 @@ config70() {  # NAME TPOT -> "NAME=pdserve up arguments": TP=2 roles or replicas
 for step in $steps; do
   case $step in
     profile)
-      CUDA_VISIBLE_DEVICES=0 timeout 240 $PY -m deploy.cli bench engine $mistral --batches 1,8,32,64 \
+      CUDA_VISIBLE_DEVICES=0 timeout 240 $PY -m pdserve bench engine $mistral --batches 1,8,32,64 \
         --decode-steps 32 --requests 8 --max-num-seqs 64 --kv-budget 40G --profile --profile-prompts 128,512,2048,8192 \
         --profile-contexts 512,2048,8192 --out "$OUT/engine-mistral7b-$TAG" 2>&1 | tail -5 ;;
     mistral)
       args=(); for c in $CONFIGS; do args+=(--config "$(config "$c")"); done
-      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$mistral --max-num-seqs 64" \
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m pdserve bench goodput --up-args "$mistral --max-num-seqs 64" \
         --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" --search ${START:-6} --probes $PROBES \
         --duration $DURATION --warmup-requests 10 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" "${args[@]}" \
         --out "$OUT/goodput-${GPUS}gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     llama70b)
       tpot=25; nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H100 && tpot=36
       args=(); for c in ${CONFIGS70:-1p1d colocated colocated-capped}; do args+=(--config "$(config70 "$c" $tpot)"); done
-      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m deploy.cli bench goodput --up-args "$llama --max-num-seqs 32" \
+      timeout ${GOODPUT_TIMEOUT:-1500} $PY -m pdserve bench goodput --up-args "$llama --max-num-seqs 32" \
         --slo-ttft-ms 2000 --slo-tpot-ms $tpot --workload "${WORKLOADS70:-mixed}" --search ${START70:-0.5} \
         --probes $PROBES --duration ${DURATION70:-25} --warmup-requests 4 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" \
         "${args[@]}" --out "$OUT/goodput-4gpu-llama70b-tp2-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     hetero)
       for layout in "p-tp2-to-2d=--prefill 1 --prefill-tp 2 --decode 2" "2p-to-d-tp2=--prefill 2 --decode 1 --decode-tp 2"; do
         name=${layout%%=*}
-        $PY -m deploy.cli up ${layout#*=} --gpus 4 --transport nccl $mistral --max-num-seqs 64 --port 8040 \
+        $PY -m pdserve up ${layout#*=} --gpus 4 --transport nccl $mistral --max-num-seqs 64 --port 8040 \
           --ready-timeout 300 > "$OUT/up-$name.log" 2>&1 &
         up=$!
         for i in $(seq 300); do curl -sf http://127.0.0.1:8040/health > /dev/null && break; sleep 1; done
-        timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8040 --concurrency 32 --requests 96 \
+        timeout 200 $PY -m pdserve bench serve --url http://127.0.0.1:8040 --concurrency 32 --requests 96 \
           --prompt-len 512:4096 --max-tokens 32:128 --warmup-requests 8 --out "$OUT/serve-hetero-$name-$TAG" \
           2>&1 | grep -v "^  requests" | tail -22
         kill -INT $up; wait $up
@@ -96,12 +96,12 @@ for step in $steps; do
       for layout in "p-tp4-to-2d-tp2=--prefill 1 --prefill-tp 4 --decode 2 --decode-tp 2" \
                     "2p-tp2-to-d-tp4=--prefill 2 --prefill-tp 2 --decode 1 --decode-tp 4"; do
         name=${layout%%=*}
-        $PY -m deploy.cli up ${layout#*=} --gpus 8 --transport nccl $llama --max-num-seqs 32 --port 8042 \
+        $PY -m pdserve up ${layout#*=} --gpus 8 --transport nccl $llama --max-num-seqs 32 --port 8042 \
           --ready-timeout 500 > "$OUT/up-hetero8-$name.log" 2>&1 &
         up=$!
         for i in $(seq 500); do curl -sf http://127.0.0.1:8042/health > /dev/null && break
           kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/up-hetero8-$name.log"; break; }; sleep 1; done
-        timeout 300 $PY -m deploy.cli bench serve --url http://127.0.0.1:8042 --concurrency 32 --requests 96 \
+        timeout 300 $PY -m pdserve bench serve --url http://127.0.0.1:8042 --concurrency 32 --requests 96 \
           --prompt-len 512:4096 --max-tokens 32:128 --warmup-requests 8 --out "$OUT/serve-hetero8-llama70b-$name-$TAG" \
           2>&1 | grep -v "^  requests" | tail -22
         kill -INT $up; wait $up
@@ -109,11 +109,11 @@ for step in $steps; do
       timeout 1500 $PY -m bench.tp_handoff --skip tiny,mistral --transports nccl --out "$OUT/tp-handoff-llama70b-$TAG" \
         2>&1 | tail -3 ;;
     stall)
-      PDSERVE_LOG_LEVEL=INFO $PY -m deploy.cli up --prefill 3 --decode 1 --gpus 4 --transport nccl $mistral \
+      PDSERVE_LOG_LEVEL=INFO $PY -m pdserve up --prefill 3 --decode 1 --gpus 4 --transport nccl $mistral \
         --max-num-seqs 64 --port 8041 --ready-timeout 300 > "$OUT/up-stall-$TAG.log" 2>&1 &
       up=$!
       for i in $(seq 300); do curl -sf http://127.0.0.1:8041/health > /dev/null && break; sleep 1; done
-      timeout 120 $PY -m deploy.cli bench serve --url http://127.0.0.1:8041 --workload mixed --rate ${RATE:-12} \
+      timeout 120 $PY -m pdserve bench serve --url http://127.0.0.1:8041 --workload mixed --rate ${RATE:-12} \
         --duration 12 --concurrency 1000 --slo-ttft-ms 2000 --slo-tpot-ms 10 --out "$OUT/serve-stall-$TAG" \
         > "$OUT/serve-stall-$TAG.log" 2>&1 &
       load=$!
@@ -129,7 +129,7 @@ for step in $steps; do
       for w in ${WORKLOADS//,/ }; do
         measured=(); for f in "$OUT"/goodput-${GPUS}gpu-mistral-*.json; do [ -f "$f" ] && measured+=(--measured "$f"); done
         calibrate=(); [ ${#measured[@]} -gt 0 ] && calibrate=(--calibrate)
-        $PY -m deploy.cli plan --profile "$PROFILE" --gpus $GPUS --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 "${measured[@]}" \
+        $PY -m pdserve plan --profile "$PROFILE" --gpus $GPUS --workload $w --slo-ttft-ms 2000 --slo-tpot-ms 10 "${measured[@]}" \
           "${calibrate[@]}" --out "$OUT/plan-${GPUS}gpu-$w-$TAG" | tail -16
       done ;;
   esac

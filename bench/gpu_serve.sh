@@ -7,7 +7,7 @@ serve_c32() {
     [ -n "$(jobs -pr)" ] || { echo "serve_c32 $2: the pdserve started in the background has exited"; return 1; }
     sleep 1; done
   for wave in first:0 second:1; do
-    timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:$1 --concurrency 32 --prompt-len 512 \
+    timeout 200 $PY -m pdserve bench serve --url http://127.0.0.1:$1 --concurrency 32 --prompt-len 512 \
       --max-tokens 64 --requests 128 --seed ${wave#*:} --out "$OUT/serve-$2-c32-${wave%:*}-$TAG" 2>&1 | grep "^requests"
   done
 }

@@ -155,7 +155,7 @@ class RayDeployment:
 
     @staticmethod
     def _deploy(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "deploy.cli", "deploy", *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "pdserve", "deploy", *args], capture_output=True, text=True,
                              timeout=600)
         if out.returncode:
             raise RuntimeError(f"pdserve deploy {args[0]} failed: {out.stderr[-1500:]}")

@@ -19,13 +19,13 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
 if [ "${SKIP_HANG:-0}" = 0 ]; then
   port=8123
-  $PY -m deploy.cli up --colocated $model --port $port --ready-timeout 600 > "$OUT/hang-up-$TAG.log" 2>&1 &
+  $PY -m pdserve up --colocated $model --port $port --ready-timeout 600 > "$OUT/hang-up-$TAG.log" 2>&1 &
   up=$!
   for _ in $(seq 1 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 2; done
   kill -0 $up 2>/dev/null || { echo "pdserve up exited:"; tail -5 "$OUT/hang-up-$TAG.log"; exit 1; }
   for wave in "1 8" "32 128"; do
     set -- $wave
-    timeout 400 $PY -m deploy.cli bench serve --url http://127.0.0.1:$port --concurrency $1 --requests $2 \
+    timeout 400 $PY -m pdserve bench serve --url http://127.0.0.1:$port --concurrency $1 --requests $2 \
       --prompt-len 512 --max-tokens 64 --out "$OUT/hang-c$1-$TAG" 2>&1 | grep -E "^\||requests|error" | tail -4
   done
   curl -s localhost:$port/metrics | grep -E "^pdserve_requests_stalled_total|^pdserve_requests_total"
@@ -33,17 +33,17 @@ if [ "${SKIP_HANG:-0}" = 0 ]; then
 fi
 if [ "$gpus" -ge 2 ] && [ "${SKIP_SHUTDOWN:-0}" = 0 ]; then  # a clean stop of an nccl pair: no stack traces
   port=8124
-  $PY -m deploy.cli up --transport nccl --gpus 2 $model --port $port --ready-timeout 600 > "$OUT/shutdown-nccl-$TAG.log" 2>&1 &
+  $PY -m pdserve up --transport nccl --gpus 2 $model --port $port --ready-timeout 600 > "$OUT/shutdown-nccl-$TAG.log" 2>&1 &
   up=$!
   for _ in $(seq 1 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 2; done
   served=$(basename "$(echo "$model" | sed -E 's/.*--model ([^ ]+).*/\1/')")
   for i in 1 2 3 4; do curl -s localhost:$port/v1/completions -H 'content-type: application/json' \
     -d "{\"model\": \"$served\", \"prompt\": \"hello $i\", \"max_tokens\": 8}" | head -c 150; echo; done
   kill -TERM $up; wait $up
-  $PY -m deploy.cli bench goodput --config "nccl=--transport nccl --gpus 2 $model" --rates 2 --requests 24 \
+  $PY -m pdserve bench goodput --config "nccl=--transport nccl --gpus 2 $model" --rates 2 --requests 24 \
     --prompt-len 512 --max-tokens 64 --ready-timeout 600 --out "$OUT/shutdown-goodput-$TAG" \
     > "$OUT/shutdown-goodput-$TAG.log" 2>&1 || echo "bench goodput exited $?"
-  $PY -m deploy.cli bench stream --transport nccl --model tiny-llama --device cuda --prompt-len 512 --rounds 4 \
+  $PY -m pdserve bench stream --transport nccl --model tiny-llama --device cuda --prompt-len 512 --rounds 4 \
     --out "$OUT/shutdown-stream-$TAG" > "$OUT/shutdown-stream-$TAG.log" 2>&1 || echo "bench stream exited $?"
   for what in nccl goodput stream; do
     echo "clean stop, $what: $(grep -cE 'Traceback|recvValue failed|should dump|ProcessGroupNCCL.*(error|Error)' \
@@ -51,7 +51,7 @@ if [ "$gpus" -ge 2 ] && [ "${SKIP_SHUTDOWN:-0}" = 0 ]; then  # a clean stop of a
   done
 fi
 if [ "$gpus" -ge 2 ] && [ "${SKIP_CHAOS:-0}" = 0 ]; then  # kills under load: 2P2D over nccl, 2 colocated replicas
-  chaos() { $PY -m deploy.cli bench chaos --duration "${CHAOS_S:-300}" --kill-every 30 --streams 32 \
+  chaos() { $PY -m pdserve bench chaos --duration "${CHAOS_S:-300}" --kill-every 30 --streams 32 \
     --up-args "$1 --ready-timeout 600 $model" --out "$OUT/chaos-$2-$TAG" > "$OUT/chaos-$2-$TAG.log" 2>&1
     echo "chaos $2 exited $?"; }
   wide=$([ "$gpus" -ge 4 ] && echo 4 || echo 2)  # 2 GPUs: each prefill worker shares its GPU with a decode worker

@@ -32,17 +32,17 @@ for step in $steps; do
   case $step in
     allreduce) timeout 200 $PY -m bench.allreduce --gpus 2 --out "$OUT/allreduce-$TAG" ;;
     mistral)
-      timeout 120 $PY -m deploy.cli bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG"
-      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-$TAG"
-      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 --no-overlap $common \
+      timeout 120 $PY -m pdserve bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG"
+      timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-$TAG"
+      timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 --no-overlap $common \
         --out "$OUT/engine-mistral-tp2-no-overlap-$TAG" ;;
-    llama70b) timeout 400 $PY -m deploy.cli bench engine --model llama-3-70b --tp 2 $common --out "$OUT/engine-llama70b-tp2-$TAG" ;;
+    llama70b) timeout 400 $PY -m pdserve bench engine --model llama-3-70b --tp 2 $common --out "$OUT/engine-llama70b-tp2-$TAG" ;;
     serve)
-      $PY -m deploy.cli up --colocated --tp 2 --model llama-3-70b --load-format dummy --dtype bfloat16 \
+      $PY -m pdserve up --colocated --tp 2 --model llama-3-70b --load-format dummy --dtype bfloat16 \
         --max-model-len 4096 --max-num-seqs 32 --port 8011 --ready-timeout 400 > "$OUT/up.log" 2>&1 &
       up=$!
       for i in $(seq 400); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
-      timeout 300 $PY -m deploy.cli bench serve --url http://127.0.0.1:8011 --concurrency 16 --prompt-len 512 \
+      timeout 300 $PY -m pdserve bench serve --url http://127.0.0.1:8011 --concurrency 16 --prompt-len 512 \
         --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
     handoff)
@@ -54,56 +54,56 @@ for step in $steps; do
       timeout 300 $PY -m bench.profile_engine --model mistral-7b --load-format dummy --dtype bfloat16 --tp 2 \
         --batch 1 --steps 16 --graph-times 1,32 > "$OUT/profile-mistral-tp2-$TAG.txt" 2>&1; tail -30 "$OUT/profile-mistral-tp2-$TAG.txt" ;;
     gemv)
-      timeout 420 $PY -m deploy.cli bench kernels --model mistral-7b --only fused --sweep --tp 2 --out "$OUT/gemv-mistral-tp2-$TAG"
-      timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
-      PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m deploy.cli bench engine \
+      timeout 420 $PY -m pdserve bench kernels --model mistral-7b --only fused --sweep --tp 2 --out "$OUT/gemv-mistral-tp2-$TAG"
+      timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
+      PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m pdserve bench engine \
         --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;
     prefetch)
       for mb in 0 16; do
-        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-l2-${mb}mb-$TAG" 2>&1 | grep "decode batch"
       done ;;
     lamport)
       for ar in auto lamport; do
-        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
       done ;;
     combined)
       picks="$OUT/gemv-mistral-tp2-$TAG-picks.json"; [ -f "$picks" ] || picks=""
       for tp in 1 2; do
-        PDSERVE_TP_ALLREDUCE=lamport PDSERVE_L2_PREFETCH_MB=16 PDSERVE_GEMV_CONFIGS=$picks timeout 150 $PY -m deploy.cli \
+        PDSERVE_TP_ALLREDUCE=lamport PDSERVE_L2_PREFETCH_MB=16 PDSERVE_GEMV_CONFIGS=$picks timeout 150 $PY -m pdserve \
           bench engine --model mistral-7b --tp $tp $common --out "$OUT/engine-mistral-tp$tp-combined-$TAG" 2>&1 \
           | grep "decode batch\|all-reduce\|L2 prefetch"
       done ;;
     pushed)
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_pushed.py tests/test_triton_gemv.py --tb=short 2>&1 \
         | grep -E "^(E |FAILED)|passed|failed" | tail -12
-      timeout 120 $PY -m deploy.cli bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG" \
+      timeout 120 $PY -m pdserve bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG" \
         2>&1 | grep "decode batch"
       for ar in oneshot auto; do
-        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m deploy.cli bench engine --model mistral-7b --tp 2 $common \
+        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
       done ;;
     pushed70b)
       for ar in oneshot auto; do
-        PDSERVE_TP_ALLREDUCE=$ar timeout 400 $PY -m deploy.cli bench engine --model llama-3-70b --tp 2 $common \
+        PDSERVE_TP_ALLREDUCE=$ar timeout 400 $PY -m pdserve bench engine --model llama-3-70b --tp 2 $common \
           --out "$OUT/engine-llama70b-tp2-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
       done ;;
     servetp)
       for ar in oneshot auto; do
-        PDSERVE_TP_ALLREDUCE=$ar $PY -m deploy.cli up --colocated --tp 2 --model mistral-7b --load-format dummy \
+        PDSERVE_TP_ALLREDUCE=$ar $PY -m pdserve up --colocated --tp 2 --model mistral-7b --load-format dummy \
           --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32 --port 8015 --ready-timeout 300 > "$OUT/up-tp-$ar.log" 2>&1 &
         up=$!
         for i in $(seq 300); do curl -sf http://127.0.0.1:8015/health > /dev/null && break; sleep 1; done
         for c in 1 16; do
-          timeout 200 $PY -m deploy.cli bench serve --url http://127.0.0.1:8015 --concurrency $c --prompt-len 512 \
+          timeout 200 $PY -m pdserve bench serve --url http://127.0.0.1:8015 --concurrency $c --prompt-len 512 \
             --max-tokens 64 --requests $((c == 1 ? 24 : 64)) --seed $c --out "$OUT/serve-mistral-tp2-$ar-c$c-$TAG" \
             2>&1 | grep "^requests"
         done
         kill -INT $up; wait $up
       done ;;
     pp)
-      timeout 500 $PY -m deploy.cli bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
+      timeout 500 $PY -m pdserve bench pipeline --model llama-3-70b --device cuda:0,cuda:1 --dtype bfloat16 \
         --layouts tp2,pp2 --pp-transport nccl --batch 32 --prompt-len 128 --prefill-len 512 --decode-steps 32 \
         --out "$OUT/pipeline-llama70b-pp2-vs-tp2-$TAG" 2>&1 | tail -14 ;;
   esac

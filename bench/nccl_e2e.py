@@ -49,7 +49,7 @@ def main():
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "up",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up",
                              "--transport", args.transport, "--port", str(port), *args.up_arg])
     try:
         wait_healthy(url, proc)

@@ -164,7 +164,7 @@ def in_namespace(args, argv: list[str]) -> int:
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
                         "burst", "1mbit", "latency", "100ms"], check=True)
         env = {**os.environ, NS_ENV: args.link}
-        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "deploy.cli", *argv], env=env).returncode
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve", *argv], env=env).returncode
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 

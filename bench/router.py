@@ -95,7 +95,7 @@ def _start(worker_port: int, router_port: int, step_ms: float):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     worker = subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(worker_port), "--step-ms",
                                str(step_ms)], env=env)
-    router = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--port", str(router_port),
+    router = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(router_port),
                                "--colocated", f"tcp://127.0.0.1:{worker_port}"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     import httpx

@@ -7,7 +7,7 @@ per-phase timings and where the prompt was prefilled. Fixed concurrency
 (closed loop) or Poisson arrivals at ``--rate``; stops after ``--requests``
 or ``--duration``; the first ``--warmup-requests`` run but are left out of
 the summary. ``--workload mixed``: 70% prompts of 128-1,024 tokens, 30% of
-6,000-8,000 (``bench.workload``). Goodput counts requests within every SLO
+6,000-8,000 (``planner.workload``). Goodput counts requests within every SLO
 given: ``--slo-ttft-ms``, ``--slo-tpot-ms``, ``--slo-itl-p99-ms``,
 ``--slo-stall-ms``."""
 from __future__ import annotations
@@ -23,9 +23,9 @@ import httpx
 
 from .health import settled_step_times, step_delta, with_busy
 from .report import command_line
-from .stats import summary
-from .stats import quantile
-from .workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
+from planner.stats import summary
+from planner.stats import quantile
+from planner.workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
 
 PHASES = ("admit", "queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")

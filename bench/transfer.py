@@ -21,7 +21,7 @@ import time
 
 from .payload import PRESETS, as_fp8, layout_from_args
 from .report import command_line, write_reports
-from .stats import summary
+from planner.stats import summary
 
 IPERF, SOCKET = "iperf3", "socket"
 

@@ -99,14 +99,6 @@ class WorkerLoop:
             self.muted.consider(rid, msg)
         self.inbox.put(msg)
 
-    def profile_steps(self, engine) -> None:
-        """A window of the engine's steps under the torch profiler, where ``PDSERVE_PROFILE_STEPS`` asks for one
-        (``engine.step_profiler``)."""
-        from engine.step_profiler import from_env
-
-        if hasattr(engine, "profiler"):
-            engine.profiler = from_env(self.role)
-
     def watch_group(self, engine) -> None:
         """Fail and exit when a rank of ``engine``'s tensor-parallel group dies (nothing without TP)."""
         group = getattr(engine, "group", None)
@@ -121,15 +113,11 @@ class WorkerLoop:
         rather than report the collective's error."""
         group = getattr(getattr(self, "engine", None), "group", None)
         if group is not None and group.size > 1:
-            from engine.parallel.launch import dead_rank
-
             dead = dead_rank(group)
             if dead is not None:
                 self._rank_lost(*dead)
         stages = getattr(getattr(getattr(self, "engine", None), "stage", None), "stages", None)
         if stages is not None:  # a hop fails a moment before the stage's exit is seen
-            from engine.parallel.launch import dead_rank
-
             dead = dead_rank(stages)
             if dead is not None:
                 self._rank_lost(*dead, "pipeline stage")
@@ -328,3 +316,15 @@ def fixed_world(transport: str, engine_cfg) -> None:
         raise ValueError(f"--transport {transport} pairs two processes in one fixed world and cannot carry the KV "
                          f"of --tp {engine_cfg.tp} groups; use tcp, shm, nccl, nixl, arrow, ray or pickle")
 
+
+def dead_rank(group, wait_s: float = 0.5) -> tuple[int, int] | None:
+    """``(rank, exit code)`` of a follower process that exited (``group.procs``: rank -> Popen) (waiting up to ``wait_s`` for one: a collective can fail a
+    moment before its peer's exit is visible), or None."""
+    end = time.monotonic() + wait_s
+    while True:
+        for rank, proc in getattr(group, "procs", {}).items():
+            if proc.poll() is not None:
+                return rank, proc.returncode
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.05)

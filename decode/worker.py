@@ -32,6 +32,7 @@ from control.worker import WorkerLoop, fixed_world
 from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.guided.background import Background
+from engine.step_profiler import attach as attach_profiler
 from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
 from kvtransfer import (KVLayout, Landing, PiecewiseKV, PoolRows, TransferError, TransferStatus, TransportConfig,
                         make_receiver)
@@ -74,7 +75,7 @@ class DecodeWorker(WorkerLoop):
                                            {transport_spec.ENV: transport_spec.dump(transport, cfg)})
         self.engine = make_engine(engine, pool_memory=self._transport_pool if shares else None, tp_kv=ranks_kv)
         self.watch_group(self.engine)
-        self.profile_steps(self.engine)
+        attach_profiler(self.engine, self.role)
         getattr(self.engine, "warm_up", lambda: None)()  # before on_schedule is set and before ready
         self.prefix_blocks = self.engine.blocks if self.engine.blocks.caching else None
         self.kv_budget = self.engine.kv_capacity_bytes

@@ -36,7 +36,7 @@ class Cluster:
     def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", str(self.port), "--threads", str(threads), *args]
+        cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(self.port), "--threads", str(threads), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
         self.ready_timeout = ready_timeout
         self.banner = ""

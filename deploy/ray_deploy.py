@@ -64,7 +64,7 @@ def _free_port(ip: str) -> int:
 
 
 class Process:
-    """An actor's pdserve process: ``python -m deploy.cli <role> --host <node ip> --port <free> ...``."""
+    """An actor's pdserve process: ``python -m pdserve <role> --host <node ip> --port <free> ...``."""
 
     def __init__(self, role: str, argv: list[str], host: str | None = None, port: int = 0):
         import ray
@@ -73,7 +73,7 @@ class Process:
         self.ip = host or ray.util.get_node_ip_address()
         self.port = port or _free_port(self.ip)
         self.node = ray.get_runtime_context().get_node_id()
-        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", role, "--host", self.ip,
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--host", self.ip,
                "--port", str(self.port), *argv]
         if role == "decode":
             cmd += ["--kv-port", str(_free_port(self.ip))]

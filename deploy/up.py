@@ -142,7 +142,7 @@ def _remove(path: str) -> None:
 def plan(args) -> list[list[str]]:
     """The command lines of every child: workers first, the router last (``cmd[5]`` names the role)."""
     HANDED_OUT.add(args.port)  # the router's, named by whoever started ``up``
-    base = [sys.executable, "-m", "deploy.cli", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")]
+    base = [sys.executable, "-m", "pdserve", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
     budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
@@ -263,8 +263,8 @@ def stop(procs, grace: float = 30.0) -> None:
 
 
 def place_stages(args) -> None:
-    """``--pp-nodes``: ``--pp`` and ``--pp-layers`` from ``pdserve plan placement`` (``bench.plan.placement``)."""
-    from bench.plan.placement import Node, Shape, bytes_per_weight, model_config, place_stage_zero, table
+    """``--pp-nodes``: ``--pp`` and ``--pp-layers`` from ``pdserve plan placement`` (``planner.placement``)."""
+    from planner.placement import Node, Shape, bytes_per_weight, model_config, place_stage_zero, table
 
     if not args.max_model_len:
         raise SystemExit("--pp-nodes needs --max-model-len (the context each node keeps room for)")

@@ -142,3 +142,9 @@ def summarize(events, walls: list[float], worked: list[bool] | None = None) -> d
     return {"steps": rows, "wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3),
             "host_bound_share": round(1 - busy / wall, 4) if wall and kernels else None,
             "top_host_self": top(host), "top_device": top(device)}
+
+
+def attach(engine, role: str) -> None:
+    """A window of ``engine``'s steps under the torch profiler, where ``PDSERVE_PROFILE_STEPS`` asks for one."""
+    if hasattr(engine, "profiler"):
+        engine.profiler = from_env(role)

@@ -38,6 +38,7 @@ from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.guided.background import Background
 from engine.progress import LayerProgress, StepFailed
+from engine.step_profiler import attach as attach_profiler
 from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
@@ -63,7 +64,7 @@ class PrefillWorker(WorkerLoop):
                                   tp_kv=("prefill.tp_kv:PrefillRankKV",
                                          {transport_spec.ENV: transport_spec.dump(transport, self.cfg)}))
         self.watch_group(self.engine)
-        self.profile_steps(self.engine)
+        attach_profiler(self.engine, self.role)
         getattr(self.engine, "warm_up", lambda: None)()  # before on_schedule is set and before ready
         self.group_pushes = GroupPushes(self.engine, on_stuck=self._rank_stuck)
         self.paged = getattr(self.engine, "paged", True)

@@ -30,7 +30,7 @@ class Fleet:
     def worker(self, name: str, role: str, *extra: str, host: str = "127.0.0.1", wrap=None) -> str:
         """``host``: the address it binds; ``wrap``: a function that makes the command run elsewhere (a namespace)."""
         port = free_port()
-        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", role, "--port", str(port)]
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--port", str(port)]
         if role == "decode":
             cmd += ["--kv-port", str(free_port())]
         cmd += ["--host", host] + self.engine_args + list(extra)
@@ -40,7 +40,7 @@ class Fleet:
 
     def router(self, *extra: str, name: str = "router") -> str:
         port = free_port()
-        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "router", "--port", str(port)]
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--port", str(port)]
         for wname, addr in self.addrs.items():
             role = next(r for r in ("prefill", "decode") if r in self.cmds[wname])
             cmd += [f"--{'colocated' if '--colocated' in self.cmds[wname] else role}", addr]

@@ -192,7 +192,7 @@ def test_binding_beyond_loopback_without_a_token_is_refused():
     env = {k: v for k, v in os.environ.items() if k not in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV)}
     for role in ("prefill", "decode", "router"):
         extra = ["--prefill", "tcp://127.0.0.1:1", "--decode", "tcp://127.0.0.1:2"] if role == "router" else []
-        r = subprocess.run([sys.executable, "-m", "deploy.cli", role, "--host", "0.0.0.0", *extra], env=env,
+        r = subprocess.run([sys.executable, "-m", "pdserve", role, "--host", "0.0.0.0", *extra], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and "beyond loopback" in r.stderr
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from deploy.cli import main
+from pdserve.cli import main
 
 
 def test_bench_transfer_tiny(tmp_path):
@@ -116,7 +116,7 @@ def test_bench_stream_small(tmp_path):
 
 
 def test_up_spreads_workers_over_gpus():
-    from deploy.cli import _parser
+    from pdserve.cli import _parser
     from deploy.up import plan
 
     args = _parser().parse_args(["up", "--colocated", "--decode", "3", "--gpus", "2", "--device", "cuda"])
@@ -129,7 +129,7 @@ def test_up_places_the_eight_gpu_cross_tp_layouts_one_gpu_a_rank():
     """Issue 32's run 4 layouts (``bench.tp_handoff.LAYOUTS8``): groups of four and of two side by side on 8 GPUs,
     every rank on a GPU of its own."""
     from bench.tp_handoff import LAYOUTS8
-    from deploy.cli import _parser
+    from pdserve.cli import _parser
     from deploy.up import plan
 
     def last(cmd, flag):  # a later flag wins, as argparse reads it

@@ -11,7 +11,7 @@ import pytest
 from bench.goodput import give_up_s, rates_to_try, workloads_of
 from bench.health import wait_idle
 from bench.serve import run_load
-from bench.workload import lengths, longest_output
+from planner.workload import lengths, longest_output
 
 
 def _tried(capacity, **kw):
@@ -66,7 +66,7 @@ def test_requests_past_the_give_up_time_are_cancelled_and_free_their_kv(disagg):
 
 def test_each_rate_gets_its_own_prompts_so_none_hits_the_prefix_cache():
     from bench.goodput import probe_seed
-    from bench.workload import build
+    from planner.workload import build
 
     def prompts(workload, rate):
         return [r.prompt for r in build(40, "200:300", "4", probe_seed(0, workload, rate), workload=workload)]

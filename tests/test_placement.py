@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.plan.placement import (PlacementError, Node, Shape, bytes_per_weight, model_config, place,
+from planner.placement import (PlacementError, Node, Shape, bytes_per_weight, model_config, place,
                                   place_stage_zero, weights_only)
 
 MACS = [Node("studio1", 128), Node("studio2", 128), Node("macbook", 36)]
@@ -70,7 +70,7 @@ def test_nodes_and_models_are_checked():
 
 def test_the_command_prints_and_writes_the_plan(tmp_path):
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "placement", "--nodes",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "plan", "placement", "--nodes",
                           "studio1:128,studio2:128,macbook:36", "--model", "minimax-m2-230b", "--bits", "5",
                           "--max-model-len", "200000", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -79,7 +79,7 @@ def test_the_command_prints_and_writes_the_plan(tmp_path):
     plan = json.loads(out.read_text())
     assert [s["last"] - s["first"] for s in plan["stages"]] == [6, 28, 28] and all(s["fits"] for s in plan["stages"])
     assert plan["stages"][0]["node"] == "macbook"
-    refused = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "placement", "--nodes", "a:64,b:64",
+    refused = subprocess.run([sys.executable, "-m", "pdserve", "plan", "placement", "--nodes", "a:64,b:64",
                               "--model", "minimax-m2-230b", "--bits", "5", "--max-model-len", "200000"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "cannot hold this model" in refused.stdout

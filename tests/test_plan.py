@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from bench.plan.profile import Profile
-from bench.plan.search import SLO, Horizon, candidates, rank
-from bench.plan.simulate import Instance, Layout, SimRequest, simulate
-from bench.workload import lengths
+from planner.profile import Profile
+from planner.search import SLO, Horizon, candidates, rank
+from planner.simulate import Instance, Layout, SimRequest, simulate
+from planner.workload import lengths
 
 
 def profile(prefill_ms_per_token: float, decode_base_ms: float = 5.0, tp: int = 1, **extra) -> Profile:
@@ -50,7 +50,7 @@ def test_one_request_alone_takes_its_prefill_then_one_step_per_token():
 def test_a_calibrated_hand_off_delays_the_first_decode_by_its_steps(tmp_path):
     """``handoff_steps`` (fitted from measured second tokens: their p50 less the transfer's phases and one decode
     step, over the step) puts that many of the decode instance's steps between a KV's arrival and its first decode."""
-    from bench.plan.calibrate import handoff_steps
+    from planner.calibrate import handoff_steps
 
     p = profile(0.1, handoff_steps=2.0)
     split = Layout(prefill=[Instance("p0", "prefill", p)], decode=[Instance("d0", "decode", p)], link_gb_s=10.0)
@@ -104,7 +104,7 @@ def test_candidates_cover_tp_degrees_and_splits():
     up = waited["1P1D auto wait50"].up_command("m", SLO_LONG)
     assert "--disagg auto --disagg-prefill-wait-ms 50 " in up
     assert "--disagg-prefill-wait-ms" not in waited["1P1D auto"].up_command("m", SLO_LONG)
-    from bench.plan.measured import shape_of
+    from planner.measured import shape_of
 
     assert shape_of(up.split()[2:])[-1] == 50.0 and shape_of("--prefill 1 --decode 1".split())[-1] is None
 
@@ -113,7 +113,7 @@ def test_plan_command_writes_the_recommendation(tmp_path):
     path = tmp_path / "prof.json"
     profile(2.5e-2, decode_base_ms=8.0).save(str(path))
     out = tmp_path / "plan"
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(path), "--gpus", "2",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(path), "--gpus", "2",
                           "--prompt-len", "3000:4000", "--max-tokens", "100:200", "--requests", "60",
                           "--duration", "10", "--max-requests", "300",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
@@ -121,14 +121,14 @@ def test_plan_command_writes_the_recommendation(tmp_path):
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["recommended"] == report["candidates"][0]["name"] == "1P1D"
     assert "pdserve up --model synthetic" in run.stdout and "recommended:" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "none.json"),
+    bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(tmp_path / "none.json"),
                           "--gpus", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "error:" in bad.stdout
 
 
 def test_bench_engine_measures_a_profile_plan_reads(tmp_path):
     out = tmp_path / "tiny"
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "engine", "--batches", "1,4",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "engine", "--batches", "1,4",
                           "--decode-steps", "8", "--requests", "2", "--profile", "--profile-prompts", "32,128",
                           "--profile-contexts", "64", "--threads", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
@@ -151,7 +151,7 @@ def test_validate_measures_the_best_candidate_with_pdserve_up_here(tmp_path):
     prof = profile(0.05, decode_base_ms=20.0)
     prof.model, prof.device = "tiny-llama", "cpu"
     prof.save(str(path))
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(path), "--gpus", "1",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(path), "--gpus", "1",
                           "--prompt-len", "16:64", "--max-tokens", "4:8", "--slo-ttft-ms", "5000", "--slo-tpot-ms",
                           "500", "--duration", "5", "--max-requests", "100", "--validate", "1",
                           "--validate-requests", "6", "--out", str(tmp_path / "v")], capture_output=True, text=True,
@@ -169,7 +169,7 @@ def test_plan_candidates_pair_with_goodput_configurations_by_what_they_run(tmp_p
     whatever their names; the pick is judged against the best measured."""
     import json
 
-    from bench.plan.measured import compare, measured_goodputs, shape_of
+    from planner.measured import compare, measured_goodputs, shape_of
 
     assert shape_of("--colocated --decode 4 --gpus 4".split()) == shape_of(
         "--model m --colocated --decode 4 --gpus 4 --max-num-seqs 64".split())
@@ -206,7 +206,7 @@ def goodput_report(path, workload, steps):
 
 
 def test_measured_goodputs_are_those_of_the_workload_planned(tmp_path):
-    from bench.plan.measured import measured_goodputs
+    from planner.measured import measured_goodputs
 
     none = {"4x-colocated": [], "2P2D": []}
     mixed = goodput_report(tmp_path / "m.json", "mixed", none)
@@ -241,7 +241,7 @@ def test_a_kv_read_rate_puts_a_floor_under_long_context_decode_steps():
 def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
     """Steps made at a known K/V read rate beyond the profile's are fitted back to it, the plan uses it, and
     --calibrate refuses reports with nothing to fit."""
-    from bench.plan.calibrate import kv_read_gb_s, points, row_context
+    from planner.calibrate import kv_read_gb_s, points, row_context
 
     prof = profile(0.1)
     rate = 2000.0  # GB/s
@@ -257,7 +257,7 @@ def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
     assert 2000 < row_context("mixed") < 3500 and 6500 < row_context("long") < 7500
 
     prof.save(str(tmp_path / "p.json"))
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
+    run = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
                           "2", "--workload", "mixed", "--requests", "60", "--measured", path, "--calibrate",
                           "--duration", "5", "--max-requests", "60", "--out", str(tmp_path / "plan")],
                          capture_output=True, text=True, timeout=300)
@@ -265,7 +265,7 @@ def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
     assert "read K/V at 2,000 GB/s" in run.stdout
     assert json.loads((tmp_path / "plan.json").read_text())["calibration"]["kv_read_gb_s"] == pytest.approx(rate)
     flat = goodput_report(tmp_path / "f.json", "mixed", {"4x-colocated": [(4, 512, 1.0)], "2P2D": []})
-    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
+    bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
                           "4", "--measured", flat, "--calibrate"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "nothing to fit" in bad.stdout
 
@@ -285,7 +285,7 @@ def test_auto_goes_local_when_the_prefill_backlog_takes_long_not_when_it_holds_m
 def test_prefill_workers_steps_under_load_scale_the_profiles_prompt_time(tmp_path):
     """A prefill worker's prompt steps 1.2x the profile's of as many tokens (1P1D at 32 streams on 2x H100: 30 us a
     token against the engine's 25) set ``prefill_scale``; a rate with too few steps does not count."""
-    from bench.plan.calibrate import prefill_points, prefill_scale
+    from planner.calibrate import prefill_points, prefill_scale
 
     prof = profile(0.025)
     alone = prof.prefill_ms(1588)

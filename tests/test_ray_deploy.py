@@ -23,7 +23,7 @@ NAME = f"test-{os.getpid()}"
 
 
 def cli(*args, timeout=240) -> str:
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "deploy", *args],
+    out = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "deploy", *args],
                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "HOME": os.environ["HOME"]})
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
@@ -59,7 +59,7 @@ def deployment_processes() -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"deploy.cli" in cmd and any(a.startswith(b"--workers-file") or a in (b"127.0.0.2", b"127.0.0.3")
+        if b"pdserve" in cmd and any(a.startswith(b"--workers-file") or a in (b"127.0.0.2", b"127.0.0.3")
                                         for a in cmd):
             out.append(int(pid))
     return out
@@ -227,7 +227,7 @@ def test_without_an_address_a_local_ray_cluster_is_started_and_down_stops_it(tmp
     env["HOME"] = str(tmp_path)
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "deploy", *args,
+        out = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "deploy", *args,
                               "--name", name], capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout

@@ -142,7 +142,7 @@ def test_a_sequence_resumed_from_its_first_token_goes_on_as_the_whole_one():
 def test_half_a_minute_of_chaos_loses_no_request_before_its_first_byte(tmp_path):
     # the ten-minute run is bench/results/chaos-10min.*; here a worker dies every 7 s
     out = tmp_path / "chaos"
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "bench", "chaos",
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "bench", "chaos",
                            "--duration", "36", "--kill-every", "7", "--streams", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "chaos.json").read_text())

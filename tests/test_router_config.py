@@ -46,7 +46,7 @@ def test_policies():
 def test_kv_options_reach_the_transport_and_up_forwards_them():
     import argparse
 
-    from deploy.cli import _parser, _transport_config, kv_option
+    from pdserve.cli import _parser, _transport_config, kv_option
     from deploy.up import engine_args
 
     assert kv_option("nccl_rank=1") == ("nccl_rank", 1) and kv_option("nixl_pool_bytes=64M") == ("nixl_pool_bytes", 64 << 20)
@@ -67,7 +67,7 @@ def test_kv_options_reach_the_transport_and_up_forwards_them():
 def test_the_router_never_imports_torch():
     import subprocess
     import sys
-    code = "import sys, deploy.cli, router.main, router.app; deploy.cli._parser(with_bench=False); print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    code = "import sys, pdserve.cli, router.main, router.app; pdserve.cli._parser(with_bench=False); print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -83,7 +83,7 @@ def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
     from deploy.up import free_port
 
     port, absent = free_port(), free_port()  # a colocated worker that is not there: the router serves its 503s
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "router", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--port", str(port),
                              "--colocated", f"tcp://127.0.0.1:{absent}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -107,7 +107,7 @@ def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
 
 
 def test_up_removes_the_mlx_hostfile_it_made_when_it_exits():
-    code = ("from deploy.cli import _parser; from deploy.up import plan\n"
+    code = ("from pdserve.cli import _parser; from deploy.up import plan\n"
             "cmds = plan(_parser().parse_args(['up', '--transport', 'mlx']))\n"
             "print(cmds[0][cmds[0].index('--mlx-hostfile') + 1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -116,7 +116,7 @@ def test_up_removes_the_mlx_hostfile_it_made_when_it_exits():
 
 
 def test_up_passes_the_disagg_settings_to_its_router():
-    from deploy.cli import _parser
+    from pdserve.cli import _parser
     from deploy.up import plan
 
     router = plan(_parser().parse_args(["up", "--disagg", "auto", "--disagg-prefill-wait-ms", "80",
@@ -128,7 +128,7 @@ def test_up_passes_the_disagg_settings_to_its_router():
 
 
 def test_ports_come_from_the_range_named(monkeypatch):
-    from deploy.cli import main
+    from pdserve.cli import main
     from deploy.up import free_port
 
     monkeypatch.setenv("PDSERVE_PORT_RANGE", "24000-24100")

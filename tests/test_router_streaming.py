@@ -38,7 +38,7 @@ def _port():
 def fake_cluster():
     wport, rport = _port(), _port()
     procs = [subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(wport), "--step-ms", "0"]),
-             subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--port", str(rport), "--colocated",
+             subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(rport), "--colocated",
                                f"tcp://127.0.0.1:{wport}"], stderr=subprocess.DEVNULL)]
     try:
         for _ in range(200):

@@ -7,7 +7,7 @@ import sys
 
 def test_a_short_soak_has_no_errors_and_flat_memory(tmp_path):
     out = tmp_path / "soak"
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "soak", "--streams", "32", "--duration", "15",
+    r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "soak", "--streams", "32", "--duration", "15",
                         "--out", str(out), "--up-args", "--threads 1"], capture_output=True, text=True, timeout=300)
     report = json.loads((tmp_path / "soak.json").read_text())
     assert r.returncode == 0, (report["error_samples"], r.stderr[-2000:])

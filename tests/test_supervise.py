@@ -128,7 +128,7 @@ def test_a_worker_killed_once_the_router_said_ready_is_restarted_not_a_failed_st
             pass
 
     class Killed:  # a decode worker that got SIGKILL
-        args, returncode = ["python", "-m", "deploy.cli", "decode", "--host", "127.0.0.1"], -9
+        args, returncode = ["python", "-m", "pdserve", "decode", "--host", "127.0.0.1"], -9
 
         def poll(self):
             return self.returncode

@@ -114,19 +114,6 @@ def _watch(group: TPGroup) -> None:
         time.sleep(0.2)
 
 
-def dead_rank(group: TPGroup, wait_s: float = 0.5) -> tuple[int, int] | None:
-    """``(rank, exit code)`` of a follower that exited (waiting up to ``wait_s`` for one: a collective can fail a
-    moment before its peer's exit is visible), or None."""
-    end = time.monotonic() + wait_s
-    while True:
-        for rank, proc in getattr(group, "procs", {}).items():
-            if proc.poll() is not None:
-                return rank, proc.returncode
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.05)
-
-
 def stop_group(group: TPGroup, wait_s: float = 5.0) -> None:
     """Tell the followers to exit and reap them (killing what outlives ``wait_s``)."""
     procs = getattr(group, "procs", None)

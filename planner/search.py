@@ -159,7 +159,7 @@ def rank(cands: list[Candidate], profiles: dict[int, Profile], lengths, slo: SLO
 def predict_at(candidate: Candidate, profiles: dict[int, Profile], lengths, slo: SLO, link_gb_s: float,
                local_tokens: int, rate: float, seed: int = 0, horizon: Horizon = Horizon()) -> dict:
     """What the simulation predicts at one rate: attainment and TTFT/TPOT/stall quantiles (warm-up left out)."""
-    from ..stats import summary
+    from .stats import summary
 
     reqs = simulate(candidate.layout(profiles, link_gb_s, local_tokens),
                     workload_requests(lengths, rate, seed, horizon))

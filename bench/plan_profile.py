@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 import time
 
-from .profile import Profile
+from planner.profile import Profile
 
 
 def prefill_ms(engine, tokens: int, rng) -> float:
-    from ..engine import _seqs, _sync, _vocab
+    from .engine import _seqs, _sync, _vocab
 
     best = None
     for _ in range(2):  # the first run compiles and grows the allocator
@@ -32,7 +32,7 @@ def prefill_ms(engine, tokens: int, rng) -> float:
 
 
 def measure(engine, batches: list[int], prompts: list[int], contexts: list[int], steps: int, rng) -> Profile:
-    from ..engine import decode_rate
+    from .engine import decode_rate
 
     capacity = engine.num_blocks * engine.block_size
     prompts = [n for n in prompts if n < engine.max_len - 1] or [engine.max_len // 4, engine.max_len // 2]

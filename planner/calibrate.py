@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from ..workload import lengths
+from .workload import lengths
 from .measured import shape_of
 from .profile import Profile
 

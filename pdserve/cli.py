@@ -1,4 +1,6 @@
-"""``pdserve`` command line: router | prefill | decode | up | bench."""
+"""The ``pdserve`` command: router | prefill | decode | up | deploy | plan | bench (``python -m pdserve``).
+
+The top of the import graph: it imports every package and none imports it."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +10,7 @@ import re
 import signal
 import sys
 
-UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
+from deploy.units import byte_size
 
 STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
               "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
@@ -25,14 +26,6 @@ def kv_option(text: str) -> tuple[str, object]:
         return key, byte_size(value)
     except (argparse.ArgumentTypeError, ValueError):
         return key, value
-
-
-def byte_size(text: str) -> int:
-    """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M or 2GiB")
-    return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
 def _add_engine(p: argparse.ArgumentParser):
@@ -216,7 +209,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                             "KV that arrives in another")
     _add_engine(u)
 
-    from bench.plan import cli as plan_cli
+    from planner import cli as plan_cli
 
     plan_cli.add_arguments(sub.add_parser("plan", help="the best configuration of these GPUs for a workload and "
                                           "SLOs, simulated from measured engine profiles"))
@@ -362,9 +355,10 @@ def main(argv=None) -> int:
 
         return up(args)
     if args.cmd == "plan":
-        from bench.plan import cli as plan_cli
+        from bench.plan_validate import validate
+        from planner import cli as plan_cli
 
-        return plan_cli.run(args)
+        return plan_cli.run(args, validate)
     if args.cmd == "bench":
         import importlib
 

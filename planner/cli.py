@@ -11,14 +11,12 @@ and its ``pdserve up`` command. ``--validate K`` then starts the best K with
 the prediction, and prints predicted vs measured."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 
 import sys
 
-from ..workload import WORKLOADS, lengths
+from .workload import WORKLOADS, lengths
 from .profile import Profile
 from .search import SLO, Horizon, candidates, predict_at, rank
 
@@ -85,24 +83,6 @@ def table(ranked, slo: SLO, gpu: bool, top: float) -> str:
     return "\n".join(rows)
 
 
-def validate(best, args, model: str, slo: SLO, gpu: bool) -> list[dict]:
-    from .. import goodput as gp
-
-    out = []
-    for c in best:
-        rates = ",".join(f"{c.goodput * f:.3g}" for f in (0.5, 0.8, 1.0, 1.25) if c.goodput * f > 0) or "0.1"
-        ns = argparse.Namespace(rates=rates, requests=args.validate_requests, prompt_len=args.prompt_len,
-                                max_tokens=args.max_tokens, workload=args.workload, slo_ttft_ms=slo.ttft_ms,
-                                slo_tpot_ms=slo.tpot_ms, slo_stall_ms=slo.stall_ms, attainment=slo.attainment,
-                                ttft_concurrency="", ready_timeout=600.0, seed=args.seed, warmup_requests=4)
-        up = shlex.split(c.up_command(model, slo, gpu))[2:] + shlex.split(args.up_args)
-        measured = gp.measure(c.name, up, ns)
-        out.append({"name": c.name, "predicted": c.goodput, "measured": measured["goodput_rate"],
-                    "rates": measured["rates"]})
-        print(f"  {c.name}: predicted {c.goodput:.2f} req/s, measured {measured['goodput_rate']:.2f}", flush=True)
-    return out
-
-
 def read_rate(args, profiles: dict) -> dict | str | None:
     """Sets every profile's ``kv_read_gb_s`` from ``--kv-read-gb-s`` or ``--calibrate`` (which fits ``handoff_steps`` too); what was set (an error
     message when it cannot be)."""
@@ -133,7 +113,9 @@ def read_rate(args, profiles: dict) -> dict | str | None:
     return {"kv_read_gb_s": rate, "source": source, "handoff_steps": handoff, "prefill_scale": scale}
 
 
-def run(args) -> int:
+def run(args, validate=None) -> int:
+    """``validate(best, args, model, slo, gpu)``: measures the best candidates (``bench.plan_validate``, given by
+    the ``pdserve`` command: the planner runs no benchmark itself)."""
     if getattr(args, "plan_kind", None) == "placement":
         from . import placement_cli
 
@@ -178,6 +160,9 @@ def run(args) -> int:
             print(f"  at {args.at_rate:g} req/s, {name}: {p['attainment']:.0%} within SLO; TTFT p50/p90 "
                   f"{p['ttft_ms']['median']:.0f}/{p['ttft_ms']['p90']:.0f} ms, TPOT p50/p90 "
                   f"{p['tpot_ms']['median']:.1f}/{p['tpot_ms']['p90']:.1f} ms, stall p50 {p['stall_ms']['median']:.0f} ms")
+    if args.validate and validate is None:
+        print("error: --validate needs the pdserve command (it runs bench goodput)")
+        return 2
     if args.validate:
         report["validation"] = validate(ranked[:args.validate], args, model, slo, gpu)
         top = max(report["validation"], key=lambda v: v["measured"])
