@@ -10,8 +10,8 @@ agreement with a perturbation control), ``guided`` (structured outputs against f
 device against ``--pp 2`` against ``--tp 2`` over a shaped link, per-hop phases; on GPUs with token and logprob
 agreement) and ``router`` (tokens/s one router process streams, fed by ``fake_worker``); plus GPU scripts (``random_checkpoint``, ``gpu_check``, ``nccl_check``,
 ``nccl_e2e``, ``allreduce`` (NCCL vs one-shot at TP sizes), ``tp_handoff`` (KV between TP groups of different
-sizes, checked; on 8 GPUs groups of four and of two), ``device_*.sh``, ``gpu_tp.sh``, ``gpu_decode.sh``, ``gpu_fp8.sh``, ``gpu_moe.sh``,
-``gpu_disagg.sh``, ``gpu_guided.sh``, ``gpu_pp.sh``, ``gpu_scale.sh`` (four or eight GPUs)), ``health`` (what a
+sizes, checked; on 8 GPUs groups of four and of two), ``device_*.sh``, ``bench/gpu/tp.sh``, ``bench/gpu/decode.sh``, ``bench/gpu/fp8.sh``, ``bench/gpu/moe.sh``,
+``bench/gpu/disagg.sh``, ``bench/gpu/guided.sh``, ``bench/gpu/pp.sh``, ``bench/gpu/scale.sh`` (four or eight GPUs)), ``health`` (what a
 cluster's ``/health`` says: nothing in flight, each worker's step times; ``python -m bench.health`` prints them since a
 snapshot), ``engine_waves`` (``serve``'s closed-loop waves run on the
 engine in-process: steps by kind, under prefill caps), ``profile_engine`` (torch profiles of decode, prompt and

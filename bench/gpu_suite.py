@@ -10,7 +10,7 @@ one row per case, and a line each on the terminal) goes to ``--out``.
     python -m bench.gpu_suite --modes colocated,1p1d-nccl,1p1d-tcp --out bench/results/gpu-suite-h100.json \\
         --model mistral-7b --load-format dummy --dtype bfloat16
 
-(``bash bench/gpu_suite.sh`` picks the modes the machine's GPU count allows.) On the CPU with the tiny model it
+(``bash bench/gpu/suite.sh`` picks the modes the machine's GPU count allows.) On the CPU with the tiny model it
 runs the same cases (``--modes colocated,1p1d-tcp``; a smoke run)."""
 from __future__ import annotations
 

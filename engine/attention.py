@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
 USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
-VARLEN_MIN_PROMPTS = 3  # measured (bench.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
+VARLEN_MIN_PROMPTS = 3  # measured (bench.lab.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
 
 
 @functools.cache

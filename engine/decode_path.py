@@ -23,9 +23,6 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
         raise ValueError(f"decode_graphs=cuda on a {self.device.type} device")
     if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
         return None
-    if self.model.spec.moe is not None and os.environ.get("PDSERVE_MOE_KERNEL") == "0" and mode != "eager":
-        log.warning("PDSERVE_MOE_KERNEL=0: the reference expert loop (host synchronizing), no decode graphs")
-        return None  # for the A/B of ``bench/gpu_moe.sh loop``
     ops, capture, layers = paged, False, None
     if mode in ("auto", "cuda") and self.device.type == "cuda":
         try:
@@ -40,16 +37,11 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
     if layers is not None:
         from .kernels import triton_gemv
 
-        use_kernels(self.model, layers, triton_gemv if triton_gemv.ENABLED else None)
+        use_kernels(self.model, layers, triton_gemv)
         fewrow_kernels(self.model)
         fp8_kernels(self.model)
-        if triton_gemv.ENABLED:
-            from .kernels import l2_prefetch
-
-            l2_prefetch.wire(self.model, self.device)
-        if os.environ.get("PDSERVE_FUSED_PROMPT", "1") != "0":  # 0: rotary and K/V store as separate launches (A/B)
-            for layer in self.model.owned_layers:
-                layer.self_attn.prompt_ops = ops
+        for layer in self.model.owned_layers:  # prompt chunks rotate and store K/V in one launch
+            layer.self_attn.prompt_ops = ops
         from .kernels import triton_moe
 
         for module in self.model.modules():
@@ -80,27 +72,24 @@ def prompt_graphs(self, cfg: EngineConfig, mempool):
 
 def fewrow_kernels(model) -> None:
     """bf16/fp16 projections of a few rows on ``triton_fewrow`` where it has a tile measured faster than cuBLAS
-    (``PDSERVE_FEWROW_ROWS=0``: never, the A/B)."""
+    (bench/RESULTS.md, decode speed)."""
     from torch import nn
 
     from .kernels import triton_fewrow
 
-    if triton_fewrow.MAX_ROWS <= 0:
-        return
     for layer in model.owned_layers:
         for parent in (layer.self_attn, layer.ffn):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 linear = getattr(parent, name, None)
                 if isinstance(linear, nn.Linear):
                     linear.fewrow = triton_fewrow
-    if triton_fewrow.NORM_ROWS > 0:
-        split_norms(model)
+    split_norms(model)
 
 
 def split_norms(model) -> None:
     """The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, split into those
     projections' epilogues at a few rows (``triton_fewrow_norm``): in layers whose four projections are plain
-    bf16/fp16 linears that do not all-reduce (``PDSERVE_FEWROW_NORM_ROWS=0``: never)."""
+    bf16/fp16 linears that do not all-reduce."""
     from torch import nn
 
     from .kernels import triton_fewrow_norm

@@ -14,7 +14,6 @@ graph (two replays beat one eager forward, which is host-bound there);
 everything else runs as one eager forward, decode rows first."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +23,8 @@ from .kv_pool import KVPool
 from .scheduler import Batch
 from .sequence import PENDING
 
-MIXED = os.environ.get("PDSERVE_MIXED_STEPS", "1") != "0"  # 0: a mixed step's decode rows through their graph
-# decode rows beside one prompt chunk of at most this many tokens: both through their graphs (0: never)
-SPLIT_PROMPT_TOKENS = int(os.environ.get("PDSERVE_SPLIT_PROMPT_TOKENS", "512"))
+# decode rows beside one prompt chunk of at most this many tokens: both through their graphs
+SPLIT_PROMPT_TOKENS = 512
 
 
 @dataclass
@@ -114,7 +112,7 @@ class ModelRunner:
             return self._run_prompt_graph(rows), {}
         if not decode:
             return self._run_eager(rows, on_layer)
-        if (not MIXED or self._prompt_graph_beside(rows, decode, on_layer)) and self.graphs.fits(len(decode)):
+        if self._prompt_graph_beside(rows, decode, on_layer) and self.graphs.fits(len(decode)):
             return self._run_split(rows, decode, on_layer)
         return self._run_mixed(rows, decode, on_layer)
 

@@ -1,7 +1,7 @@
 """FP8 weights (``--quantization fp8``, ``engine.quant``): the per-row quantization, the FP8 layer against the bf16
 one, FP8 checkpoints of three scale layouts loaded, and the clear error off CUDA. The layers run on the CPU here
 (torch has ``_scaled_mm`` there; serving refuses it: ``fp8_linear.ALLOW_CPU``); the GPU run is
-``bench/gpu_fp8.sh``."""
+``bench/gpu/fp8.sh``."""
 import json
 import os
 

@@ -82,7 +82,7 @@ def test_the_kernel_builds_for_hopper():
 def test_on_two_gpus_it_sums_as_nccl_does_call_after_call_and_in_graphs(tmp_path):
     import json
 
-    from bench.allreduce import main
+    from bench.lab.allreduce import main
 
     assert main(["--gpus", "2", "--out", str(tmp_path / "ar")]) == 0
     rows = json.loads((tmp_path / "ar.json").read_text())["rows"]

@@ -109,7 +109,9 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
                "a longer prompt for the tiny model " * 4 + "and a turn after it"]  # the last after a cached prefix
     out = {}
     for graphs in ("1", "0"):
-        monkeypatch.setenv("PDSERVE_PROMPT_GRAPHS", graphs)
+        from engine.cuda_graphs import prompt
+
+        monkeypatch.setattr(prompt, "MAX_TOKENS", 1024 if graphs == "1" else 0)
         engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", threads=1, max_num_seqs=4))
         prompt_graphs = engine.runner.graphs.prompts
         assert (prompt_graphs is not None) == (graphs == "1")

@@ -195,7 +195,7 @@ def test_the_gemv_builds_for_hopper():
         sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": w,
                "ws_ptr": "*fp32" if fp8 else w, "b_ptr": w, "out_ptr": "*bf16", "eps": "fp32", "push_ptr": "*i64",
                "step_ptr": "*i32", "site": "i32"}
-        flags = dict(N=3072, K=4096, ADD=True, NORM=True, FP8=fp8, SILU=silu, BIAS=False, PDL=True, EARLY=True,
+        flags = dict(N=3072, K=4096, ADD=True, NORM=True, FP8=fp8, SILU=silu, BIAS=False, PDL=True,
                      PUSH=push, RANK=1, WORLD=2, CAP=4096, BLOCK_N=8, BLOCK_K=256, AHEAD=ahead)
         cases.append(("engine.kernels.triton_gemv", "_one_row_kernel", sig, flags))
     for case, built in zip(cases, compile_for_hopper(cases)):

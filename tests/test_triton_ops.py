@@ -1,7 +1,7 @@
 """The Triton kernels of the CUDA decode path against the torch operations they replace (``engine.paged``), bit for
 bit on the stores and within rounding on attention: on a GPU, or on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, set here when there is no GPU; the test extras install triton, so CI runs them).
-Skipped where triton is not installed; ``bench/gpu_decode.sh test`` runs them on a GPU."""
+Skipped where triton is not installed; ``bench/gpu/decode.sh test`` runs them on a GPU."""
 
 import pytest
 import torch

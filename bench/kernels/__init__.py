@@ -155,8 +155,7 @@ def run(args) -> int:
         rows, picks = fewrow_sweep(spec, dtype, device)
         report["fewrow_projections"] = fractions([r for r in rows if "sweep" not in r["name"]], lim)
         for r in report["fewrow_projections"]:
-            late = f"; first weights after the wait {r['late_ms']:.4f} ms" if r.get("late_ms") else ""
-            r["note"] = f"{r['against']} {r['against_ms']:.4f} ms: {r['speedup']:.2f}x; {r['config']}{late}"
+            r["note"] = f"{r['against']} {r['against_ms']:.4f} ms: {r['speedup']:.2f}x; {r['config']}"
         report["fewrow_sweep"] = [r for r in rows if "sweep" in r["name"]]
         _say("few-row projections", report["fewrow_projections"])
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

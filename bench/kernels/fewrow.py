@@ -27,18 +27,6 @@ def _grid(fp8: bool, rows: int) -> list:
         [C(64, 256, 4, stages, split) for stages in (3, 4) for split in (1, 2, 4)]
 
 
-def _late(run, layers, device) -> float | None:
-    """``run``'s time with the first weight tile loaded after the PDL wait (``triton_fewrow.EARLY`` off), the A/B
-    of loading it before."""
-    from engine.kernels import triton_fewrow
-
-    early, triton_fewrow.EARLY = triton_fewrow.EARLY, False
-    try:
-        return timed_or_error(run, layers, device).get("ms")
-    finally:
-        triton_fewrow.EARLY = early
-
-
 def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
     """Rows ``{"name", "ms", "bytes", "against_ms", "against", "speedup", "config"}`` (the best tile per case) plus
     every tile tried (``"sweep"`` in the name), and the picks ``{pick_key: config or None}``."""
@@ -70,9 +58,8 @@ def fewrow_sweep(spec, dtype, device) -> tuple[list, dict]:
                 ms, best = min(((t["ms"], c) for t, c in tried if "ms" in t), key=lambda p: p[0])
                 faster = ms < against_ms * 0.98
                 picks[triton_fewrow.pick_key(kind, m, out_f, in_f)] = best.__dict__ if faster or fp8 else None
-                late_ms = _late(lambda layer: run(layer, best), layers, device)
                 rows.append({"name": tag, "ms": ms, "against_ms": against_ms, "against": against,
-                             "speedup": against_ms / ms, "config": best.__dict__, "late_ms": late_ms,
+                             "speedup": against_ms / ms, "config": best.__dict__,
                              "bytes": out_f * in_f * (1 if fp8 else 2) + m * (in_f + out_f) * 2})
             del layers
             torch.cuda.empty_cache()

@@ -7,9 +7,9 @@ depending on the host), and a prefill worker under load packs a few such
 prompts a step (1P1D at 32 streams: ~3 of 512 tokens, 30 us a token
 where the engine alone reaches 25). So the engine also captures the
 forward of ``T`` prompt tokens for ``T`` in ``token_buckets`` (eight sizes
-per doubling from 16 up to ``PDSERVE_PROMPT_GRAPH_TOKENS``, default 1024),
+per doubling from 16 up to ``MAX_TOKENS``, 1024),
 and a step whose rows are all prompt chunks (at most
-``PDSERVE_PROMPT_GRAPH_ROWS`` of them, default 8, wanting no prompt
+``ROWS`` of them, 8, wanting no prompt
 logprobs) replays the smallest graph that holds their ``E`` tokens and
 ``ROWS - K`` tokens more. Fresh chunks (from position 0):
 
@@ -26,7 +26,7 @@ logprobs) replays the smallest graph that holds their ``E`` tokens and
 Where a chunk follows a cached prefix (a chat turn whose history is in the
 pool; up to ``CACHED_MAX_TOKENS`` new tokens in all) the step replays a
 graph per (token bucket, context bucket ``C``: 512, 1024, ... up to
-``PDSERVE_PROMPT_GRAPH_CONTEXT``, 8192, holding the chunks' contexts and
+``MAX_CONTEXT``, 8192, holding the chunks' contexts and
 one key per padding sequence more): each sequence's keys are gathered from
 the pool through its block table (``ROWS + 1`` tables in a static buffer,
 the keys' cumulative starts beside the queries'; the device finds each key
@@ -37,14 +37,13 @@ context is themselves.
 
 Capture needs what makes the step free of host synchronization: the
 Triton prompt path (``Attention.prompt_ops``), the varlen kernel, no tensor
-or pipeline parallelism and no MoE layers; without them (and on the CPU,
-or with ``PDSERVE_PROMPT_GRAPHS=0``) prompts run eagerly as before. Without
+or pipeline parallelism and no MoE layers; without them (and on the CPU)
+prompts run eagerly as before. Without
 capture ``run`` executes the same padded forward eagerly (attention per
 segment), which is how the CPU tests cover this path."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -52,10 +51,10 @@ import torch
 from ..attention import AttnMeta, varlen_kernel
 
 log = logging.getLogger(__name__)
-MAX_TOKENS = int(os.environ.get("PDSERVE_PROMPT_GRAPH_TOKENS", "1024"))
+MAX_TOKENS = 1024
 CACHED_MAX_TOKENS = 256  # chunks after a cached prefix: graphs up to this many tokens (a chat turn's new part)
-MAX_CONTEXT = int(os.environ.get("PDSERVE_PROMPT_GRAPH_CONTEXT", "8192"))
-ROWS = max(1, int(os.environ.get("PDSERVE_PROMPT_GRAPH_ROWS", "8")))  # fresh prompts one replay takes (1: one alone)
+MAX_CONTEXT = 8192
+ROWS = 8  # fresh prompts one replay takes
 
 
 def token_buckets(most: int) -> list[int]:
@@ -82,14 +81,14 @@ def context_buckets(most: int) -> list[int]:
 
 def supported(model, cfg) -> str | None:
     """Why prompt graphs cannot be captured for this engine (None: they can)."""
-    if os.environ.get("PDSERVE_PROMPT_GRAPHS", "1") == "0" or MAX_TOKENS < 16:
-        return "PDSERVE_PROMPT_GRAPHS=0"
+    if MAX_TOKENS < 16:
+        return "no token bucket"
     if cfg.tp > 1 or cfg.pp > 1:
         return "tensor or pipeline parallel"
     if model.spec.moe is not None or model.spec.qk_norm:
         return "MoE or q/k-norm layers"
     if any(layer.self_attn.prompt_ops is None for layer in model.owned_layers):
-        return "no fused prompt path (PDSERVE_FUSED_PROMPT=0)"
+        return "no fused prompt path"
     if next(model.parameters()).dtype not in (torch.float16, torch.bfloat16):
         return "the varlen kernel takes half precision"
     if varlen_kernel() is None:

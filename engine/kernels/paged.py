@@ -64,8 +64,7 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0, sca
 
 def rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, tables, lens, scale: float,
                 window: int = 0, scales=None) -> torch.Tensor:
-    """A decode step's attention from its qkv rows: ``rope_store``, then ``decode`` (``triton_rope_decode`` runs
-    both as one kernel)."""
+    """A decode step's attention from its qkv rows: ``rope_store``, then ``decode``."""
     q = rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, scales)
     return decode(q, k_cache, v_cache, tables, lens, scale, window, scales=scales)
 

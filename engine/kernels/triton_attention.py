@@ -140,7 +140,7 @@ def _rope_store_heads_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, cos_p
                         k_scale, v_scale, KV_HEADS, HALF, FP8, KEEP)
 
 
-HEADS_A_PROGRAM = int(os.environ.get("PDSERVE_ROPE_STORE_HEADS", "8"))  # 1: a program per head at every size
+HEADS_A_PROGRAM = 8
 HEADS_FROM_TOKENS = 128  # below (decode steps): a program per head, the most programs for few tokens
 
 
@@ -272,7 +272,7 @@ class DecodeConfig:
 
 
 CPU_SMS = 8  # what splits_for counts on the CPU (the interpreter): enough splits to test the combine at small batch
-CONFIG = DecodeConfig(per_sm=int(os.environ.get("PDSERVE_DECODE_PER_SM", "4")))  # the variable: an A/B of splits
+CONFIG = DecodeConfig(per_sm=4)
 SMALL = DecodeConfig(tile=128, stages=3)  # a few sequences: longer tiles per split (H200 sweep, 1 x 4k-8k context)
 FP8 = DecodeConfig(tile=128, stages=2)  # an FP8 pool at any batch: within 2% of the best (H200 sweep; 64 x 4: 1.4x)
 
@@ -343,12 +343,6 @@ def decode(q, k_cache, v_cache, tables, lens, scale: float, window: int = 0,
 
 def rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, tables, lens, scale: float,
                 window: int = 0, scales=None) -> torch.Tensor:
-    """``rope_store`` then ``decode``; one launch instead of three with ``PDSERVE_ROPE_DECODE=1``
-    (``triton_rope_decode``)."""
-    from . import triton_rope_decode as fused
-
-    if fused.takes(qkv, k_cache):
-        return fused.rope_decode(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, tables, lens, scale,
-                                 window, scales)
+    """``rope_store`` then ``decode`` (one fused launch measured no faster on an H100: bench/RESULTS.md)."""
     q = rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, scales)
     return decode(q, k_cache, v_cache, tables, lens, scale, window, scales=scales)

@@ -50,9 +50,8 @@ from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_ROWS = int(os.environ.get("PDSERVE_FEWROW_ROWS", "64"))  # bf16 batches up to this many rows (0: cuBLAS always)
-EARLY = os.environ.get("PDSERVE_FEWROW_EARLY", "1") != "0"  # first weights before the wait (A/B: 0)
-NORM_ROWS = int(os.environ.get("PDSERVE_FEWROW_NORM_ROWS", "32"))  # the norms split around it up to these (0: never)
+MAX_ROWS = 64  # bf16 batches up to this many rows
+NORM_ROWS = 32  # the norms split around it up to these
 COUNTERS = 1 << 14  # output blocks a launch may split (28,672 outputs / 16 = 1,792), and one more slot:
 GRID_SLOT = COUNTERS - 1  # a launch's own ticket (the last program of a norm's consumer zeroes the squares)
 _GRID_SLOT = tl.constexpr(GRID_SLOT)
@@ -71,11 +70,8 @@ class FewRowConfig:
 def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, r_ptr, g_ptr, sum_ptr, sq_ptr,
                     eps, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALED: tl.constexpr, BIAS: tl.constexpr,
-                    PREP: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                    EARLY: tl.constexpr):
-    if not EARLY:
-        wait_then_release(PDL)
-    elif PDL:  # the next kernel may start now: it fetches its first weights while this one runs
+                    PREP: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next kernel may start now: it fetches its first weights while this one runs
         tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,8 +83,8 @@ def _few_row_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count
     k_hi = tl.minimum(K, k_lo + chunks * BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     k = k_lo + tl.arange(0, BLOCK_K)  # the first tile, peeled: its weights depend on nothing before, so with
-    w = tl.load(rows + k[None, :], mask=nmask[:, None] & (k < k_hi)[None, :], other=0.0)  # EARLY they are on
-    if EARLY and PDL:  # their way while the kernel before ends; then its output (the rows) may be read
+    w = tl.load(rows + k[None, :], mask=nmask[:, None] & (k < k_hi)[None, :], other=0.0)  # they are on their
+    if PDL:  # way while the kernel before ends; then its output (the rows) may be read
         tl.extra.cuda.gdc_wait()
     acc = _tile(w, x_ptr, m, mmask, k, k < k_hi, stride_xm, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # acc: transposed, output channels down, rows across
@@ -194,7 +190,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, config: FewRowConfig, out: tor
     args = (x, weight, s, xs, bias if bias is not None else weight, out, part, count if count is not None else out,
             *norm_args, rows, n, k, x.stride(0), out.stride(0))
     flags = dict(BLOCK_M=block_m, SCALED=scales is not None, BIAS=bias is not None, PREP=prep,
-                 ROW_SCALE=norm is not None and not prep, UPCAST=INTERPRETED, PDL=PDL, EARLY=EARLY)
+                 ROW_SCALE=norm is not None and not prep, UPCAST=INTERPRETED, PDL=PDL)
     while True:
         try:
             _few_row_kernel[(triton.cdiv(n, c.block_n), c.split_k)](

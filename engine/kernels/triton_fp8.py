@@ -15,13 +15,12 @@ weights from memory; ``config_for`` holds what it measured best on an H200.
 CUDA."""
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .triton_fewrow import FewRowConfig, matmul, pick
 
-MAX_ROWS = int(os.environ.get("PDSERVE_FP8_GEMV_ROWS", "64"))  # 0: _scaled_mm for every batch (bench A/B)
+MAX_ROWS = 64  # larger batches: _scaled_mm
 
 
 W8Config = FewRowConfig  # (block_n, block_k, warps, stages, split_k)

@@ -34,7 +34,7 @@ Every value is rounded where the torch forms round (``RMSNorm``, ``MLP``,
 more rows keep the separate launches (cuBLAS, or ``triton_fp8``'s few-row
 FP8 GEMM). Tiles: ``config_for`` (``pdserve bench kernels --only fused
 --sweep`` measures them; ``PDSERVE_GEMV_CONFIGS`` names a JSON of its picks
-to use). ``PDSERVE_GEMV=0`` turns the kernel off (the A/B)."""
+to use)."""
 from __future__ import annotations
 
 import json
@@ -51,8 +51,6 @@ from .tiles import smaller
 from .triton_pdl import ENABLED as PDL, launch_options
 from .triton_pushed import push_words
 
-ENABLED = os.environ.get("PDSERVE_GEMV", "1") != "0"
-EARLY = os.environ.get("PDSERVE_PDL_EARLY", "1") == "1"  # the next kernel may start as this one starts (A/B: 0)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
 
@@ -116,11 +114,11 @@ def _row(x_ptr, r_ptr, nw_ptr, k, kmask, rs, xs, ADD: tl.constexpr, NORM: tl.con
 def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, eps,
                     push_ptr, step_ptr, site,
                     N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
-                    SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    SILU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
                     PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, CAP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
-    if PDL and EARLY:  # the next kernel may start (and fetch its first weights) once every program here has
+    if PDL:  # the next kernel may start (and fetch its first weights) once every program here has
         tl.extra.cuda.gdc_launch_dependents()
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -179,8 +177,6 @@ def _one_row_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr
         acc += w.to(tl.float32) * v
         if SILU:
             acc_up += u.to(tl.float32) * v
-    if PDL and not EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if FP8:
         y = y * tl.load(ws_ptr + n, mask=nmask, other=0.0) * xs
@@ -224,19 +220,11 @@ def linear(x, layer, silu: bool = False, config: GemvConfig | None = None) -> to
     args += (slots.buffers, slots.step, site) if push else (out, out, 0)
     ranks = dict(RANK=slots.rank, WORLD=slots.world, CAP=slots.cap) if push else dict(RANK=0, WORLD=1, CAP=1)
     flags = dict(N=n, K=k, ADD=add, NORM=normed, FP8=fp8, SILU=silu, BIAS=layer.bias is not None, PDL=PDL,
-                 EARLY=EARLY, PUSH=push, **ranks)
+                 PUSH=push, **ranks)
     _launch(args, flags, c)
     if push:  # the row-parallel sum: every rank's share is in (or on its way to) this rank's slot
         return slots.pull(site, out)
-    if group is None:
-        return out
-    ahead = getattr(layer, "l2_next", None)  # (prefetcher, weight): read into L2 during the all-reduce
-    if ahead is None:
-        return group.all_reduce(out)
-    ahead[0].fork(ahead[1])
-    out = group.all_reduce(out)
-    ahead[0].join()
-    return out
+    return out if group is None else group.all_reduce(out)
 
 
 def _launch(args: tuple, flags: dict, c: GemvConfig) -> None:

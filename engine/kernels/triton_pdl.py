@@ -10,8 +10,8 @@ decode step of a few rows every kernel is short, so the gap between one
 kernel's end and the next one's start (1-2 us, as long as a small kernel)
 is most of what the launches cost; PDL hides it. Inside a CUDA graph the
 launches become programmatic edges. Kernels launched without it (torch's,
-cuBLAS) keep the plain order, so mixing is safe. ``PDSERVE_PDL=0`` turns it
-off (the A/B); the interpreter and GPUs before Hopper never use it."""
+cuBLAS) keep the plain order, so mixing is safe. The interpreter and GPUs
+before Hopper never use it."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ import torch
 
 
 def _enabled() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PDSERVE_PDL", "1") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 

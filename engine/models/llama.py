@@ -109,7 +109,6 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     gemv = None  # ``triton_gemv`` (see ``use_kernels``)
     prompt_ops = None  # ``triton_attention``: prompt chunks rotate and store K/V in one launch (``rope_store``)
-    l2 = None  # ``l2_prefetch.Prefetcher``: o's weights read into L2 during a one-row step's attention
 
     def __init__(self, s: ModelSpec, rotary: Rotary, group: TPGroup = SINGLE):
         super().__init__()
@@ -134,13 +133,8 @@ class Attention(nn.Module):
         qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
         n, d = qkv.shape[0], self.s.head_dim
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
-            l2 = self.l2 if n == 1 else None
-            if l2 is not None:  # o's weights into L2 while attention leaves memory idle
-                l2.fork(self.o_proj.weight)
             out = meta.paged.rope_decode(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                          self.kv_heads, meta.tables, meta.lens, self.scale, meta.window, self.kv_scales)
-            if l2 is not None:
-                l2.join()
             return project(self.gemv, self.o_proj, out.reshape(n, -1))
         if self.prompt_ops is not None and meta.cos is not None and not self.s.qk_norm:
             q, k, v = self.prompt_ops.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping,

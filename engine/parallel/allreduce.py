@@ -3,7 +3,7 @@
 A decode step all-reduces small tensors (``[batch, hidden]``: 16 KiB at batch 1 of an 8192-wide model) twice per
 layer, where NCCL's fixed cost dominates. ``torch.ops.symm_mem.one_shot_all_reduce`` has every rank read its
 peers' copies straight over NVLink (CUDA IPC, one kernel, NVLink multicast not used). Measured on 2x H200 inside
-CUDA graphs (``python -m bench.allreduce``): 6.4 vs 28.3 us at 16 KiB, 19 vs 46 us at 2 MiB, 97 vs 118 us at
+CUDA graphs (``python -m bench.lab.allreduce``): 6.4 vs 28.3 us at 16 KiB, 19 vs 46 us at 2 MiB, 97 vs 118 us at
 16 MiB. So tensors up to ``MAX_BYTES`` go one-shot (through a symmetric buffer made at start-up; every rank makes
 it at the same point of the engine's construction), larger ones (prefill) through NCCL.
 ``PDSERVE_TP_ALLREDUCE=nccl`` turns it off; so does a first call that disagrees with NCCL.

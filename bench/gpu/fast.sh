@@ -2,11 +2,11 @@
 # The GPU fast path (Triton kernels + CUDA graphs for decode) on one GPU: kernels against the torch operations,
 # CUDA == CPU tokens (tiny fp32) and Mistral-7B-shape bf16 against HF, `pdserve bench engine` with and without
 # graphs and HF eager batched in the same run, `pdserve bench serve` (c32, c1) through a colocated `pdserve up`, and the
-# attention kernel candidates side by side (bench.attention_choice).
-# Usage (on the GPU machine, repo root): bash bench/device_fast.sh OUTDIR [check|engine|serve|attn|all]
+# attention kernel candidates side by side (bench.lab.attention_choice).
+# Usage (on the GPU machine, repo root): bash bench/gpu/run.sh fast OUTDIR [check|engine|serve|attn|all]
 set -uo pipefail
 OUT=${1:-bench/out/device-fast}; WHAT=${2:-all}; mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
 CKPT=${CKPT:-/tmp/mistral-7b}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 [ -f "$CKPT/config.json" ] || python3 -m bench.random_checkpoint --shape mistral-7b --out "$CKPT"
@@ -14,7 +14,7 @@ case "$WHAT" in all|check)
   python3 -m pytest -q -p no:cacheprovider tests/test_triton_ops.py 2>&1 | tail -3
   python3 -m bench.gpu_check --checkpoint "$CKPT" --out "$OUT/gpu_check.json" 2>&1 | grep -v Warning | tail -20;; esac
 case "$WHAT" in all|attn)
-  python3 -m bench.attention_choice --out "$OUT/attention-choice" 2>&1 | grep -E "^decode|^prefill|flashinfer";; esac
+  python3 -m bench.lab.attention_choice --out "$OUT/attention-choice" 2>&1 | grep -E "^decode|^prefill|flashinfer";; esac
 case "$WHAT" in all|engine)
   python3 -m pdserve --log-level INFO bench engine --model "$CKPT" --dtype bfloat16 --batches 1,8,32,64 \
     --prompt-len 512 --decode-steps 32 --hf --compare-eager --requests 64 --input-len 128:1024 --output-len 32:128 \

@@ -2,10 +2,10 @@
 # Two GPUs, KV over NCCL between the engines' pools: the transport's checks and speed (bench.nccl_check), tiny-model
 # end to end against in-process generation (bench.nccl_e2e), and `pdserve bench serve --concurrency 32` through a
 # 1P1D nccl `pdserve up` on a random Mistral-7B-shape bf16 checkpoint.
-# Usage (on the GPU machine, repo root): bash bench/device_nccl.sh OUTDIR [check|e2e|serve|all]
+# Usage (on the GPU machine, repo root): bash bench/gpu/run.sh nccl OUTDIR [check|e2e|serve|all]
 set -uo pipefail
 OUT=${1:-bench/out/device-nccl}; WHAT=${2:-all}; mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
 CKPT=${CKPT:-/tmp/mistral-7b}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$WHAT" in all|check) python3 -m bench.nccl_check --out "$OUT/nccl_check.json" > "$OUT/nccl_check.log" 2>&1

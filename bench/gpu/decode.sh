@@ -2,25 +2,19 @@
 # Decode-speed benchmarks on one GPU (issue 27; one H100 or H200): kernels with a decode-attention
 # sweep, engine decode at batch 1/32/64 and 16 x 8k, serving through pdserve up (c1, c32, c64; a cold first
 # wave then a warm second one), and the router's own token rate.
-#   OUT=bench/out/decode bash bench/gpu_decode.sh [steps...]   (steps: test kernels engine serve router; fused ab:
-#   the batch-1 projection kernel and its engine A/B; fewrow: the few-row GEMM's sweep, whose picks ab and engine
-#   use; AB="name:VAR=1,VAR2=0 ..." names the variants of ab; chat: multi-turn conversations (cached prefixes);
-#   rows: whole decode steps over rows of unequal contexts, as serving has (ROWS_AB: the variants, ROWS: the cases);
-#   prefetch: engine decode with weights read into L2 during attention, off / 16 / 32 MiB; the fused decode attention
-#   (one launch a layer): AB="three:PDSERVE_ROPE_DECODE=0 one:PDSERVE_ROPE_DECODE=1" ... test ab; serve1p1d needs two GPUs:
-#   UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
-#   prefill1p1d: serve1p1d for each PREFILL_AB variant ("name:VAR=1,VAR2=0 ..."; default prompt graphs packing up to 8
-#   prompts against one alone, GRAPH_TOKENS 2048, --max-batched-tokens 2048), the workers' steps PROFILE_STEPS
-#   (150:12) profiled into $OUT/profile-NAME (PDSERVE_PROFILE_STEPS: each step's kernel time against its wall time)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+#   OUT=bench/out/decode bash bench/gpu/run.sh decode [steps...]   (steps: test kernels engine serve router; fused:
+#   the batch-1 projection kernel's sweep; fewrow: the few-row GEMM's sweep, whose picks engine uses; chat:
+#   multi-turn conversations (cached prefixes); rows: whole decode steps over rows of unequal contexts, as serving
+#   has (ROWS: the cases); serve1p1d needs two GPUs: UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the
+#   files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
 OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-h200}
+source "$(dirname "$0")/common.sh"
 steps=${*:-test kernels engine serve router}
 model="--model mistral-7b --load-format dummy --dtype bfloat16"
 for step in $steps; do
   case $step in
-    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_rope_decode.py \
+    test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py \
             ${TESTS:-tests/test_overlap.py tests/test_prompt_graphs.py} 2>&1 | tail -3 ;;
     kernels) timeout 420 $PY -m pdserve bench kernels --model mistral-7b ${SWEEP:-} --out "$OUT/kernels-$TAG" 2>&1 \
                | grep -v "^decode attention:" | tail -60 ;;
@@ -61,43 +55,25 @@ for step in $steps; do
       done
       kill -INT $up; wait $up ;;
     fused)  # the batch-1 projection kernel (triton_gemv) checked, then timed against the launches it replaces,
-            # with a sweep of its tiles whose picks the ab step uses
+            # with a sweep of its tiles whose picks the engine step uses
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_triton_ops.py --tb=short 2>&1 \
         | grep -E "^(E |FAILED)|passed|failed" | tail -15
       timeout 420 $PY -m pdserve bench kernels --model mistral-7b --only fused --sweep \
         --out "$OUT/kernels-fused-$TAG" > "$OUT/kernels-fused-$TAG.log" 2>&1; grep -A20 "^## Batch-1" "$OUT/kernels-fused-$TAG.md" \
         || tail -20 "$OUT/kernels-fused-$TAG.log" ;;
     fewrow)  # the few-row GEMM (triton_fewrow, bf16 at 16-64 rows, FP8 at 1-32) checked, then its tiles and K
-             # splits swept against cuBLAS / the FP8 tile held before; the ab step uses the picks
+             # splits swept against cuBLAS / the FP8 tile held before; the engine step uses the picks
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_fewrow.py tests/test_triton_ops.py \
         tests/test_fp8_weights.py --tb=short 2>&1 | grep -E "^(E |FAILED)|passed|failed" | tail -15
       timeout 540 $PY -m pdserve bench kernels --model mistral-7b --only fewrow \
         --out "$OUT/kernels-fewrow-$TAG" > "$OUT/kernels-fewrow-$TAG.log" 2>&1; grep -A30 "^## Few-row" \
         "$OUT/kernels-fewrow-$TAG.md" || tail -20 "$OUT/kernels-fewrow-$TAG.log" ;;
-    ab)  # engine decode, bf16 and FP8 weights side by side (bench fp8), without the GEMV kernel, without PDL, with both
-      picks="$OUT/kernels-fused-$TAG-picks.json"; [ -f "$picks" ] || picks=""
-      fpicks="$OUT/kernels-fewrow-$TAG-picks.json"; [ -f "$fpicks" ] || fpicks=""
-      for v in ${AB:-plain:PDSERVE_GEMV=0 nopdl:PDSERVE_PDL=0 fused:PDSERVE_AB=1}; do
-        env PDSERVE_FEWROW_CONFIGS=$fpicks $(echo ${v#*:} | tr , " ") PDSERVE_GEMV_CONFIGS=$picks timeout 280 $PY -m pdserve bench fp8 $model --batches ${AB_BATCHES:-1,32,64} \
-          --prompt-len 512 --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-ab-${v%%:*}-$TAG" 2>&1 \
-          | grep -v " INFO " | tail -6
-      done ;;
-    prefetch)  # weights read into L2 during attention (engine.kernels.l2_prefetch): engine decode, off / 16 / 32 MiB
-      for mb in 0 16 32; do
-        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m pdserve bench engine $model --batches 1,32 --prompt-len 512 \
-          --decode-steps 64 --requests 8 --max-num-seqs 32 --max-model-len 4096 --out "$OUT/engine-l2-${mb}mb-$TAG" 2>&1 \
-          | grep "decode batch"
-      done ;;
     rows)  # serving-like decode steps (rows of unequal contexts) beside equal ones: replay, its attention and the
-           # rest against (weights + K/V) / copy bandwidth; variants: context splits per SM 4 (the default) and 8,
-           # PDL off (kernels then run one after another: the per-kernel split is exact, under PDL they overlap)
-      for v in ${ROWS_AB:-persm4:PDSERVE_DECODE_PER_SM=4 persm8:PDSERVE_DECODE_PER_SM=8 nopdl:PDSERVE_PDL=0}; do
-        name=kernels-rows-${v%%:*}-$TAG
-        env $(echo ${v#*:} | tr , " ") timeout 300 $PY -m pdserve bench kernels --model mistral-7b --only steps \
-          --step-cases ${ROWS:-1x512,13x3200,13x2000-4400,16x1000-5400,32x512,32x3200} \
-          --out "$OUT/$name" > "$OUT/$name.log" 2>&1
-        grep -A16 "^## Whole" "$OUT/$name.md" || tail -20 "$OUT/$name.log"
-      done ;;
+           # rest against (weights + K/V) / copy bandwidth
+      name=kernels-rows-$TAG
+      timeout 300 $PY -m pdserve bench kernels --model mistral-7b --only steps \
+        --step-cases ${ROWS:-1x512,13x3200,13x2000-4400,16x1000-5400,32x512,32x3200} --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+      grep -A16 "^## Whole" "$OUT/$name.md" || tail -20 "$OUT/$name.log" ;;
     router)  # paced like engines (5 ms steps) below and above one core's capacity, then as fast as the worker can
       timeout 100 $PY -m pdserve bench router --clients 4 --streams 32 --step-ms 5 --out "$OUT/router-128x5ms-$TAG" 2>&1 | tail -1
       timeout 100 $PY -m pdserve bench router --clients 8 --streams 64 --step-ms 5 --out "$OUT/router-512x5ms-$TAG" 2>&1 | tail -1
@@ -115,15 +91,5 @@ for step in $steps; do
           --out "$OUT/serve-1p1d-nccl${NAME1P1D:-}-c32-${wave%:*}-$TAG" 2>&1 | grep -E "^requests|^- (prefill|decode)"
       done
       kill -INT $up; wait $up ;;
-    prefill1p1d)  # two GPUs: serve1p1d with each of PREFILL_AB (prompt graphs packing a step's prompts, or one alone),
-      # every worker's steps PROFILE_STEPS profiled (engine.step_profiler) into $OUT/profile-NAME
-      for v in ${PREFILL_AB:-rows8:PDSERVE_PROMPT_GRAPH_ROWS=8 rows1:PDSERVE_PROMPT_GRAPH_ROWS=1}; do
-        name=${v%%:*}; vars=${v#*:}
-        echo "== $name ($vars)"
-        env ${vars//,/ } PDSERVE_PROMPT_GRAPH_TOKENS=${GRAPH_TOKENS:-2048} PDSERVE_PROFILE_STEPS=${PROFILE_STEPS:-150:12} \
-          PDSERVE_PROFILE_DIR="$OUT/profile-$name" NAME1P1D="-$name" UP1P1D="${UP1P1D:---max-batched-tokens 2048}" \
-          OUT="$OUT" TAG="$TAG" bash "$0" serve1p1d
-        grep -h "host_bound_share" "$OUT/profile-$name"/*.json 2>/dev/null
-      done ;;
   esac
 done

@@ -1,16 +1,15 @@
 #!/bin/bash
 # FP8 on one GPU (issue 28; one H100 or H200): the Triton/FP8 checks on the GPU, then `pdserve bench fp8`
 # (projection GEMMs bf16 vs FP8, decode tok/s with bf16 and FP8 weights, 8k sequences per KV budget, 16 x 8k steps,
-# logits agreement), _scaled_mm for every batch, without the few-row kernel (ab), serving with an FP8 KV cache (serve), and
+# logits agreement) serving with an FP8 KV cache (serve), and
 # 1P1D over NCCL with FP8 KV (serve1p1d: two GPUs).
-#   OUT=bench/out/fp8 bash bench/gpu_fp8.sh [steps...]   (steps: test fp8 ab serve; serve1p1d needs two GPUs)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+#   OUT=bench/out/fp8 bash bench/gpu/run.sh fp8 [steps...]   (steps: test fp8 serve; serve1p1d needs two GPUs)
 OUT=${OUT:-bench/out/fp8}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-h200}
-steps=${*:-test fp8 ab serve}
+source "$(dirname "$0")/common.sh"
+steps=${*:-test fp8 serve}
 model="--model mistral-7b --load-format dummy --dtype bfloat16"
-source "$(dirname "$0")/gpu_serve.sh"  # serve_c32
+source "$(dirname "$0")/serve.sh"  # serve_c32
 for step in $steps; do
   case $step in
     test) timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_fp8_kv.py \
@@ -18,8 +17,6 @@ for step in $steps; do
             | grep -E "^(E |FAILED|/)|passed|failed" | tail -12 ;;
     fp8) timeout 560 $PY -m pdserve bench fp8 $model --batches 1,8,32,64 --prompt-len 512 --context 8192 \
            --kv-budget 16G --out "$OUT/fp8-mistral7b-$TAG" 2>&1 | grep -v " INFO " | tail -45 ;;
-    ab) PDSERVE_FP8_GEMV_ROWS=0 timeout 300 $PY -m pdserve bench fp8 $model --batches 1,8,32 --prompt-len 512 \
-          --skip gemm,capacity,long,agreement --kv-budget 8G --out "$OUT/fp8-scaled-mm-only-$TAG" 2>&1 | tail -8 ;;
     serve)  # colocated, FP8 weights and FP8 KV
       $PY -m pdserve up --colocated $model --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 \
         --max-num-seqs 64 --port 8013 --ready-timeout 300 > "$OUT/up-fp8.log" 2>&1 &

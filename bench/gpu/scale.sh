@@ -2,7 +2,7 @@
 # Four or eight GPUs of one host (issue 32): xPyD splits vs colocated replicas at equal GPU count, 70B P/D with TP=2
 # roles, heterogeneous TP across roles, and pdserve plan's pick against what was measured. Random weights made on
 # the GPU.
-#   OUT=bench/out/scale TAG=4xh100 [GPUS=4] bash bench/gpu_scale.sh [steps...]
+#   OUT=bench/out/scale TAG=4xh100 [GPUS=4] bash bench/gpu/run.sh scale [steps...]
 # GPUS (4 or 8) sizes the mistral, plan and colocated configurations (on 8 the default CONFIGS are colocated 2p6d
 #   4p4d 6p2d and their -auto variants) and names the files (goodput-8gpu-...).
 # mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
@@ -25,11 +25,10 @@
 # plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on
 #   GPU 0), calibrated on and set beside the goodput the mistral step measured (--calibrate --measured; every
 #   report in OUT: plan keeps the results of the workload planned): the pick against the best.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/scale}; mkdir -p "$OUT"
-PY=${PY:-python3}
 GPUS=${GPUS:-4}
 TAG=${TAG:-${GPUS}xgpu}
+source "$(dirname "$0")/common.sh"
 if [ "$GPUS" = 8 ]; then CONFIGS=${CONFIGS:-colocated 2p6d 4p4d 6p2d 2p6d-auto 4p4d-auto 6p2d-auto}
 else CONFIGS=${CONFIGS:-colocated 3p1d 2p2d 2p2d-auto}; fi
 WORKLOADS=${WORKLOADS:-long,mixed}

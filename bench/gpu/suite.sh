@@ -8,12 +8,10 @@
 # every 30 s in each (with 2 GPUs three workers share a card: on 80 GB cards give --max-num-seqs 16). The report:
 # $OUT/gpu-suite-$TAG.json, chaos-*-$TAG.{json,md}, the bench serve tables and the logs beside them. SKIP_HANG,
 # SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES picks modes, CHAOS the chaos runs.
-#   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu_suite.sh [MODEL_ARGS...]
+#   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu/run.sh suite [MODEL_ARGS...]
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-bench/out/gpu-suite}; TAG=${TAG:-gpu}; mkdir -p "$OUT"
-PY=${PY:-python3}
+source "$(dirname "$0")/common.sh"
 model=${*:-"--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 4096 --max-num-seqs 64"}
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"

@@ -3,11 +3,10 @@
 # process, Llama-3-8B shape (random bf16 weights made on the GPU), hidden states over shm and tcp: greedy tokens
 # equal to one process's, each hop's phases. A check of the CUDA path (stage_forward with the Triton kernels, pools
 # per stage, hops from and to device memory), not a speed-up: two stages on one GPU run one after the other.
-#   OUT=bench/out/pp bash bench/gpu_pp.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+#   OUT=bench/out/pp bash bench/gpu/run.sh pp
 OUT=${OUT:-bench/out/pp}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-h100}
+source "$(dirname "$0")/common.sh"
 timeout 200 $PY -m pdserve bench pipeline --model llama-3-8b --device cuda:0,cuda:0 --dtype bfloat16 \
   --layouts single,pp2 --pp-transport shm --batch 32 --prompt-len 256 --prefill-len 2048 \
   --decode-steps 32 --out "$OUT/pipeline-llama8b-1gpu-shm-$TAG" 2>&1 | tail -14

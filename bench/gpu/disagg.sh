@@ -1,14 +1,13 @@
 #!/bin/bash
 # Conditional disaggregation and the planner (issue 30), Mistral-7B shape (random bf16 weights made on the GPU).
-#   OUT=bench/out/disagg bash bench/gpu_disagg.sh [steps...]
+#   OUT=bench/out/disagg bash bench/gpu/run.sh disagg [steps...]
 # One GPU: profile (bench engine --profile: the planner's input), cap (one colocated worker under the mixed
 #   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls).
 # Two GPUs: goodput (2 colocated replicas vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
 #   TPOT <= 10 ms), plan (pdserve plan --validate 2 from the profile measured here).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/disagg}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-h100}
+source "$(dirname "$0")/common.sh"
 RATE=${RATE:-2}
 steps=${*:-profile cap}
 model="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216"

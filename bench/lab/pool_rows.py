@@ -5,7 +5,7 @@ one per run, layer and side) against ``PoolRows`` (one indexed copy per layer
 and side). Wall time per copy, synchronized, the Python in it included: the
 time a transfer thread holds the GIL while the engine's thread waits.
 
-  python -m bench.pool_rows [--device cuda] [--tokens 7040] [--heads 8] [--dim 128] [--out bench/results/pool-rows]
+  python -m bench.lab.pool_rows [--device cuda] [--tokens 7040] [--heads 8] [--dim 128] [--out bench/results/pool-rows]
 
 Defaults to the Mistral-7B geometry (32 layers, 8 KV heads of 128, bf16) on
 the GPU; on a CPU give small ``--heads``/``--dim`` so the bytes do not hide
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     runs_seen = churn(30275, 400)
     quarters = [round(statistics.mean(runs_seen[i:i + 100]), 1) for i in range(0, 400, 100)]
     print(f"runs per new 6-8k-token sequence through churn, by hundred: {quarters}")
-    report = {"command": "python -m bench.pool_rows " + " ".join(sys.argv[1:] if argv is None else argv), "device": str(device),
+    report = {"command": "python -m bench.lab.pool_rows " + " ".join(sys.argv[1:] if argv is None else argv), "device": str(device),
               "geometry": {"layers": args.layers, "heads": args.heads, "dim": args.dim, "tokens": args.tokens},
               "copies": rows, "churn_runs_by_hundred": quarters}
     if args.out:

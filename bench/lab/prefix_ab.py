@@ -2,7 +2,7 @@
 policy (the second with ``--no-prefix-caching``), the same ``bench serve --conversations`` workload against each,
 and the ratio of turns 2..N's TTFT p50.
 
-    python -m bench.prefix_ab --model DIR [--up-args "..."] [--conversations 4 --turns 8 --system-len 2000]"""
+    python -m bench.lab.prefix_ab --model DIR [--up-args "..."] [--conversations 4 --turns 8 --system-len 2000]"""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from deploy.local import Cluster
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.prefix_ab")
+    ap = argparse.ArgumentParser(prog="python -m bench.lab.prefix_ab")
     ap.add_argument("--model", required=True)
     ap.add_argument("--up-args", default="--policy kv_aware", help="extra `pdserve up` arguments for both runs")
     ap.add_argument("--conversations", type=int, default=4)
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         if code:
             print(f"{name}: requests failed", file=sys.stderr)
     on, off = (results[k]["ttft_ms_turns_2_on"]["median"] for k in ("cached", "off"))
-    report = {"command": "python -m bench.prefix_ab " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+    report = {"command": "python -m bench.lab.prefix_ab " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
               "ttft_p50_turns_2_on_ms": {"cached": on, "off": off}, "ratio": on / off if off else None,
               "ttft_p50_turn_1_ms": {k: results[k]["ttft_ms_turn_1"]["median"] for k in results},
               "kv_bytes_p50_turns_2_on": {k: results[k]["kv_bytes_turns_2_on"]["median"] for k in results},

@@ -1,6 +1,6 @@
 """All-reduce latency for tensor parallelism's sizes, NCCL against a one-shot all-reduce over symmetric memory.
 
-    python -m bench.allreduce [--gpus 2] [--out bench/results/allreduce-2xh200]
+    python -m bench.lab.allreduce [--gpus 2] [--out bench/results/allreduce-2xh200]
 
 A decode step of a TP group all-reduces twice per layer a ``[batch, hidden]`` bf16 tensor (16 KiB at batch 1 of
 a 8192-wide model); this times ``torch.distributed.all_reduce`` (NCCL, NVLink multicast off) and, where this
@@ -123,9 +123,9 @@ def main(argv=None) -> int:
     print(text)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": "python -m bench.allreduce " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        json.dump({"command": "python -m bench.lab.allreduce " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
     with open(args.out + ".md", "w") as f:
-        f.write(f"# All-reduce latency, {args.gpus} GPUs\n\n`python -m bench.allreduce --gpus {args.gpus}`\n\n{text}\n")
+        f.write(f"# All-reduce latency, {args.gpus} GPUs\n\n`python -m bench.lab.allreduce --gpus {args.gpus}`\n\n{text}\n")
     return 0
 
 

@@ -1,9 +1,9 @@
 """Serving waves without the server: ``bench serve``'s closed loop run on the engine in this process, to tell
 what the engine costs from what the router and workers add.
 
-    python -m bench.engine_waves --model mistral-7b --load-format dummy --concurrency 64 --requests 256
+    python -m bench.lab.engine_waves --model mistral-7b --load-format dummy --concurrency 64 --requests 256
 
-Waves as ``bench/gpu_decode.sh serve`` runs them: ``first`` (the prompts of seed 0), ``second`` (seed 1),
+Waves as ``bench/gpu/decode.sh serve`` runs them: ``first`` (the prompts of seed 0), ``second`` (seed 1),
 ``repeat`` (seed 0 again: every prompt in the prefix cache). ``concurrency`` sequences are kept in the engine;
 one that finishes is replaced by the next prompt before the following step. Per wave: output tok/s, TTFT (from
 ``add`` to the step that returned the first token), the steps by kind (decode only / decode with prompt tokens /
@@ -74,7 +74,7 @@ def summary(run: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.engine_waves")
+    ap = argparse.ArgumentParser(prog="python -m bench.lab.engine_waves")
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
     engine.warm_up()
-    report = {"command": "python -m bench.engine_waves " + " ".join(sys.argv[1:] if argv is None else argv), "runs": []}
+    report = {"command": "python -m bench.lab.engine_waves " + " ".join(sys.argv[1:] if argv is None else argv), "runs": []}
     for n, cap in enumerate(args.step_prefill_tokens.split(",")):
         engine.prefill_budget.fixed = None if cap == "none" else int(cap)
         engine.scheduler.prefill_cap = engine.prefill_budget.tokens()

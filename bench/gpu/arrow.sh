@@ -3,12 +3,12 @@
 # machine has ip and tc, on shaped links (10 and 40 Gbit/s), one and four parallel streams; then pdserve up over
 # arrow with both workers on the GPU against in-process generation, token for token; then 1P1D on that one GPU
 # with a random Mistral-7B-shape bf16 checkpoint, `pdserve bench serve` over tcp and over arrow.
-# Usage (on the GPU machine, repo root): bash bench/device_arrow.sh OUTDIR [transfer|serve|all]
+# Usage (on the GPU machine, repo root): bash bench/gpu/run.sh arrow OUTDIR [transfer|serve|all]
 # Wheels for what the machine lacks go in .whl/ (pip install --no-index), an unpacked iperf3 in .whl/deb/root.
 set -uo pipefail
 OUT=${1:-bench/out/arrow}; WHAT=${2:-all}; mkdir -p "$OUT"
 CKPT=${CKPT:-/tmp/mistral-7b}
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps .whl/*.whl; fi
 if [ -d .whl/deb/root ]; then
   export PATH=$PWD/.whl/deb/root/usr/bin:$PATH LD_LIBRARY_PATH=$PWD/.whl/deb/root/usr/lib/x86_64-linux-gnu

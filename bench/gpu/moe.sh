@@ -2,14 +2,13 @@
 # Mixture-of-experts on one GPU (issue 29; one H100 or H200): the MoE kernel checks on the GPU, engine
 # decode for the Qwen3-30B-A3B and Mixtral-8x7B shapes (random bf16 weights made on the GPU), serving Qwen3-30B-A3B
 # colocated (serve) and 1P1D over NCCL (serve1p1d: two GPUs).
-#   OUT=bench/out/moe bash bench/gpu_moe.sh [steps...]   (steps: test engine loop serve; serve1p1d needs two GPUs)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+#   OUT=bench/out/moe bash bench/gpu/run.sh moe [steps...]   (steps: test engine serve; serve1p1d needs two GPUs)
 OUT=${OUT:-bench/out/moe}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-h200}
+source "$(dirname "$0")/common.sh"
 steps=${*:-test engine serve}
 qwen="--model qwen3-30b-a3b --load-format dummy --dtype bfloat16"
-source "$(dirname "$0")/gpu_serve.sh"  # serve_c32
+source "$(dirname "$0")/serve.sh"  # serve_c32
 for step in $steps; do
   case $step in
     test) timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_triton_ops.py -k moe --tb=line 2>&1 | tail -3 ;;
@@ -19,10 +18,6 @@ for step in $steps; do
       timeout 280 $PY -m pdserve bench engine --model mixtral-8x7b --load-format dummy --dtype bfloat16 --batches 1,32 \
         --prompt-len 512 --decode-steps 32 --requests 16 --max-num-seqs 32 --max-model-len 4096 --kv-budget 8G \
         --out "$OUT/engine-mixtral-8x7b-$TAG" 2>&1 | tail -6 ;;
-    loop)  # the reference loop over experts (no graphs: it synchronizes with the host), for the fused kernel's A/B
-      PDSERVE_MOE_KERNEL=0 timeout 300 $PY -m pdserve bench engine $qwen --batches 1,8,64 --prompt-len 512 \
-        --decode-steps 16 --requests 8 --max-num-seqs 64 --max-model-len 4096 --kv-budget 8G \
-        --out "$OUT/engine-qwen3-30b-a3b-expert-loop-$TAG" 2>&1 | tail -7 ;;
     serve)
       $PY -m pdserve up --colocated $qwen --max-model-len 4096 --max-num-seqs 64 --kv-budget 16G --port 8015 \
         --ready-timeout 300 > "$OUT/up-moe.log" 2>&1 &

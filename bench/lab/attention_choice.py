@@ -17,7 +17,7 @@ Every candidate is checked against an fp32 reference (gather + softmax) before i
 median of 30 after warm-up). FlashInfer is a candidate the issue names; it is reported as not installable
 when ``import flashinfer`` fails (its wheel and dependencies do not fit the GPU machines' offline install).
 
-    python -m bench.attention_choice --out bench/results/attention-choice
+    python -m bench.lab.attention_choice --out bench/results/attention-choice
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Tensor-parallel benchmarks on a 2-GPU machine (2x H100 or 2x H200).
-#   OUT=bench/out/tp TAG=2xh100 bash bench/gpu_tp.sh [steps...]
+#   OUT=bench/out/tp TAG=2xh100 bash bench/gpu/run.sh tp [steps...]
 # steps (default: allreduce mistral llama70b serve):
 #   allreduce  NCCL against the one-shot all-reduce inside CUDA graphs
 #   mistral    Mistral-7B shape: TP=1, TP=2 (the step ahead) and TP=2 --no-overlap, engine decode, one run
@@ -11,26 +11,22 @@
 #   profile    rank 0's torch profile of Mistral-7B TP=2 decode steps (bench.profile_engine --tp 2)
 #   gemv       the batch-1 projection kernel's tiles swept for one TP=2 rank's shapes (Mistral-7B), then Mistral TP=2
 #              decode with the picks (PDSERVE_GEMV_CONFIGS) against the built-in tiles, one run
-#   prefetch   Mistral-7B TP=2 decode with weights read into L2 during attention and the all-reduces (0 / 16 MiB)
 #   lamport    Mistral-7B TP=2 decode with the barrier-free all-reduce (PDSERVE_TP_ALLREDUCE=lamport) against the
 #              one-shot, one run (run allreduce first: it checks lamport's sums against NCCL's)
-#   combined   Mistral-7B TP=1 and TP=2 with the three together (lamport, 16 MiB prefetch, the gemv step's picks
-#              if present), one run: the 1.6x bar
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 #   pushed     the GPU tests of the pushed all-reduce, then Mistral-7B TP=1 and TP=2 with batch 1's all-reduces
 #              one-shot (oneshot) and pushed by the projections (auto, the default), one run
 #   pushed70b  the same A/B for the Llama-3-70B shape (TP=2 only)
 #   servetp    Mistral-7B through pdserve up --colocated --tp 2 under bench serve at concurrency 1 and 16, batch 1's
 #              all-reduces one-shot and pushed (one cluster each)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
-PY=${PY:-python3}
 TAG=${TAG:-2xh100}
+source "$(dirname "$0")/common.sh"
 steps=${*:-allreduce mistral llama70b serve}
 common="--load-format dummy --dtype bfloat16 --batches 1,32 --decode-steps 64 --requests 8 --max-num-seqs 32 --max-model-len 4096"
 for step in $steps; do
   case $step in
-    allreduce) timeout 200 $PY -m bench.allreduce --gpus 2 --out "$OUT/allreduce-$TAG" ;;
+    allreduce) timeout 200 $PY -m bench.lab.allreduce --gpus 2 --out "$OUT/allreduce-$TAG" ;;
     mistral)
       timeout 120 $PY -m pdserve bench engine --model mistral-7b --tp 1 $common --out "$OUT/engine-mistral-tp1-$TAG"
       timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-$TAG"
@@ -58,22 +54,10 @@ for step in $steps; do
       timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
       PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m pdserve bench engine \
         --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;
-    prefetch)
-      for mb in 0 16; do
-        PDSERVE_L2_PREFETCH_MB=$mb timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
-          --out "$OUT/engine-mistral-tp2-l2-${mb}mb-$TAG" 2>&1 | grep "decode batch"
-      done ;;
     lamport)
       for ar in auto lamport; do
         PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
           --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
-      done ;;
-    combined)
-      picks="$OUT/gemv-mistral-tp2-$TAG-picks.json"; [ -f "$picks" ] || picks=""
-      for tp in 1 2; do
-        PDSERVE_TP_ALLREDUCE=lamport PDSERVE_L2_PREFETCH_MB=16 PDSERVE_GEMV_CONFIGS=$picks timeout 150 $PY -m pdserve \
-          bench engine --model mistral-7b --tp $tp $common --out "$OUT/engine-mistral-tp$tp-combined-$TAG" 2>&1 \
-          | grep "decode batch\|all-reduce\|L2 prefetch"
       done ;;
     pushed)
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_pushed.py tests/test_triton_gemv.py --tb=short 2>&1 \

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The engine on one GPU: correctness against CPU and HF, `pdserve bench engine` on a random Mistral-7B-shape bf16
 # checkpoint, and `pdserve bench serve --concurrency 32` through a colocated `pdserve up`.
-# Usage (on the GPU machine, repo root): bash bench/device_engine.sh OUTDIR [engine|serve|all]
+# Usage (on the GPU machine, repo root): bash bench/gpu/run.sh engine OUTDIR [engine|serve|all]
 set -uo pipefail
 OUT=${1:-bench/out/device}; WHAT=${2:-all}; mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
 CKPT=${CKPT:-/tmp/mistral-7b}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 [ -f "$CKPT/config.json" ] || python3 -m bench.random_checkpoint --shape mistral-7b --out "$CKPT"
