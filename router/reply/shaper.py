@@ -9,29 +9,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+
+from .choice import Choice
 
 FLOOR = -9999.0
 
 
 def _lp(v):
     return None if v is None else (FLOOR if math.isinf(v) or math.isnan(v) else v)
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_index: int = 0
-    text: list = field(default_factory=list)
-    ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    offset: int = 0
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timing: dict = field(default_factory=dict)
-    tool_calls: list | None = None  # parsed from the text (router.tools.parse); the text left is ``content``
-    content: str | None = None
 
 
 class Shaper:
@@ -131,17 +116,6 @@ class Shaper:
             out.append(body)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._base(obj), "choices": out, "usage": usage, "pdserve": choices[0].timing}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def usage_of(choices: list[Choice]) -> dict:
-    """Prompt tokens counted once per prompt, completion tokens for every choice."""
-    prompts = {c.prompt_index: c.prompt_tokens for c in choices}
-    return usage(sum(prompts.values()), sum(c.completion_tokens for c in choices))
 
 
 def sse(obj) -> bytes:
