@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import shlex
 import signal
-import sys
 import time
 
 import httpx
 
 from deploy.local import Cluster
 
+from .progress import bar
 from .report import command_line
 from .soak import process_name, rss_bytes
 from planner.stats import summary
 
+log = logging.getLogger(__name__)
 WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
@@ -110,8 +112,8 @@ async def kill_loop(client, url, every: float, stop_at: float, rng, kills: list,
         killed.add(victim["pid"])
         kills.append({"t": round(time.monotonic() - start, 1), "role": victim["role"], "pid": victim["pid"],
                       "address": victim["address"]})
-        print(f"[chaos] {kills[-1]['t']:.0f}s: killed {victim['role']} worker {victim['address']} "
-              f"(pid {victim['pid']})", file=sys.stderr, flush=True)
+        log.info("%.0fs: killed %s worker %s (pid %d)", kills[-1]["t"], victim["role"], victim["address"],
+                 victim["pid"])
 
 
 async def settle(client, url, timeout: float) -> dict:
@@ -151,15 +153,16 @@ async def chaos(url: str, args) -> dict:
         tasks = [asyncio.create_task(stream_until(client, url, model, random.Random(args.seed + 1 + i), stop_at,
                                                   args.max_tokens, out)) for i in range(args.streams)]
         killer = asyncio.create_task(kill_loop(client, url, args.kill_every, stop_at, rng, kills, killed))
-        baseline = None
+        baseline, progress = None, bar(round(args.duration), "chaos", "s")
         while not all(t.done() for t in tasks):
             await asyncio.sleep(2.0)
             now = time.monotonic() - start
             if baseline is None and now >= warmup:
                 baseline = {k: rss_bytes(p) for k, p in args.rss_pids.items()}
-            print(f"[chaos] {now:4.0f}/{args.duration:.0f}s ok={out['ok']} retried={out['retried']} "
-                  f"failed_before_first_byte={out['failed_before_first_byte']} "
-                  f"failed_mid_stream={out['failed_mid_stream']} kills={len(killed)}", file=sys.stderr, flush=True)
+            progress.update(min(round(now), progress.total) - progress.n)
+            progress.set_postfix(ok=out["ok"], retried=out["retried"], before_first_byte=out["failed_before_first_byte"],
+                                 mid_stream=out["failed_mid_stream"], kills=len(killed), refresh=False)
+        progress.close()
         await asyncio.gather(*tasks)
         await killer
         final = {k: rss_bytes(p) for k, p in args.rss_pids.items()}

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
+from .progress import bar
 from .report import command_line
 
 CONDITIONS = ("back to back", "after decode", "after spin", "after sleep")
@@ -70,12 +70,13 @@ def run(args) -> int:
     for _ in range(3):
         forward()
     samples = {c: [] for c in CONDITIONS}
-    for rep in range(args.reps):
+    progress = bar(args.reps, "reps")
+    for _ in range(args.reps):
         for condition in CONDITIONS:
             before[condition]()
             samples[condition].append(forward())
-        print(f"\r{rep + 1}/{args.reps}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        progress.update()
+    progress.close()
     base = statistics.median(samples["after decode"])
     summary = {c: {"median_ms": statistics.median(x), "min_ms": min(x), "vs_after_decode": statistics.median(x) / base}
                for c, x in samples.items()}

@@ -13,6 +13,8 @@ import time
 
 from engine.models.presets import SHAPES, preset_config
 
+from .progress import bar
+
 
 def main(argv=None) -> int:
     import torch
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
             weight_map.update({k: name for k in shard})
             shard, size = {}, 0
 
-    for name, p in model.named_parameters():
+    params = list(model.named_parameters())
+    for name, p in bar(len(params), "tensors", "tensor", items=params):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith("norm.weight"):

@@ -16,16 +16,16 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 
 import httpx
 
-from .health import settled_step_times, step_delta, with_busy
-from .report import command_line
-from planner.stats import summary
-from planner.stats import quantile
+from planner.stats import quantile, summary
 from planner.workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
+
+from .health import settled_step_times, step_delta, with_busy
+from .progress import bar
+from .report import command_line
 
 PHASES = ("admit", "queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",
           "decode", "ttft", "e2e")
@@ -113,6 +113,7 @@ async def run_conversations(args) -> tuple[list[dict], float]:
         model = args.model or (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
         gate = asyncio.Semaphore(args.concurrency)
         rows, start = [], time.perf_counter()
+        progress = bar(args.conversations * args.turns, "requests", "req")
 
         async def talk(c):
             history = f"{system}\nConversation {c}.\n"
@@ -123,11 +124,10 @@ async def run_conversations(args) -> tuple[list[dict], float]:
                     row = await one(client, args.url, model, "completions", req, args.temperature, keep_text=True)
                 row["turn"] = turn
                 rows.append(row)
-                _progress(len(rows), args.conversations * args.turns, start)
+                progress.update()
                 history += row.pop("text", "") + "\n"
         await asyncio.gather(*(talk(c) for c in range(args.conversations)))
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+        progress.close()
         return rows, time.perf_counter() - start
 
 
@@ -144,6 +144,7 @@ async def run_load(args) -> tuple[list[dict], float]:
         gate = asyncio.Semaphore(args.concurrency)
         rows, start = [], time.perf_counter()
         deadline = start + args.duration if args.duration else None
+        progress = bar(None if deadline else len(requests), "requests", "req")
 
         async def fire(index, req, offset):
             if deadline and start + offset > deadline:
@@ -163,11 +164,10 @@ async def run_load(args) -> tuple[list[dict], float]:
                 raise
             row["index"] = index
             rows.append(row)
-            _progress(len(rows), None if deadline else len(requests), start)
+            progress.update()
         tasks = [asyncio.ensure_future(fire(i, r, o)) for i, (r, o) in enumerate(zip(requests, offsets))]
         await _finish(tasks, start, deadline, offsets, getattr(args, "give_up_s", None))
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+        progress.close()
         return rows, time.perf_counter() - start
 
 
@@ -181,20 +181,6 @@ async def _finish(tasks, start, deadline, offsets, give_up_s):
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-
-
-_last_line = [0.0]
-
-
-def _progress(done, total, start):
-    """On a terminal one line rewritten in place; in a log a line every 10 seconds (and at the end)."""
-    elapsed = time.perf_counter() - start
-    bar = f"{done}/{total}" if total else f"{done}"
-    if sys.stderr.isatty():
-        print(f"\r  requests {bar}  {elapsed:6.1f}s", end="", file=sys.stderr, flush=True)
-    elif not 0 <= elapsed - _last_line[0] < 10 or done == total:
-        _last_line[0] = elapsed
-        print(f"  requests {bar}  {elapsed:6.1f}s", file=sys.stderr, flush=True)
 
 
 def within(row: dict, slo: dict) -> bool:

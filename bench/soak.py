@@ -19,6 +19,8 @@ import httpx
 
 from deploy.local import Cluster, children_of
 
+from .progress import bar
+
 
 def add_arguments(p):
     p.add_argument("--streams", type=int, default=32)
@@ -83,6 +85,7 @@ async def soak(url: str, pids: list[int], args) -> dict:
         tasks = [asyncio.create_task(stream_forever(client, url, model, random.Random(args.seed + i), stop_at, counts,
                                                     args.max_tokens)) for i in range(args.streams)]
         samples, baseline = [], None
+        progress = bar(round(args.duration), "soak", "s")
         while not all(t.done() for t in tasks):
             await asyncio.sleep(min(5.0, max(0.5, args.duration / 60)))
             now = time.monotonic() - start
@@ -90,10 +93,11 @@ async def soak(url: str, pids: list[int], args) -> dict:
             samples.append({"t": round(now, 1), "rss": rss, "requests": counts["requests"], "errors": counts["errors"]})
             if baseline is None and now >= warmup:
                 baseline = dict(rss)
-            print(f"\r[soak] {now:5.0f}/{args.duration:.0f}s requests={counts['requests']} errors={counts['errors']} "
-                  f"rss={sum(rss.values()) / 2**20:.0f} MiB", end="", file=sys.stderr, flush=True)
+            progress.update(min(round(now), progress.total) - progress.n)
+            progress.set_postfix(requests=counts["requests"], errors=counts["errors"],
+                                 rss_mib=round(sum(rss.values()) / 2**20), refresh=False)
         await asyncio.gather(*tasks)
-        print(file=sys.stderr)
+        progress.close()
     final = {p: rss_bytes(p) for p in pids}
     baseline = baseline or samples[0]["rss"]
     growth = {process_name(p): 100.0 * (final[p] - baseline[p]) / baseline[p] for p in pids if baseline.get(p)}

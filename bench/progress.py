@@ -1,0 +1,14 @@
+"""Progress of a long bench run through tqdm: on a terminal one bar redrawn in place, in a log (not a terminal) a
+plain line at most every 10 seconds and one at the end."""
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+def bar(total: int | None = None, desc: str = "", unit: str = "it", items=None) -> tqdm:
+    """A bar to ``update`` by hand, or over ``items`` when given (iterate it)."""
+    tty = sys.stderr.isatty()
+    return tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=tty, ascii=not tty,
+                mininterval=0.2 if tty else 10.0, leave=True)
