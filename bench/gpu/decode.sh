@@ -7,7 +7,7 @@
 #   multi-turn conversations (cached prefixes); rows: whole decode steps over rows of unequal contexts, as serving
 #   has (ROWS: the cases); serve1p1d needs two GPUs: UP1P1D adds `pdserve up` arguments, NAME1P1D names them in the
 #   files, REQUESTS per wave, default 384: 12 per stream, so the start-up burst weighs on few)
-OUT=${OUT:-bench/out/decode}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/decode}
 TAG=${TAG:-h200}
 source "$(dirname "$0")/common.sh"
 steps=${*:-test kernels engine serve router}

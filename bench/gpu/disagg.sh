@@ -5,7 +5,7 @@
 #   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls).
 # Two GPUs: goodput (2 colocated replicas vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
 #   TPOT <= 10 ms), plan (pdserve plan --validate 2 from the profile measured here).
-OUT=${OUT:-bench/out/disagg}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/disagg}
 TAG=${TAG:-h100}
 source "$(dirname "$0")/common.sh"
 RATE=${RATE:-2}

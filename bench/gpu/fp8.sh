@@ -4,7 +4,7 @@
 # logits agreement) serving with an FP8 KV cache (serve), and
 # 1P1D over NCCL with FP8 KV (serve1p1d: two GPUs).
 #   OUT=bench/out/fp8 bash bench/gpu/run.sh fp8 [steps...]   (steps: test fp8 serve; serve1p1d needs two GPUs)
-OUT=${OUT:-bench/out/fp8}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/fp8}
 TAG=${TAG:-h200}
 source "$(dirname "$0")/common.sh"
 steps=${*:-test fp8 serve}

@@ -3,7 +3,7 @@
 # decode for the Qwen3-30B-A3B and Mixtral-8x7B shapes (random bf16 weights made on the GPU), serving Qwen3-30B-A3B
 # colocated (serve) and 1P1D over NCCL (serve1p1d: two GPUs).
 #   OUT=bench/out/moe bash bench/gpu/run.sh moe [steps...]   (steps: test engine serve; serve1p1d needs two GPUs)
-OUT=${OUT:-bench/out/moe}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/moe}
 TAG=${TAG:-h200}
 source "$(dirname "$0")/common.sh"
 steps=${*:-test engine serve}

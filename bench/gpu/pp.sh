@@ -4,7 +4,7 @@
 # equal to one process's, each hop's phases. A check of the CUDA path (stage_forward with the Triton kernels, pools
 # per stage, hops from and to device memory), not a speed-up: two stages on one GPU run one after the other.
 #   OUT=bench/out/pp bash bench/gpu/run.sh pp
-OUT=${OUT:-bench/out/pp}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/pp}
 TAG=${TAG:-h100}
 source "$(dirname "$0")/common.sh"
 timeout 200 $PY -m pdserve bench pipeline --model llama-3-8b --device cuda:0,cuda:0 --dtype bfloat16 \

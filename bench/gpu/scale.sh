@@ -25,7 +25,7 @@
 # plan: pdserve plan --gpus 4 on each workload from PROFILE (a bench engine --profile JSON; `profile` makes one on
 #   GPU 0), calibrated on and set beside the goodput the mistral step measured (--calibrate --measured; every
 #   report in OUT: plan keeps the results of the workload planned): the pick against the best.
-OUT=${OUT:-bench/out/scale}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/scale}
 GPUS=${GPUS:-4}
 TAG=${TAG:-${GPUS}xgpu}
 source "$(dirname "$0")/common.sh"

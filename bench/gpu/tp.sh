@@ -19,7 +19,7 @@
 #   pushed70b  the same A/B for the Llama-3-70B shape (TP=2 only)
 #   servetp    Mistral-7B through pdserve up --colocated --tp 2 under bench serve at concurrency 1 and 16, batch 1's
 #              all-reduces one-shot and pushed (one cluster each)
-OUT=${OUT:-bench/out/tp}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/tp}
 TAG=${TAG:-2xh100}
 source "$(dirname "$0")/common.sh"
 steps=${*:-allreduce mistral llama70b serve}
