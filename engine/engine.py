@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,18 +32,10 @@ from .scheduler import Scheduler
 from .guided.grammars import engine_guides
 from .step_budget import PrefillBudget, StepLog, StepRecord
 from .sequence import Sequence
+from .step_output import StepOutput, add_prompt_logprobs
 
 log = logging.getLogger(__name__)
 CPU_DEFAULT_BUDGET = int(os.environ.get("PDSERVE_CPU_KV_MIB", "2048")) << 20  # a CPU pool's size without --kv-budget
-
-
-@dataclass
-class StepOutput:
-    tokens: list = field(default_factory=list)  # Emitted, in order (a sequence can have two: ``engine.emitted``)
-    refused: list = field(default_factory=list)
-    scheduled: list = field(default_factory=list)
-    batch_tokens: int = 0
-    decode_rows: int = 0
 
 
 class Engine:
@@ -381,20 +372,3 @@ class Engine:
             from .parallel.launch import stop_group
 
             stop_group(self.group)
-
-
-def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: int) -> None:
-    """Logprobs of prompt tokens ``start+1 .. start+chunk`` (within the prompt) from this chunk's scores."""
-    plist = seq.prompt_logprob_list = seq.prompt_logprob_list or [None]
-    k = seq.params.prompt_logprobs
-    logp = torch.log_softmax(scores.float(), dim=-1)
-    for j in range(chunk):
-        pos = start + j + 1
-        if pos >= len(seq.prompt_ids) or pos != len(plist):
-            continue
-        row = logp[j]
-        top = []
-        if k:
-            values, ids = torch.topk(row, k)
-            top = list(zip(ids.tolist(), values.tolist()))
-        plist.append((float(row[seq.prompt_ids[pos]]), top))

@@ -64,3 +64,13 @@ def test_no_module_imports_itself_back_at_load_time():
         if name not in state:
             visit(name, [name])
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_engines_parts_do_not_import_the_engine():
+    """``engine.engine`` imports its parts (the pipeline driver, the parallel group, kernels, ...), never the other
+    way round; only its users and the entry points of its follower processes import it."""
+    users = {"engine.factory", "engine.generate", "engine.parallel.follower", "engine.pipeline.stage"}
+    importers = {name for name, path in modules().items()
+                 if name.startswith("engine.") and name != "engine.engine"
+                 and "engine.engine" in imports(name, path, top_level_only=False)}
+    assert importers <= users, sorted(importers - users)

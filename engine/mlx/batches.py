@@ -130,7 +130,7 @@ class MlxBatches:
 
     def drain(self, out=None) -> None:
         """Land every micro-batch in flight (their tokens into ``out``, or kept for the next step)."""
-        from ..engine import StepOutput
+        from ..step_output import StepOutput
 
         into = out if out is not None else StepOutput()
         while self.flights:

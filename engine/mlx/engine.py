@@ -34,7 +34,7 @@ import torch
 from ..blocks import BlockManager
 from ..config import EngineConfig
 from ..emitted import Emitted
-from ..engine import StepOutput
+from ..step_output import StepOutput
 from ..errors import RequestError
 from ..guided.grammars import engine_guides
 from ..parallel.group import SINGLE, TPGroup

@@ -63,7 +63,7 @@ class Pipeline:
         return bool(self.flights)
 
     def step(self, engine):
-        from ..engine import StepOutput
+        from ..step_output import StepOutput
 
         out, launched = StepOutput(), False
         if not self.ready:
@@ -114,7 +114,7 @@ class Pipeline:
         out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
 
     def _land(self, engine, out) -> None:
-        from ..engine import add_prompt_logprobs
+        from ..step_output import add_prompt_logprobs
         from ..sampler import choose_later
 
         flight = self.flights.popleft()
