@@ -2,7 +2,8 @@
 
 Starts ``pdserve up`` (``--up-args``, default ``--prefill 2 --decode 2``), keeps ``--streams`` streaming requests
 going for ``--duration`` seconds and every ``--kill-every`` seconds SIGKILLs a random worker (one whose role has
-another worker in the picks, so the cluster can always serve); ``up`` restarts it. Each request ends as one of:
+another worker in the picks, so the cluster can always serve; while the last victim still restarts, it waits for
+it); ``up`` restarts it. Each request ends as one of:
 
 - ``ok``: all its tokens and ``[DONE]``;
 - ``failed_before_first_byte``: an HTTP error, or an error event before any token (retries exist to make this 0;
@@ -98,9 +99,10 @@ async def kill_loop(client, url, every: float, stop_at: float, rng, kills: list,
     start = time.monotonic()
     while time.monotonic() + every < stop_at:
         await asyncio.sleep(every)
-        health = (await client.get(url + "/health")).json()
-        ready = [w for w in workers(health) if w.get("healthy") and w.get("pid")]
-        victims = [w for w in ready if sum(1 for o in ready if o["role"] == w["role"]) >= 2]
+        victims = await eligible(client, url)
+        while not victims and time.monotonic() + every < stop_at:  # the last victim still restarting: wait for it
+            await asyncio.sleep(0.5)
+            victims = await eligible(client, url)
         if not victims:
             kills.append({"t": round(time.monotonic() - start, 1), "skipped": "no role had a second worker up"})
             continue
@@ -114,6 +116,12 @@ async def kill_loop(client, url, every: float, stop_at: float, rng, kills: list,
                       "address": victim["address"]})
         log.info("%.0fs: killed %s worker %s (pid %d)", kills[-1]["t"], victim["role"], victim["address"],
                  victim["pid"])
+
+
+async def eligible(client, url) -> list[dict]:
+    """Workers that may be killed: healthy, with another healthy worker of their role (the cluster keeps serving)."""
+    ready = [w for w in workers((await client.get(url + "/health")).json()) if w.get("healthy") and w.get("pid")]
+    return [w for w in ready if sum(1 for o in ready if o["role"] == w["role"]) >= 2]
 
 
 async def settle(client, url, timeout: float) -> dict:

@@ -221,8 +221,12 @@ class SocketReceiver(TableReceiver):
 
     @property
     def address(self) -> str:
-        host, port = self._server.getsockname()[:2]
-        return f"{host}:{port}"
+        try:
+            host, port = self._server.getsockname()[:2]
+        except OSError:  # closed: a draining worker still answers pings
+            return getattr(self, "_address", "")
+        self._address = f"{host}:{port}"
+        return self._address
 
     def start(self) -> None:
         require_token_for(self.cfg.host, self.cfg.token, f"{self.name} KV receiver")

@@ -139,7 +139,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--retries", type=int, default=None, help="times a request that failed before decode streamed a "
                    "token runs again on other workers (default 2)")
     r.add_argument("--retry-wait", type=float, default=None, help="seconds a retry waits for a worker of each role it "
-                   "needs to be in the picks, e.g. a restarting one (default 3)")
+                   "needs to be in the picks, e.g. a restarting one (default 3); a new request waits as long, 5 s at least")
     r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
@@ -182,7 +182,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
                    "streamed a token runs again on other workers")
     u.add_argument("--retry-wait", type=float, default=3.0, help="router: seconds a retry waits for a worker to be in "
-                   "the picks (with one worker of a role: longer than it takes to restart)")
+                   "the picks (with one worker of a role: longer than it takes to restart); a new request waits as long, 5 s "
+                   "at least")
     u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
@@ -318,10 +319,10 @@ def main(argv=None) -> int:
 
         return run_router(args)
     if args.cmd == "deploy":
-        from . import ray_deploy
+        from deploy import ray_deploy
 
         if args.deploy == "ray":
-            from .up import engine_args
+            from deploy.up import engine_args
 
             args.worker_args = engine_args(args) + (["--kv-budget", str(args.kv_budget)] if args.kv_budget else [])
             args.router_args = ["--policy", args.policy, "--disagg", args.disagg,

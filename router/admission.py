@@ -23,10 +23,11 @@ def estimate_prompt_tokens(payload: dict) -> int:
 
 
 class Admission:
-    def __init__(self, max_queue: int = 256, timeout_s: float = 30.0, retry_after_s: int = 1):
+    def __init__(self, max_queue: int = 256, timeout_s: float = 30.0, retry_after_s: int = 1, pick_wait_s: float = 5.0):
         self.max_queue = max_queue
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
+        self.pick_wait_s = pick_wait_s  # how long a request waits for a worker of its role to be in the picks
         self.reserved: dict[str, tuple[object, int]] = {}
         self.by_worker: collections.Counter = collections.Counter()
         self._waiters: collections.deque = collections.deque()
@@ -66,7 +67,7 @@ class Admission:
     async def acquire(self, group, rid: str, tokens: int, prompt=None, avoid=()):
         """The worker that will hold this request's KV (not one in ``avoid`` while another has room); raises
         ApiError (429/503) when there is no room."""
-        if not group.healthy() and not await group.wait_healthy():
+        if not group.healthy() and not await group.wait_healthy(wait_s=self.pick_wait_s):
             raise ApiError(503, f"no healthy {group.role} worker", headers={"Retry-After": str(self.retry_after_s)})
         if not self._waiters:
             worker = self._try(group, rid, tokens, prompt, avoid)

@@ -20,6 +20,7 @@ from .routes import errors, generation, status
 from .routes.state import RouterState, check_key
 from .service import Service
 from .warmup import PairWarmer
+from .workers import PICK_WAIT_S
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2  # admission wake-ups, queue gauge, expired waits
@@ -27,7 +28,7 @@ TICK_S = 0.2  # admission wake-ups, queue gauge, expired waits
 
 def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: str | None) -> RouterState:
     metrics, groups = Metrics(), worker_groups(cfg, inboxes, token)
-    admission = Admission(cfg.max_queue, cfg.queue_timeout_s)
+    admission = Admission(cfg.max_queue, cfg.queue_timeout_s, pick_wait_s=max(PICK_WAIT_S, cfg.retry_wait_s))
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
                       retry_wait_s=cfg.retry_wait_s, disagg=cfg.disagg_policy(),

@@ -38,7 +38,7 @@ def run_router(args) -> int:
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("router binds %s: reachable beyond this machine%s", cfg.host,
                     "" if api_key else " and no API key is set (--api-key-file or PDSERVE_API_KEY)")
-    uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
 
 

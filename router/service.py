@@ -28,7 +28,7 @@ from .waits import DECODING, PREFILLING, QUEUED, WAITING_KV, Stalled, Waits, che
 from .inbox import coalesce
 from .timing import close_timing, note_hops
 from .warmup import PairWarmer
-from .workers import pair_mismatch
+from .workers import PICK_WAIT_S, pair_mismatch
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Service:
                  disagg: DisaggPolicy | None = None, stall_timeout_s: float = 30.0):
         self.disagg = disagg or DisaggPolicy()
         self.retries = retries
-        self.retry_wait_s = retry_wait_s
+        self.retry_wait_s, self.pick_wait_s = retry_wait_s, max(PICK_WAIT_S, retry_wait_s)
         self.kv_aware = kv_aware
         self.prompts = PromptTokenizer(tokenizer, groups)
         self.groups = groups
@@ -99,7 +99,7 @@ class Service:
 
     async def _pick(self, role, prompt=None, avoid=()):
         group = self.groups.get(role)
-        ready = await group.wait_healthy(avoid) if group is not None else []
+        ready = await group.wait_healthy(avoid, self.pick_wait_s) if group is not None else []
         if not ready:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return group.policy.pick(ready, prompt)

@@ -116,7 +116,7 @@ def test_prefill_killed_right_after_first_token_ends_cleanly():
         killed_at = time.monotonic()
         f.signal("p", signal.SIGKILL)
         client.join(30)
-        assert client.ended_at - killed_at < 15  # the retry's wait for a prefill worker, not a 30 s KV timeout
+        assert client.ended_at - killed_at < 25  # the retry's wait for a prefill worker, not a 30 s KV timeout
         assert client.finished or client.error
         assert eventually(lambda: decode_is_clean(f, "d"), 10)
 

@@ -148,6 +148,6 @@ def test_half_a_minute_of_chaos_loses_no_request_before_its_first_byte(tmp_path)
     report = json.loads((tmp_path / "chaos.json").read_text())
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert report["failed_before_first_byte"] == 0 and report["ok"] > 40
-    assert sum(1 for k in report["kills"] if "pid" in k) >= 4
+    assert sum(1 for k in report["kills"] if "pid" in k) >= 3  # each waits for the last victim's restart
     assert report["leaked_blocks"] == 0 and all(b["healthy_at_end"] for b in report["kv_blocks"])
     assert max(g for g in report["rss_growth_pct"].values() if g is not None) < 5
