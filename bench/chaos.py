@@ -29,7 +29,7 @@ import httpx
 
 from deploy.local import Cluster
 
-from .progress import bar
+from deploy.progress import bar
 from .report import command_line
 from .soak import process_name, rss_bytes
 from planner.stats import summary

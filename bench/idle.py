@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from .progress import bar
+from deploy.progress import bar
 from .report import command_line
 
 CONDITIONS = ("back to back", "after decode", "after spin", "after sleep")

@@ -13,7 +13,7 @@ import time
 
 from engine.models.presets import SHAPES, preset_config
 
-from .progress import bar
+from deploy.progress import bar
 
 
 def main(argv=None) -> int:

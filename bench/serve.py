@@ -24,7 +24,7 @@ from planner.stats import quantile, summary
 from planner.workload import WORKLOADS, Request, arrivals, build, parse_range, synthetic_prompt
 
 from .health import settled_step_times, step_delta, with_busy
-from .progress import bar
+from deploy.progress import bar
 from .report import command_line
 
 PHASES = ("admit", "queue", "prefill", "d2h", "serialize", "wire", "deserialize", "convert", "h2d", "transfer_total", "overlap", "exposed",

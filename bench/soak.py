@@ -19,7 +19,7 @@ import httpx
 
 from deploy.local import Cluster, children_of
 
-from .progress import bar
+from deploy.progress import bar
 
 
 def add_arguments(p):

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 
+from deploy.progress import bar
 from deploy.supervise import Child, Supervisor
 
 
@@ -207,23 +208,37 @@ def plan(args) -> list[list[str]]:
 
 def wait_ready(url: str, procs, timeout: float) -> dict:
     """The router's /health once every worker it knows is healthy (a worker still loading its model would leave
-    the first requests, and a benchmark's first rate, to part of the cluster). A child that exits before the router
-    first said ready is a failed start; one that exits after it (``ready_since``: clients polling /health may be
-    using the cluster) is left to the supervisor, which restarts it."""
+    the first requests, and a benchmark's first rate, to part of the cluster), with a bar of the healthy workers on
+    stderr. A child that exits before the router first said ready is a failed start; one that exits after it
+    (``ready_since``: clients polling /health may be using the cluster) is left to the supervisor, which restarts
+    it."""
     end, waiting = time.monotonic() + timeout, "the router"
-    while time.monotonic() < end:
-        dead = [p for p in procs if p.poll() is not None]
-        health = _health(url)
-        if health is not None and health.get("status") == "ok" and not unhealthy_workers(health):
-            return health
-        if dead:
-            if (health or {}).get("ready_since"):
-                return health  # clients were told ready: the supervisor restarts the child
-            raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
-        if health is not None:
-            waiting = ", ".join(unhealthy_workers(health)) or health.get("status", "the router")
-        time.sleep(0.3)
+    with bar(desc="starting", unit="worker") as progress:
+        while time.monotonic() < end:
+            dead = [p for p in procs if p.poll() is not None]
+            health = _health(url)
+            if health is not None:
+                _show(progress, health)
+            if health is not None and health.get("status") == "ok" and not unhealthy_workers(health):
+                return health
+            if dead:
+                if (health or {}).get("ready_since"):
+                    return health  # clients were told ready: the supervisor restarts the child
+                raise RuntimeError(f"a child exited early: {' '.join(dead[0].args[3:6])} (code {dead[0].returncode})")
+            if health is not None:
+                waiting = ", ".join(unhealthy_workers(health)) or health.get("status", "the router")
+            time.sleep(0.3)
     raise TimeoutError(f"cluster not healthy after {timeout:.0f}s (waiting for {waiting})")
+
+
+def _show(progress, health: dict) -> None:
+    """The bar at the healthy workers of /health's list (the router warming up counts as one step more)."""
+    listed = [w for group in (health.get("workers") or {}).values() for w in group]
+    healthy = sum(bool(w.get("healthy")) for w in listed) + (health.get("status") == "ok")
+    if progress.total != len(listed) + 1 or progress.n != healthy:
+        progress.total, progress.n = len(listed) + 1, healthy
+        progress.set_postfix_str(", ".join(unhealthy_workers(health)) or health.get("status", ""), refresh=False)
+        progress.refresh()
 
 
 def _health(url: str) -> dict | None:

@@ -99,6 +99,25 @@ def test_up_waits_for_every_worker_not_just_the_router():
     assert unhealthy_workers(ready) == []
 
 
+def test_up_shows_its_start_as_a_bar_of_healthy_workers(capsys):
+    """The bar counts the workers /health lists as healthy, plus the router's own ready, and names what it waits
+    for; the last line of a start that came up reads all of them."""
+    from deploy.progress import bar
+    from deploy.up import _show
+
+    loading = {"status": "unavailable", "workers": {"prefill": [{"address": "tcp://a", "healthy": True}],
+                                                    "decode": [{"address": "tcp://b", "healthy": False}]}}
+    up = {"status": "ok", "workers": {role: [{**w, "healthy": True} for w in group]
+                                      for role, group in loading["workers"].items()}}
+    with bar(desc="starting", unit="worker") as progress:
+        _show(progress, loading)
+        assert (progress.n, progress.total) == (1, 3)
+        assert "decode tcp://b" in progress.postfix
+        _show(progress, up)
+        assert (progress.n, progress.total) == (3, 3)
+    assert "starting: 100%" in capsys.readouterr().err
+
+
 def test_a_worker_killed_once_the_router_said_ready_is_restarted_not_a_failed_start():
     """``up`` polls the router's /health as clients do, and a client may kill a worker between the router first
     saying ready and ``up``'s next look: the router, one role short, answers 503 but with ``ready_since``, and the

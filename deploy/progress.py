@@ -1,5 +1,5 @@
-"""Progress of a long bench run through tqdm: on a terminal one bar redrawn in place, in a log (not a terminal) a
-plain line at most every 10 seconds and one at the end."""
+"""Progress of a long command (a bench run, ``pdserve up``'s start, checkpoint writing) through tqdm: on a terminal
+one bar redrawn in place, in a log (not a terminal) a plain line at most every 10 seconds and one at the end."""
 from __future__ import annotations
 
 import sys
