@@ -6,6 +6,9 @@
 * offline: ``--requests`` sequences with random prompt and output lengths
   added at once and run to completion (continuous batching, chunked prefill):
   output and total tok/s;
+* ``--mixed-chunks``: steps that decode ``--mixed-rows`` sequences and take a
+  prompt chunk, against decode-only steps and the chunk alone, and the fixed
+  cost a mixed step pays (``bench.mixed_step``);
 * ``--hf``: Hugging Face eager on the same weights, the same batch sizes
   (a padded-free batch of equal prompts, DynamicCache): the reference line.
 
@@ -36,6 +39,10 @@ def add_arguments(p):
     p.add_argument("--output-len", default="16:256", help="offline output lengths, uniform in MIN:MAX")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=None)
+    p.add_argument("--mixed-chunks", default="", help="also time steps that decode --mixed-rows sequences and take "
+                   "a prompt chunk of each of these sizes, e.g. 64,128,256,512 (bench.mixed_step)")
+    p.add_argument("--mixed-rows", type=int, default=32)
+    p.add_argument("--mixed-repeats", type=int, default=5)
     p.add_argument("--hf", action="store_true", help="also time Hugging Face eager batched decode")
     p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto")
     p.add_argument("--compare-eager", action="store_true",
@@ -185,6 +192,24 @@ def hf_decode_rate(engine, batch: int, prompt_len: int, steps: int) -> dict:
             "step_ms": elapsed / steps * 1e3}
 
 
+def mixed_steps(engine, args, rng) -> dict:
+    """``bench.mixed_step`` beside ``--mixed-rows`` decoding sequences of ``--prompt-len`` tokens."""
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    from .mixed_step import measure
+
+    chunks = [int(x) for x in args.mixed_chunks.split(",")]
+    steps = 5 * args.mixed_repeats * len(chunks) + 8
+    seqs = decoding(engine, args.mixed_rows, args.prompt_len, steps, rng)
+
+    def one_token(prompt):
+        return Sequence.create(f"m{rng.random()}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                               engine.tokenizer, engine.max_len)
+
+    return measure(engine, seqs, chunks, args.mixed_repeats, rng, _vocab(engine), one_token, _sync)
+
+
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
     return int(low), int(high or low)
@@ -230,6 +255,7 @@ def run(args) -> int:
     off = offline(engine, args.requests, _range(args.input_len), _range(args.output_len), rng)
     print(f"offline {off['requests']} requests: {off['output_tok_per_s']:.1f} output tok/s, "
           f"{off['total_tok_per_s']:.1f} total tok/s", file=sys.stderr)
+    mixed = mixed_steps(engine, args, rng) if args.mixed_chunks else None
     profile = None
     if args.profile:
         from .plan_profile import measure
@@ -248,7 +274,7 @@ def run(args) -> int:
               "decode_without_graphs": eager, "offline": off, "tp": engine.group.size if hasattr(engine, "group") else 1,
               "overlap": getattr(engine.cfg, "overlap", None), "steps_ahead": getattr(engine, "overlapped", None),
               "hbm": {k: v for k, v in limit.items() if k != "tok_per_s"} if limit else None,
-              "profile": profile.to_dict() if profile else None}
+              "profile": profile.to_dict() if profile else None, "mixed_steps": mixed}
     lines = [f"| batch | pdserve tok/s | ms/step | vs batch {decode[0]['batch']} |"
              + (" HBM limit tok/s | of limit |" if limit else "")
              + (" without graphs tok/s |" if eager else "") + (" HF eager tok/s | pdserve / HF |" if hf else ""),
@@ -265,6 +291,10 @@ def run(args) -> int:
     text = "\n".join(lines) + (f"\n\nOffline: {off['requests']} requests, prompts {args.input_len}, outputs "
                                f"{args.output_len}: {off['output_tok_per_s']:.1f} output tok/s, "
                                f"{off['total_tok_per_s']:.1f} total tok/s, {off['preemptions']} preemptions.\n")
+    if mixed:
+        from .mixed_step import table
+
+        text += "\n" + table(mixed) + "\n"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

@@ -167,7 +167,7 @@ class PrefillBudget:
             self.base_ms = _average(self.base_ms, record.ms)
             return
         self.mixed.append((record.prompt_tokens, record.ms))
-        self.fit = _line(self.mixed) or self.fit
+        self.fit = fit_line(self.mixed) or self.fit
 
     def info(self) -> dict:
         fixed_ms, per_token = self.fit or (None, None)
@@ -176,7 +176,7 @@ class PrefillBudget:
                 "step_ms_per_prompt_token": _round(per_token, 5)}
 
 
-def _line(points) -> tuple[float, float] | None:
+def fit_line(points) -> tuple[float, float] | None:
     """Least-squares ``ms = fixed + per_token x n`` (None until two sizes were seen); a slope of at least 1 ns a
     token, an intercept of at least 0."""
     n = len(points)

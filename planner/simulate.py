@@ -21,7 +21,8 @@ reach the decode instance the request was given on arrival (as the router
 picks decode first), then waits the profile's ``handoff_steps`` decode steps (what
 serving adds: admission, the step already in flight; calibrated from measured
 second tokens); ``decode`` instances decode and, with ``local_tokens``
-(``--disagg auto``), prefill short prompts themselves, and long ones when
+(``--disagg auto``), prefill short prompts themselves (unless the step
+taking one beside their decoding rows would break the TPOT SLO), and others when
 every prefill instance's backlog takes ``prefill_wait_ms`` or more and
 longer than the prompt would cost the decode instance (its backlog, and
 the prompt's compute once for each of its decoding rows), as the router
@@ -99,15 +100,8 @@ class Instance:
             self.used += req.prompt + req.output
             self.decoding.append(req)
         rows = list(self.decoding)
-        context = sum(r.prompt + r.tokens for r in rows) / len(rows) if rows else 0
-        decode_ms = self.profile.decode_ms(len(rows), context)
-        budget = self.profile.max_batched_tokens
-        if rows and self.slo_tpot_ms is not None:  # as engine.step_budget chooses it
-            per_token = self.profile.prefill_ms_per_token()
-            fixed = self._mixed_ms(decode_ms, 1)
-            if fixed < self.slo_tpot_ms:
-                room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
-                budget = int(max(CAP_FLOOR, min(budget, room)))
+        decode_ms = self.decode_ms()
+        budget = self.cap(decode_ms)
         chunks = []
         for req in self.queue:
             if budget <= 0:
@@ -125,6 +119,30 @@ class Instance:
         self.step = (rows, chunks)
         prompt_tokens = sum(c for _, c in chunks)
         return self._mixed_ms(decode_ms, prompt_tokens) if rows else self.profile.prefill_ms(prompt_tokens)
+
+    def decode_ms(self) -> float:
+        rows = self.decoding
+        context = sum(r.prompt + r.tokens for r in rows) / len(rows) if rows else 0
+        return self.profile.decode_ms(len(rows), context)
+
+    def cap(self, decode_ms: float) -> int:
+        """The prompt tokens of the next step, as ``engine.step_budget`` chooses them."""
+        budget = self.profile.max_batched_tokens
+        if self.decoding and self.slo_tpot_ms is not None:
+            per_token = self.profile.prefill_ms_per_token()
+            fixed = self._mixed_ms(decode_ms, 1)
+            if fixed < self.slo_tpot_ms:
+                room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
+                budget = int(max(CAP_FLOOR, min(budget, room)))
+        return budget
+
+    def breaks_tpot(self, prompt: int) -> bool:
+        """As ``router.disagg``: the step taking ``prompt`` (at most the cap) beside the decoding rows is longer than
+        the TPOT SLO this instance serves."""
+        if self.slo_tpot_ms is None or not self.decoding:
+            return False
+        decode_ms = self.decode_ms()
+        return self._mixed_ms(decode_ms, min(prompt, self.cap(decode_ms))) > self.slo_tpot_ms
 
     def _mixed_ms(self, decode_ms: float, prompt_tokens: int) -> float:
         return decode_ms + self.profile.prefill_ms(prompt_tokens)
@@ -248,7 +266,8 @@ def _route(layout: Layout, req: SimRequest) -> Instance:
     local = not layout.prefill
     if layout.local_tokens is not None and not local:
         queue = min(p.outstanding for p in layout.prefill)
-        local = req.prompt <= layout.local_tokens or _prefill_here(layout, queue, req, dest)
+        short = req.prompt <= layout.local_tokens and not dest.breaks_tpot(req.prompt)
+        local = short or _prefill_here(layout, queue, req, dest)
     if local:
         dest.queue.append(req)
         return dest

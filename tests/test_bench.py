@@ -236,3 +236,29 @@ def test_kernel_sweep_shapes_are_one_tp_ranks():
                                              "gate_up": (14336, 4096, True, True), "down": (4096, 7168, False, False)}
     llama70b = ModelSpec.from_hf(preset_config("llama-3-70b"))
     assert projection_shapes(llama70b, 16)["qkv"] == ((4 + 2) * 128, 8192, True, False)
+
+
+def test_bench_engine_times_mixed_steps_beside_decode_steps_and_the_chunk_alone(tmp_path):
+    """Each chunk size has decode-only, mixed and prompt-only steps of exactly its shape, and a fit over the mixed
+    ones (on the CPU the figures say little; the bench's GPU runs are in bench/RESULTS.md)."""
+    out = tmp_path / "engine"
+    assert main(["bench", "engine", "--batches", "1", "--decode-steps", "4", "--requests", "2", "--input-len", "8:16",
+                 "--output-len", "4:8", "--mixed-chunks", "16,64", "--mixed-rows", "3", "--mixed-repeats", "2",
+                 "--out", str(out)]) == 0
+    mixed = json.loads(out.with_suffix(".json").read_text())["mixed_steps"]
+    assert mixed["rows"] == 3 and [s["chunk"] for s in mixed["sizes"]] == [16, 64]
+    assert all(s["steps"] == 2 and min(s["decode_ms"], s["mixed_ms"], s["prompt_ms"]) > 0 for s in mixed["sizes"])
+    assert mixed["ms_per_token"] > 0 and mixed["fixed_beyond_decode_ms"] is not None
+    assert "Fit over the mixed steps" in out.with_suffix(".md").read_text()
+
+
+def test_mixed_step_summary_fits_the_line_and_the_cost_beyond_running_apart():
+    from bench.mixed_step import summarize
+
+    steps = {n: {"decode": [5.0, 5.2, 4.8], "mixed": [9.0 + 0.02 * n] * 2, "alone": [2.0 + 0.02 * n]} for n in (100, 300)}
+    result = summarize(8, steps)
+    assert result["fixed_ms"] == pytest.approx(9.0) and result["ms_per_token"] == pytest.approx(0.02)
+    assert result["fixed_beyond_decode_ms"] == pytest.approx(4.0)
+    assert [s["beyond_apart_ms"] for s in result["sizes"]] == [pytest.approx(2.0)] * 2
+    with pytest.raises(RuntimeError, match="chunk 100: no mixed step"):
+        summarize(8, {100: {"decode": [5.0], "mixed": [], "alone": [2.0]}})

@@ -76,6 +76,45 @@ def test_a_busy_prefill_queue_goes_local_only_where_the_decode_workers_cost_is_l
     assert d.local_ms == pytest.approx(expected[2], abs=0.1)
 
 
+def serving(rows=8, slo=10.0, fixed=None, per_token=None, base=None, prompt_per_token=None, cap=None):
+    """A decode worker with ``rows`` decoding, serving a TPOT SLO, with its step times as its info reports them."""
+    w = worker(rows)
+    w.info.update(slo_tpot_ms=slo, mixed_step_fixed_ms=fixed, step_ms_per_prompt_token=per_token, step_base_ms=base,
+                  step_prefill_cap=cap)
+    if prompt_per_token is not None:
+        w.info["step_times"] = {"prompt_ms_per_token": prompt_per_token}
+    return w
+
+
+@pytest.mark.parametrize("decode,expected", [
+    (serving(fixed=12.0, per_token=0.01), ("remote", "tpot_slo")),  # a mixed step breaks the SLO at any chunk
+    (serving(fixed=3.0, per_token=0.01), ("local", "short")),  # 3 + 0.01 x 400 = 7 ms: within 10
+    (serving(fixed=3.0, per_token=0.03), ("remote", "tpot_slo")),  # 15 ms
+    (serving(fixed=3.0, per_token=0.03, cap=128), ("local", "short")),  # chunks of 128: 6.8 ms
+    (serving(base=5.0, prompt_per_token=0.02), ("remote", "tpot_slo")),  # no fit yet: 5 + 8 ms
+    (serving(base=5.0, prompt_per_token=0.01), ("local", "short")),  # 9 ms
+    (serving(), ("local", "short")),  # nothing timed yet: as far as is known it fits
+    (serving(rows=0, fixed=12.0, per_token=0.01), ("local", "short")),  # nothing decodes there to stall
+    (serving(slo=None, fixed=12.0, per_token=0.01), ("local", "short")),  # no SLO served
+])
+def test_a_short_prompt_stays_remote_where_its_step_would_break_the_tpot_slo(decode, expected):
+    d = DisaggPolicy("auto", local_tokens=512).decide(400, [worker()], decode)
+    assert (d.where, d.reason) == expected
+
+
+def test_a_short_prompt_that_would_break_the_slo_still_goes_local_without_a_prefill_worker():
+    d = DisaggPolicy("auto", local_tokens=512).decide(400, [], serving(fixed=12.0, per_token=0.01))
+    assert (d.where, d.reason) == ("local", "no_prefill_worker")
+
+
+def test_the_local_cost_counts_each_chunks_fixed_cost_once_for_every_decoding_row():
+    """1,024 tokens in chunks of 256: 4 chunks, each 6 ms beyond a 4 ms decode step, for each of 10 rows."""
+    decode = serving(rows=10, fixed=10.0, per_token=0.01, base=4.0, cap=256, prompt_per_token=0.02)
+    assert DisaggPolicy.local_cost_ms(1024, decode, 0.05) == pytest.approx(10 * (1024 * 0.02 + 4 * 6.0))
+    decode.info.update(mixed_step_fixed_ms=None)  # no fit: the compute alone
+    assert DisaggPolicy.local_cost_ms(1024, decode, 0.05) == pytest.approx(10 * 1024 * 0.02)
+
+
 def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token():
     w = WorkerClient("tcp://127.0.0.1:1", "prefill", {})
     assert w.prefill_wait_ms() is None  # no prompt step yet

@@ -2,7 +2,9 @@
 # Conditional disaggregation and the planner (issue 30), Mistral-7B shape (random bf16 weights made on the GPU).
 #   OUT=bench/out/disagg bash bench/gpu/run.sh disagg [steps...]
 # One GPU: profile (bench engine --profile: the planner's input), cap (one colocated worker under the mixed
-#   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls).
+#   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls), mixedstep (what a step
+#   that decodes 32 rows and takes a 64-512-token prompt chunk costs against the decode step and the chunk alone:
+#   bench engine --mixed-chunks, the fixed cost of the issue's bar).
 # Two GPUs: goodput (2 colocated replicas vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
 #   TPOT <= 10 ms), plan (pdserve plan --validate 2 from the profile measured here).
 OUT=${OUT:-bench/out/disagg}
@@ -18,6 +20,10 @@ for step in $steps; do
       timeout 240 $PY -m pdserve bench engine $model --batches 1,8,32,64 --decode-steps 32 --requests 8 \
         --max-num-seqs 64 --kv-budget 40G --profile --profile-prompts 128,512,2048,8192 \
         --profile-contexts 512,2048,8192 --out "$OUT/engine-mistral7b-$TAG" 2>&1 | grep -v "^decode\|^offline" | tail -20 ;;
+    mixedstep)
+      timeout 300 $PY -m pdserve bench engine $model --batches 32 --decode-steps 16 --requests 4 --max-num-seqs 64 \
+        --kv-budget 40G --mixed-chunks 64,128,256,512 --mixed-rows 32 --mixed-repeats 8 \
+        --out "$OUT/engine-mixed-step-mistral7b-$TAG" 2>&1 | tail -12 ;;
     cap)
       for variant in plain: capped:--slo-tpot-ms=15; do
         name=${variant%%:*}; extra=${variant#*:}
