@@ -1,21 +1,25 @@
-"""Control messages (version 3): msgpack maps ``{"v": 3, "op": ..., ...}``. Version 2: ``decode`` carries
+"""Control messages (version 4): msgpack maps ``{"v": 4, "op": ..., ...}``. Version 2: ``decode`` carries
 the prompt's token ids and the parameters the prefill side resolved; ``first``/``tokens``/``done`` carry logprobs.
 Version 3: a worker sends what one engine step produced for one router as a single ``batch`` of messages.
+Version 4: a decoding request moves between decode workers (``router.migration``, ``decode.migrate``): ``decode``
+may carry ``earlier`` (the output tokens before ``first_token``), and the ``migrate`` ops below.
 
 router -> prefill   ping | prefill{rid, prompt | messages + chat, params, kv_dest} | abort{rid}
-router -> decode    ping | decode{rid, first_token, prompt_ids, emitted, params (resolved)} | abort{rid}
+router -> decode    ping | decode{rid, first_token, prompt_ids, emitted, params (resolved)[, earlier]} | abort{rid}
+                    | migrate{rid, kv_dest} | release{rid} | unpause{rid}
 router -> colocated ping | generate{rid, prompt, params} | abort{rid}
 worker -> router    pong{info} | first{rid, token, text, prompt_tokens, prompt_ids, params, finish_reason,
                           logprobs, timing[, prompt_text, prompt_logprobs]}
                     | tokens{rid, ids, text, logprobs} | done{rid, finish_reason, completion_tokens, timing, phases, logprobs}
                     | error{rid, status, message}
+                    | paused{rid, resume, kv_tokens, kv_bytes, phases} | moved{rid, phases} | migrate_failed{rid, message}
                     | batch{msgs: [any of the above with its rid, as a map with op and no v]}
 """
 from __future__ import annotations
 
 import msgpack
 
-VERSION = 3
+VERSION = 4
 MAX_MESSAGE_BYTES = 8 << 20
 
 

@@ -136,7 +136,7 @@ class GroupReceive:
         w = self.worker
         try:
             seq = resumed_sequence(self.engine, rid, msg["prompt_ids"], msg["first_token"], msg["emitted"],
-                                   msg["params"])
+                                   msg["params"], msg.get("earlier"))
             prefix = w._prefix(rid, seq, tokens)
         except (KeyError, TypeError, RequestError) as e:
             self.abort(rid, split)

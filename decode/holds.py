@@ -22,7 +22,7 @@ def prefix(self, rid, seq, kv_tokens) -> list[int]:
     """The held blocks that stand for the first ``len(prompt) - kv_tokens`` tokens (checked against the prompt's
     own keys); the rest of the hold is let go. Raises RequestError when they do not cover them."""
     table, _ = self.held.pop(rid, ([], 0.0))
-    skip = len(seq.prompt_ids) - kv_tokens
+    skip = seq.num_tokens - 1 - kv_tokens  # the KV holds every token but the last
     bs = self.engine.block_size
     try:
         if skip < 0 or skip % bs or skip // bs > len(table):

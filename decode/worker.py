@@ -42,6 +42,8 @@ from kvtransfer.tensors import unpack
 
 from . import holds, pp_kv
 from .group_receive import GroupReceive
+from .migrate import OPS as MOVE_OPS, Moves
+from .report import report
 
 log = logging.getLogger(__name__)
 
@@ -108,26 +110,10 @@ class DecodeWorker(WorkerLoop):
         self.kv_landed = 0
         self.local_prefills = 0  # prompts computed here (generate) by a decode worker of a disaggregated cluster
         self.grammars = Background(self.engine, self.inbox.put, lambda rid: rid in self.reply_to)
+        self.moves = Moves(self, self.transport, cfg)  # sequences moved to other decode workers (decode.migrate)
 
     def info(self):
-        e = self.engine
-        return {"role": self.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": self.transport,
-                "kv_addr": self.group_kv.kv_addr(self.receiver.address) if self.receiver else None,
-                "kv_stages": self.group_kv.kv_stages(self.receiver.address) if self.receiver else None,
-                "tp": 1 if getattr(e, "pipeline", None) else e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,
-                "active": len(self.live), "waiting": len(self.waiting) + len(self.blocked), "completed": self.completed,
-                "kv_registrations": getattr(self.receiver, "registrations", 0),
-                "kv_budget_bytes": self.kv_budget, "kv_bytes_per_token": e.kv_bytes_per_token,
-                "kv_block_size": e.block_size, "kv_blocks": e.num_blocks, "kv_blocks_free": e.blocks.num_free,
-                "kv_geometry": list(e.model_kv_shape), "kv_dtype": str(e.kv_dtype).removeprefix("torch."),
-                "kv_reserved_bytes": sum(list(self.reserved.values())), "preemptions": e.scheduler.preemptions,
-                "kv_landed_in_blocks": self.kv_landed, "local_prefill": True, "local_prefills": self.local_prefills,
-                "prefilling": sum(1 for live in list(self.live.values()) if live.colocated and not live.seq.num_output),
-                **getattr(e, "step_info", dict)(),
-                "kv_scattered_bytes": getattr(self.receiver, "scattered_bytes", 0),
-                "kv_pool_bytes_in_use": getattr(getattr(self.receiver, "pool", None), "bytes_in_use", 0),
-                "kv_pairs_aborted": getattr(getattr(self.receiver, "pairs", None), "aborted", 0),
-                **e.prefix_info()}
+        return report(self)
 
     def busy(self):
         return bool(self.live) or bool(self.blocked)
@@ -137,7 +123,11 @@ class DecodeWorker(WorkerLoop):
 
     def _reserve(self, rid, prompt_len, params) -> bool:
         e = self.engine
-        need = e.blocks.blocks_for(min(e.max_len, prompt_len + params.max_tokens)) * e.block_bytes
+        if prompt_len + params.max_tokens > e.max_len:  # a smaller pool than its prefill worker's: elsewhere
+            self.fail(rid, 503, f"the request needs {prompt_len + params.max_tokens} tokens of context; this "
+                                f"worker holds at most {e.max_len}", retry_after=1)
+            return False
+        need = e.blocks.blocks_for(prompt_len + params.max_tokens) * e.block_bytes
         used = sum(list(self.reserved.values()))
         if used + need > self.kv_budget:
             self.fail(rid, 503, f"decode KV budget full: {used} of {self.kv_budget} bytes reserved, "
@@ -151,6 +141,11 @@ class DecodeWorker(WorkerLoop):
         if live:
             self.engine.free(live.seq)
         self.reserved.pop(rid, None)
+
+    def forget(self, rid):
+        """``rid`` ends here without a word more to the router (moved to another worker)."""
+        self._finish(rid)
+        self.reply_to.pop(rid, None)
 
     def handle(self, msg):
         op, rid = msg["op"], msg["rid"]
@@ -171,6 +166,8 @@ class DecodeWorker(WorkerLoop):
             holds.hold(self, rid, msg.get("keys"))
         elif op == "abort":
             self._abort(rid)
+        elif op in MOVE_OPS:
+            self.moves.handle(msg)
         else:
             self.fail(rid, 400, f"{self.role} worker does not handle {op!r}")
 
@@ -266,7 +263,7 @@ class DecodeWorker(WorkerLoop):
         budget reserved; None after failing the request (``received`` released)."""
         try:
             seq = resumed_sequence(self.engine, rid, msg["prompt_ids"], msg["first_token"], msg["emitted"],
-                                   msg["params"])
+                                   msg["params"], msg.get("earlier"))
             prefix = self._prefix(rid, seq, tokens)
         except (KeyError, TypeError, RequestError) as e:
             received.release()
@@ -327,8 +324,8 @@ class DecodeWorker(WorkerLoop):
         held = self.held.pop(rid, None)
         if held is not None:
             self.engine.release(held[0])
-        self._finish(rid)
-        self.reply_to.pop(rid, None)
+        self.moves.drop(rid)
+        self.forget(rid)
         if self.receiver:
             self.receiver.abort(rid)
 
@@ -346,6 +343,7 @@ class DecodeWorker(WorkerLoop):
                     self.group_kv.abort(rid, GroupReceive.split(msg, self.engine) or {"kv_tp": 1})
                 self.fail(rid, 502, f"KV for {rid} did not arrive within {self.kv_timeout:.0f}s", stage="kv_recv")
         self._admit_blocked()
+        self.moves.tick()
         if not self.engine.has_work:
             return
         try:
@@ -393,6 +391,7 @@ class DecodeWorker(WorkerLoop):
                   logprobs=tok.logprobs, index=tok.index)
 
     def close(self):
+        self.moves.close()
         if self.receiver:
             self.receiver.close()
         if self.shared_pool is not None:

@@ -295,10 +295,27 @@ def scale(args) -> int:
             _add_workers(ray, state, role, want - len(names))
         for name in names[want:][::-1]:  # drained first (no request dropped), then removed
             actor = ray.get_actor(name)
+            _router_drain(state, ray.get(actor.describe.remote(), timeout=10).get("address"))
             ray.get(actor.drain.remote(), timeout=120)
             ray.kill(actor, no_restart=True)
             _remove_groups(state["namespace"] + "-" + name, exact=True)
     return 0
+
+
+def _router_drain(state: dict, address: str | None) -> None:
+    """The router moves what decodes on ``address`` to the other workers (``router.drain``) before it goes; the
+    worker's own drain then waits for whatever could not move."""
+    from .drain import drain
+
+    if not state.get("url") or not address:
+        return
+    try:
+        status, answer = drain(state["url"], address, state["env"].get("PDSERVE_API_KEY"), wait_s=120)
+    except OSError as e:
+        status, answer = 0, {"error": str(e)}
+    if status != 200 or answer.get("drain") != "drained":
+        print(f"pdserve deploy scale: the router did not drain {address} ({status}: {answer}); its own drain follows",
+              file=sys.stderr)
 
 
 def _remove_groups(prefix: str, exact: bool = False) -> None:

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 
 from deploy.progress import bar
+from deploy.rolling import restart_all
 from deploy.supervise import Child, Supervisor
 
 
@@ -200,6 +201,8 @@ def plan(args) -> list[list[str]]:
         router += ["--disagg-prefill-wait-ms", str(args.disagg_prefill_wait_ms)]
     if getattr(args, "warm_pairs", None):
         router += ["--warm-pairs", args.warm_pairs]
+    if getattr(args, "rebalance", False):
+        router += ["--rebalance"]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]
@@ -306,14 +309,19 @@ def up(args) -> int:
     if getattr(args, "pp_nodes", None):
         place_stages(args)
     procs, supervisor = [], None
-    stopping = False
+    stopping = rolling = False
 
     def on_signal(*_):
         nonlocal stopping
         stopping = True
 
+    def on_hangup(*_):
+        nonlocal rolling
+        rolling = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)  # a rolling restart (deploy.rolling)
     url = f"http://{args.host}:{args.port}"
     ray_cluster, env = None, dict(os.environ)
     from control.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
@@ -342,6 +350,9 @@ def up(args) -> int:
               f"-d '{{\"model\":\"{args.model if args.model == 'tiny-llama' else '<model>'}\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}}'",
               flush=True)
         while not stopping:
+            if rolling:
+                rolling = False
+                restart_all(supervisor.children, url, args.ready_timeout)
             fatal = supervisor.check()
             if fatal is not None:
                 print(f"pdserve: the {fatal.name} exited (code {fatal.proc.returncode}); stopping the cluster",

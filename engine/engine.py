@@ -163,10 +163,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def add_prefilled(self, seq: Sequence, layers, prefix: list[int] | None = None) -> bool:
-        """Start ``seq`` from its prompt's KV (canonical layers; after the cached ``prefix`` blocks when given);
-        False when no blocks are free for it now."""
+        """Start ``seq`` from the KV of every token but its last (canonical layers; after the cached ``prefix``
+        blocks when given); False when no blocks are free for it now."""
         prefix = prefix or []
-        table = self.reserve(len(seq.prompt_ids) - len(prefix) * self.block_size)
+        table = self.reserve(seq.num_tokens - 1 - len(prefix) * self.block_size)
         if table is None:
             return False
         if self.stage is not None:  # stage 0 of a pipeline: its layers here, the others' to them
@@ -194,9 +194,9 @@ class Engine:
         return self.pool.flat, self.pool.spans(table, tokens)
 
     def adopt(self, seq: Sequence, table: list[int]) -> None:
-        """Start ``seq`` whose prompt's KV already sits in ``table`` (received straight into the blocks)."""
+        """Start ``seq`` whose KV (every token but its last) already sits in ``table`` (received into the blocks)."""
         seq.block_table = table
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = seq.num_tokens - 1
         self.register(seq)
         self.scheduler.add_running(seq)
 

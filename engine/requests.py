@@ -47,12 +47,14 @@ def new_sequence(engine, rid: str, msg: dict) -> Sequence:
     return guided(engine, Sequence.create(rid, prompt, params, engine.tokenizer, engine.max_len))
 
 
-def resumed_sequence(engine, rid: str, prompt_ids, first_token, emitted, params) -> Sequence:
+def resumed_sequence(engine, rid: str, prompt_ids, first_token, emitted, params, earlier=()) -> Sequence:
     """A sequence that goes on from a first token chosen elsewhere, as ``first_message`` described it (decode after
-    prefill, or a colocated worker taking over a request whose first token its client already has)."""
+    prefill, or a colocated worker taking over a request whose first token its client already has); or, with the
+    output tokens ``earlier`` than it, from the last token of a sequence moved from another decode worker."""
     try:
         resolved = SamplingParams.from_dict(params, resolved=True)
-        seq = Sequence.resume(rid, prompt_ids, first_token, emitted, resolved, engine.tokenizer, engine.max_len)
+        seq = Sequence.resume(rid, prompt_ids, first_token, emitted, resolved, engine.tokenizer, engine.max_len,
+                              earlier or ())
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"bad continuation of a first token: {e}") from None
     return guided(engine, seq)

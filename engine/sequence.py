@@ -64,12 +64,17 @@ class Sequence:
 
     @classmethod
     def resume(cls, rid, prompt_ids: list[int], first_token: int, emitted: int, params: SamplingParams, tokenizer,
-               max_len: int):
-        if not isinstance(prompt_ids, list) or not prompt_ids or any(type(i) is not int for i in prompt_ids):
+               max_len: int, earlier: list[int] = ()):
+        """Goes on from ``first_token``, the last token chosen elsewhere (after the output tokens ``earlier``: a
+        sequence moved from another worker); its KV holds every token before it."""
+        for name, ids in (("prompt_ids", prompt_ids), ("earlier", earlier)):
+            if not isinstance(ids, (list, tuple)) or any(type(i) is not int for i in ids):
+                raise RequestError(f"{name} must be a list of token ids", param=name)
+        if not prompt_ids:
             raise RequestError("prompt_ids must be a non-empty list of token ids", param="prompt_ids")
         seq = cls(rid, prompt_ids, params, tokenizer, max_len)
-        seq.output_ids = [first_token]
-        seq.detok = Detokenizer(tokenizer, params.stop, ids=[first_token], emitted=emitted)
+        seq.output_ids = [*earlier, first_token]
+        seq.detok = Detokenizer(tokenizer, params.stop, ids=seq.output_ids, emitted=emitted)
         return seq
 
     @property

@@ -12,6 +12,8 @@ import sys
 
 from deploy.units import byte_size
 
+REBALANCE_HELP = ("move decoding requests off a decode worker short of KV blocks or over its TPOT SLO onto one with "
+                  "room, while they stream (router.rebalance)")
 STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
               "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
 
@@ -141,6 +143,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--retry-wait", type=float, default=None, help="seconds a retry waits for a worker of each role it "
                    "needs to be in the picks, e.g. a restarting one (default 3); a new request waits as long, 5 s at least")
     r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
+    r.add_argument("--rebalance", action="store_true", default=None, help=REBALANCE_HELP)
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -185,6 +188,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "the picks (with one worker of a role: longer than it takes to restart); a new request waits as long, 5 s "
                    "at least")
     u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
+    u.add_argument("--rebalance", action="store_true", help="router: " + REBALANCE_HELP)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")
@@ -215,6 +219,10 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     plan_cli.add_arguments(sub.add_parser("plan", help="the best configuration of these GPUs for a workload and "
                                           "SLOs, simulated from measured engine profiles"))
 
+    from deploy import drain
+
+    drain.add_arguments(sub.add_parser("drain", help="take a worker out of the picks, its decoding requests moved "
+                                       "to the others (the router's /admin/drain)"))
     dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
     dsub = dp.add_subparsers(dest="deploy", required=True)
     dr = dsub.add_parser("ray", help="start a deployment")
@@ -351,6 +359,10 @@ def main(argv=None) -> int:
                      _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
                      drain_s=args.drain_timeout).serve_forever()
         return 0
+    if args.cmd == "drain":
+        from deploy import drain
+
+        return drain.run(args)
     if args.cmd == "up":
         from deploy.up import up
 

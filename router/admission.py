@@ -107,6 +107,15 @@ class Admission:
         self._hold(rid, worker, tokens)
         self.wake()
 
+    def move(self, rid: str, worker) -> None:
+        """``rid``'s reservation onto ``worker``, where its request now decodes (``router.migration``)."""
+        held = self.reserved.get(rid)
+        if held is not None:
+            self.by_worker[held[0]] -= held[1]
+            self.reserved[rid] = (worker, held[1])
+            self.by_worker[worker] += held[1]
+            self.wake()
+
     def release(self, rid: str) -> None:
         held = self.reserved.pop(rid, None)
         if held is not None:

@@ -13,10 +13,12 @@ from fastapi import Depends, FastAPI
 
 from .admission import Admission
 from .config import RouterConfig
+from .drain import Drains
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
 from .metrics import Metrics
-from .routes import errors, generation, status
+from .rebalance import Rebalancer
+from .routes import admin, errors, generation, status
 from .routes.state import RouterState, check_key
 from .service import Service
 from .warmup import PairWarmer
@@ -35,7 +37,7 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
                       stall_timeout_s=cfg.stall_timeout_s)
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
-    return RouterState(cfg, service, metrics, admission, groups, api_key)
+    return RouterState(cfg, service, metrics, admission, groups, api_key, drains=Drains(service, groups))
 
 
 def lifespan_of(st: RouterState, membership: Membership):
@@ -46,6 +48,8 @@ def lifespan_of(st: RouterState, membership: Membership):
         for client in clients:
             client.start(ctx)
         tasks = [asyncio.create_task(tick(st)), asyncio.create_task(st.service.warmer.run())]
+        if st.cfg.rebalance:
+            tasks.append(asyncio.create_task(Rebalancer(st.service, st.groups).run()))
         if st.cfg.workers_file:
             tasks.append(asyncio.create_task(membership.watch(ctx)))
         yield
@@ -77,4 +81,5 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     errors.install(app)
     app.include_router(generation.routes)
     app.include_router(status.routes)
+    app.include_router(admin.routes)
     return app

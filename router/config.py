@@ -21,6 +21,7 @@ class RouterConfig:
     first_timeout_s: float = 300.0
     token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0  # a request with no word from its worker for this long fails (0: never; router.waits)
+    rebalance: bool = False  # move decoding requests off pressed decode workers (router.rebalance)
     heartbeat_s: float = 0.25
     stale_after_s: float = 1.0  # no pong for this long: out of the picks
     dead_after_s: float = 3.0  # no pong for this long: the requests it owns fail (and are retried)

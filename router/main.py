@@ -22,7 +22,7 @@ def run_router(args) -> int:
                      stale_after_s=max(1.0, args.heartbeat * 2) if args.heartbeat else None,
                      dead_after_s=max(3.0, args.heartbeat * 6) if args.heartbeat else None,
                      retries=getattr(args, "retries", None), retry_wait_s=getattr(args, "retry_wait", None),
-                     stall_timeout_s=getattr(args, "stall_timeout", None),
+                     stall_timeout_s=getattr(args, "stall_timeout", None), rebalance=getattr(args, "rebalance", None),
                      disagg=getattr(args, "disagg", None),
                      disagg_local_tokens=getattr(args, "disagg_local_tokens", None),
                      disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None),

@@ -54,6 +54,12 @@ class Metrics:
         self.stalled = Counter("pdserve_requests_stalled", "Requests failed by the stall watchdog (no word from their "
                                "worker for --stall-timeout), by the role waited on and where the request stood",
                                ["role", "state"], registry=r)
+        self.migrations = Counter("pdserve_migrations", "Decoding requests moved to another decode worker, by why "
+                                  "(drain, rebalance, admin) and how it went (moved, failed)", ["reason", "outcome"],
+                                  registry=r)
+        self.migration_stall = Histogram("pdserve_migration_stall_seconds", "Time a moved request's tokens paused: "
+                                         "from the source's last token to the target's first", buckets=LATENCY_BUCKETS,
+                                         registry=r)
         self.errors = Counter("pdserve_errors", "Errors by kind", ["kind"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Completion tokens generated", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)

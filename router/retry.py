@@ -69,6 +69,9 @@ class RequestRun:
     since: float = 0.0  # when the current attempt began (monotonic)
     last: float | None = None  # when a message of it last came
     stalled: bool = False  # the current attempt ended in the stall watchdog
+    involved: list = field(default_factory=list)  # the workers the current attempt asked for work
+    move: object = None  # router.migration.Move while it moves to another decode worker
+    ignore: set = field(default_factory=set)  # workers whose errors no longer concern it (a move's abandoned target)
 
     @property
     def attempt_rid(self) -> str:

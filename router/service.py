@@ -23,17 +23,17 @@ from .errors import ApiError
 from .events import Delta, Finished
 from .policy import cached_blocks
 from .prompts import PromptTokenizer
+from .migration import OPS as MOVE_OPS, Migrations
 from .retry import RequestRun, StreamError, WorkerFailure
 from .waits import DECODING, PREFILLING, QUEUED, WAITING_KV, Stalled, Waits, check_index
 from .inbox import coalesce
-from .timing import close_timing, note_hops
+from .timing import await_kv_sent, close_timing, kv_sent, note_hops
 from .warmup import PairWarmer
 from .workers import PICK_WAIT_S, pair_mismatch
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
-KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
 
 
 def new_rid() -> str:
@@ -56,6 +56,7 @@ class Service:
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.waits = Waits(stall_timeout_s)  # every wait for a worker's message, and the stall watchdog
         self.first_timeout_s, self.token_timeout_s = first_timeout_s, token_timeout_s
+        self.migrations = Migrations(metrics, admission)  # decoding requests moved between decode workers (router.migration)
 
     @property
     def colocated(self) -> bool:
@@ -174,7 +175,8 @@ class Service:
         rid, timing = run.attempt_rid, run.timing
         inbox = self.inboxes[rid] = asyncio.Queue()
         self.waits.track(rid, run)
-        run.workers, involved, finished = {}, [], False
+        run.workers, run.involved, run.move, run.ignore, finished = {}, [], None, set(), False
+        involved = run.involved
         released = set()  # involved workers whose part is done (counted out of ``outstanding`` already)
         try:
             first_worker = run.where = await self._send_prompt(run, rid, inbox, involved)
@@ -322,7 +324,7 @@ class Service:
                 run.state = PREFILLING if msg.get("state") == PREFILLING else QUEUED
             elif op == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
-                self._kv_sent(run, msg)
+                kv_sent(run, msg, self._metrics(run))
             elif op in ("tokens", "done"):  # never dropped: the client would wait for a first token that has gone
                 log.error("request %s: %s worker %s sent %r before the first token", msg["rid"],
                           first_worker.role, first_worker.address, op)
@@ -335,13 +337,20 @@ class Service:
         """Decode's tokens up to ``done``, then ``Finished``."""
         timing, completion = run.timing, 1
         while True:
-            msg = await self.waits.next(inbox, self.token_timeout_s, "the next token", run)
+            try:
+                msg = await self.waits.next(inbox, self.token_timeout_s, "the next token", run)
+            except WorkerFailure as failure:
+                if await self.migrations.failed(run, failure):
+                    continue
+                raise
+            if (run.move is not None or msg["op"] in MOVE_OPS) and await self.migrations.on_message(run, msg):
+                continue
             if msg["op"] in ("tokens", "done"):
                 run.state = DECODING
                 check_index(msg, completion)
             if msg["op"] == "kv_sent":
                 first_worker.owned.discard(msg["rid"])
-                self._kv_sent(run, msg)
+                kv_sent(run, msg, self._metrics(run))
             elif msg["op"] == "progress":
                 pass
             elif msg["op"] == "tokens":
@@ -355,35 +364,17 @@ class Service:
                 yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
                 timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
                 note_hops(run, "decode", msg.get("timing"))
-                if msg.get("phases"):
+                if msg.get("phases") and "migrations" not in timing:  # a moved one's came with its pause
                     timing["kv"] = msg["phases"]
                     if self._metrics(run) is not None:
                         self.metrics.observe_transfer(timing["transport"], msg["phases"])
                 if not run.local and "overlap" not in timing:
-                    await self._await_kv_sent(inbox, run)
+                    await await_kv_sent(inbox, run, self._metrics(run))
                 yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
                                close_timing(run, self._metrics(run)))
                 return
             else:
                 log.warning("request %s: unexpected %r from a worker while decoding", msg["rid"], msg["op"])
-
-    def _kv_sent(self, run: RequestRun, msg: dict) -> None:
-        stream, timing = msg.get("stream"), run.timing
-        if isinstance(stream, dict):
-            timing.update({k: float(stream[k]) for k in ("overlap", "exposed") if isinstance(stream.get(k), (int, float))})
-            timing["streamed"] = stream.get("streamed") is True
-            if self._metrics(run) is not None:
-                self.metrics.observe_stream(timing["transport"], stream)
-
-    async def _await_kv_sent(self, inbox, run: RequestRun) -> None:
-        """The decode side can finish before prefill's ``kv_sent`` (sent after the receiver's ACK) arrives."""
-        try:
-            while "overlap" not in run.timing:
-                msg = await asyncio.wait_for(inbox.get(), KV_SENT_GRACE_S)
-                if msg.get("op") == "kv_sent":
-                    self._kv_sent(run, msg)
-        except asyncio.TimeoutError:
-            pass
 
     async def _dispatch(self, worker, involved, rid, op, **fields):
         worker.outstanding += 1

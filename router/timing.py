@@ -4,8 +4,10 @@ rank's under ``kv_ranks``) and, for workers that run a pipeline (``--pp``), ``pp
 the prefill worker's pipeline and the decode (or colocated) worker's."""
 from __future__ import annotations
 
+import asyncio
 import time
 
+KV_SENT_GRACE_S = 2.0  # how long a finished stream waits for prefill's kv_sent (overlap/exposed)
 PHASES = ("d2h", "serialize", "wire", "deserialize", "convert", "h2d")
 
 
@@ -50,3 +52,24 @@ def close_timing(run, metrics=None) -> dict:
             metrics.observe_hops(timing["pp_hops"])
     timing.setdefault("decode", 0.0)
     return timing
+
+
+def kv_sent(run, msg: dict, metrics=None) -> None:
+    """Prefill's ``kv_sent``: how much of the KV's transfer its compute hid (``overlap``) and how much it left."""
+    stream, timing = msg.get("stream"), run.timing
+    if isinstance(stream, dict):
+        timing.update({k: float(stream[k]) for k in ("overlap", "exposed") if isinstance(stream.get(k), (int, float))})
+        timing["streamed"] = stream.get("streamed") is True
+        if metrics is not None:
+            metrics.observe_stream(timing["transport"], stream)
+
+
+async def await_kv_sent(inbox, run, metrics=None) -> None:
+    """The decode side can finish before prefill's ``kv_sent`` (sent after the receiver's ACK) arrives."""
+    try:
+        while "overlap" not in run.timing:
+            msg = await asyncio.wait_for(inbox.get(), KV_SENT_GRACE_S)
+            if msg.get("op") == "kv_sent":
+                kv_sent(run, msg, metrics)
+    except asyncio.TimeoutError:
+        pass

@@ -55,6 +55,7 @@ class WorkerClient:
         self.prompt_tokens_out: dict[str, int] = {}  # rid -> uncached prompt tokens sent, until its first token
         self.owned: set[str] = set()
         self.kv_keys: set[int] = set()
+        self.draining = False  # drained from the router (``router.drain``): out of the picks, its requests moved
         self._sock = self._monitor = None
         self._tasks: list[asyncio.Task] = []
 
@@ -62,6 +63,18 @@ class WorkerClient:
     def alive(self) -> bool:
         """Connected and answering within ``dead_after_s``: what it owns keeps running."""
         return time.monotonic() - self.last_pong < self.dead_after_s
+
+    @property
+    def leaving(self) -> bool:
+        """Out of the picks on purpose: drained from the router, or shutting down (its own ``draining``)."""
+        return self.draining or bool(self.info.get("draining"))
+
+    @property
+    def drain_state(self) -> str:
+        """``serving``; ``draining`` while it still holds requests the router gave it; ``drained``."""
+        if not self.draining:
+            return "serving"
+        return "drained" if self.outstanding <= 0 and not self.owned else "draining"
 
     @property
     def healthy(self) -> bool:
@@ -231,8 +244,8 @@ class WorkerGroup:
     def healthy(self, avoid=()) -> list[WorkerClient]:
         """The workers to pick from: those in the picks, else (all late on their pong at once, as on a loaded
         machine) those still alive; without the ones in ``avoid`` unless only those are left."""
-        ready = [c for c in self.clients if c.healthy and not c.info.get("draining")] or \
-            [c for c in self.clients if c.alive and time.monotonic() >= c.suspect_until and not c.info.get("draining")]
+        ready = [c for c in self.clients if c.healthy and not c.leaving] or \
+            [c for c in self.clients if c.alive and time.monotonic() >= c.suspect_until and not c.leaving]
         return [c for c in ready if c not in avoid] or ready
 
     async def wait_healthy(self, avoid=(), wait_s: float = PICK_WAIT_S) -> list[WorkerClient]:
@@ -248,11 +261,11 @@ class WorkerGroup:
     def describe(self) -> str:
         now = time.monotonic()
         return ", ".join(f"{c.address} pong {now - c.last_pong:.1f}s ago, suspect {max(0.0, c.suspect_until - now):.1f}s"
-                         f"{', draining' if c.info.get('draining') else ''}" for c in self.clients) or "none"
+                         f"{', leaving' if c.leaving else ''}" for c in self.clients) or "none"
 
     def ready(self) -> bool:
         """Some worker is in the picks by its own heartbeat (no fallback)."""
-        return any(c.healthy and not c.info.get("draining") for c in self.clients)
+        return any(c.healthy and not c.leaving for c in self.clients)
 
     def pick(self, prompt=None, avoid=()) -> WorkerClient | None:
         ready = self.healthy(avoid)

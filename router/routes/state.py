@@ -24,6 +24,7 @@ class RouterState:
     groups: dict
     api_key: str | None = None
     ready_since: float | None = None  # when /health first answered ok (``pdserve up``: the cluster has started)
+    drains: object = None  # router.drain.Drains
 
     @property
     def mode(self) -> str:

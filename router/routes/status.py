@@ -22,7 +22,8 @@ async def models(st: RouterState = Depends(router_state)):
 
 @routes.get("/health")
 async def health(st: RouterState = Depends(router_state)):
-    workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding, **c.info}
+    workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding,
+                       "drain": c.drain_state, **c.info}
                       for c in g.clients] for role, g in st.groups.items() if g.clients}
     st.metrics.observe_workers(st.groups)
     ok, warm = st.service.ready(), st.service.warmer.status()

@@ -1,0 +1,155 @@
+"""A decoding sequence moved to another decode worker: the source's side (``router.migration`` runs the protocol).
+
+``migrate {rid, kv_dest}``: the sequence leaves this worker's steps at once (the step in flight still hands out
+its token, which goes to the router as usual). At the next tick where every token it has is known, its state is
+sent to the router as ``paused {rid, resume}``: the prompt, the output tokens (the last one is the next step's
+input), the detokenizer's position and the resolved sampling parameters (the seed's noise is a function of the
+output count, penalties and ``min_tokens`` count the outputs, the grammar is replayed over them), and its KV, every
+token but the last, goes to ``kv_dest`` over this worker's transport, in a thread. The target continues from the
+token after this worker's last, so the client sees neither a token twice nor a gap.
+
+Until the router says ``release`` (the target streamed its first token) the sequence keeps its blocks here; on
+``unpause`` (the target failed) it goes back into this worker's steps and decodes on. A KV push that fails
+unpauses it here and tells the router ``migrate_failed``; so does a ``migrate`` for a sequence that is not
+decoding here (unknown, still prefilling, finished)."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtransfer import TransferError, make_sender
+from kvtransfer.convert import layout_for
+from prefill.tp_kv import push_whole
+
+log = logging.getLogger(__name__)
+OPS = ("migrate", "release", "unpause", "_moved")
+
+
+def _is_dest(dest) -> bool:
+    """A decode worker's KV address, or a tensor-parallel group's (one per rank)."""
+    return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))
+
+
+def unmovable(engine, transport) -> str | None:
+    """Why no sequence can move off this worker (None: they can)."""
+    if transport is None:
+        return "this worker has no KV transport (colocated)"
+    if not getattr(engine, "paged", True) or getattr(engine, "stage", None) is not None:
+        return "moving sequences off an MLX engine or a pipeline is not supported yet"
+    if engine.group.size > 1:
+        return "moving sequences off a tensor-parallel decode group is not supported yet"
+    return None
+
+
+class Moves:
+    def __init__(self, worker, transport: str, cfg):
+        self.worker, self.transport, self.cfg = worker, transport, cfg
+        self.sender = None
+        self.threads = ThreadPoolExecutor(1, thread_name_prefix="kv-move")
+        self.asked: dict[str, object] = {}  # rid -> kv_dest (an address, or one per rank of a group), out of the steps, waiting for its tokens to be known
+        self.paused: dict[str, object] = {}  # rid -> sequence, its KV sent or on its way
+        self.moved_out = 0
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    def handle(self, msg: dict) -> None:
+        op, rid = msg["op"], msg["rid"]
+        if op == "migrate":
+            self._ask(rid, msg.get("kv_dest"))
+        elif op == "release":
+            if self.paused.pop(rid, None) is not None:
+                self.moved_out += 1
+            self.worker.forget(rid)  # its blocks back; nothing more goes to the router for it
+        elif op == "unpause" and not self._unpause(rid) and rid not in self.worker.live:
+            self.worker.reply_to.pop(rid, None)  # aborted meanwhile: this message made the address up again
+        elif op == "_moved" and not msg["ok"]:
+            if self._unpause(rid):
+                self.worker.emit(rid, "migrate_failed", message=msg["message"])
+
+    def _ask(self, rid: str, kv_dest) -> None:
+        live = self.worker.live.get(rid)
+        seq = live.seq if live is not None else None
+        why = ("no KV address to send to" if not _is_dest(kv_dest) else
+               "not decoding here" if seq is None or seq.finished or not seq.output_ids else
+               "moving already" if rid in self.asked or rid in self.paused else None)
+        if why is None:
+            why = unmovable(self.engine, self.transport)
+        if why is not None:
+            self.worker.emit(rid, "migrate_failed", message=why)
+            if seq is None or seq.finished:
+                self.worker.reply_to.pop(rid, None)
+            return
+        self.engine.scheduler.remove(seq)
+        self.asked[rid] = kv_dest
+
+    def tick(self) -> None:
+        """(Engine thread, before a step) Pause the asked sequences whose tokens are all known, and push their KV."""
+        for rid, kv_dest in list(self.asked.items()):
+            live = self.worker.live.get(rid)
+            if live is None or live.seq.finished:  # ended by its last token in flight: its done went out
+                del self.asked[rid]
+                continue
+            seq = live.seq
+            if seq.pending:
+                continue
+            del self.asked[rid]
+            self._pause(rid, live, kv_dest)
+
+    def _pause(self, rid: str, live, kv_dest: str) -> None:
+        seq = live.seq
+        tokens = seq.num_tokens - 1
+        layout = layout_for(self.engine.kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
+        start = time.perf_counter()
+        try:
+            kv = self.engine.pool.gather(seq.block_table, tokens)
+        except Exception as e:  # noqa: BLE001 - the sequence decodes on here
+            log.exception("copying the KV of %s out of the pool failed", rid)
+            self.engine.scheduler.add_running(seq)
+            return self.worker.emit(rid, "migrate_failed", message=f"KV copy failed: {e}")
+        d2h_ms = (time.perf_counter() - start) * 1e3
+        self.paused[rid] = seq
+        resume = {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
+                  "emitted": seq.detok.emitted, "params": seq.params.to_dict()}
+        handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
+        self.worker.emit(rid, "paused", resume=resume, kv_tokens=tokens, kv_bytes=layout.total_nbytes,
+                         phases=handoff)  # its own KV's arrival here, which its done would have reported
+        self.threads.submit(self._push, rid, kv_dest, layout, kv, d2h_ms)
+
+    def _push(self, rid: str, kv_dest: str, layout, kv, d2h_ms: float) -> None:
+        """(Sender thread) The KV to the target; ``moved`` with its phases, or back to the engine thread."""
+        try:
+            if self.sender is None:
+                self.sender = make_sender(self.transport, self.cfg)
+            meta = {"d2h_ms": d2h_ms}
+            if isinstance(kv_dest, list):  # a tensor-parallel group: each rank its heads
+                phases = push_whole(self.sender, rid, kv_dest, layout, kv, meta)
+            else:
+                phases = self.sender.send(kv_dest, rid, layout, kv, meta)
+        except (TransferError, OSError, TimeoutError) as e:
+            log.warning("moving the KV of %s to %s failed: %s", rid, kv_dest, e)
+            self.worker.inbox.put({"op": "_moved", "rid": rid, "ok": False, "message": f"KV transfer failed: {e}"})
+            return
+        self.worker.emit(rid, "moved", phases=phases.to_dict())
+
+    def _unpause(self, rid: str) -> bool:
+        seq = self.paused.pop(rid, None)
+        if seq is None or seq.freed:
+            return False
+        self.engine.scheduler.add_running(seq)
+        return True
+
+    def drop(self, rid: str) -> None:
+        """``rid`` was aborted (its blocks go with the worker's own bookkeeping)."""
+        self.asked.pop(rid, None)
+        self.paused.pop(rid, None)
+
+    def info(self) -> dict:
+        return {"migrations_out": self.moved_out, "migrations_pausing": len(self.asked) + len(self.paused)}
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.sender is not None:
+            self.sender.close()

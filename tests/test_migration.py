@@ -1,0 +1,284 @@
+"""Moving decoding requests between decode workers (``router.migration``, ``decode.migrate``) and draining a worker
+(``router.drain``, ``pdserve drain``), through ``pdserve up --decode 2`` and the ``openai`` SDK: streams drained off
+a worker mid-way end with every token and the text of an undisturbed run, greedy, with a JSON schema and with
+``n=2``; the drained worker's blocks all come back; bad input gets a clear 4xx."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from deploy.local import Cluster
+from pdserve.cli import main as pdserve
+from tests.checkpoints import SLOW, write_checkpoint
+from tests.test_failures import eventually
+
+TOKENS = 300
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("slow"), SLOW)
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    c = Cluster("--decode", "2", "--model", model, "--policy", "round_robin").wait_ready()
+    yield c
+    c.stop()
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def decode_workers(url: str) -> list[dict]:
+    return health(url)["workers"]["decode"]
+
+
+class Stream(threading.Thread):
+    """One streamed completion through the SDK: its choices' texts and token counts, and the first error."""
+
+    def __init__(self, client: openai.OpenAI, **body):
+        super().__init__(daemon=True)
+        self.client, self.body = client, dict(body)
+        self.texts: dict[int, str] = {}
+        self.tokens: dict[int, int] = {}
+        self.error: Exception | None = None
+
+    def run(self):
+        try:
+            extra = {**self.body.pop("extra_body", {}), "return_token_ids": True}  # an event can carry several
+            for chunk in self.client.completions.create(stream=True, extra_body=extra, **self.body):
+                for choice in chunk.choices:
+                    self.texts[choice.index] = self.texts.get(choice.index, "") + choice.text
+                    ids = (choice.model_extra or {}).get("token_ids") or []
+                    self.tokens[choice.index] = self.tokens.get(choice.index, 0) + len(ids)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+
+def run_streams(url: str, bodies: list[dict], drain=None) -> tuple[list[Stream], object]:
+    """The streams at once, and what ``drain(url)`` returned, called once each stream has its first few tokens."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    streams = [Stream(client, **b) for b in bodies]
+    for s in streams:
+        s.start()
+    drained = None
+    if drain is not None:
+        assert eventually(lambda: all(sum(s.tokens.values()) >= 4 for s in streams), 60)
+        drained = drain(url)
+    for s in streams:
+        s.join(180)
+    assert [s.error for s in streams] == [None] * len(streams)
+    return streams, drained
+
+
+def drain_busiest(url: str) -> str:
+    """Drain the decode worker with the most requests on it, through ``pdserve drain``; its address."""
+    busiest = max(decode_workers(url), key=lambda w: w["outstanding"])
+    assert busiest["outstanding"] > 0
+    assert pdserve(["drain", "--url", url, "--worker", busiest["address"]]) == 0
+    return busiest["address"]
+
+
+def undrain(url: str, address: str) -> None:
+    assert pdserve(["drain", "--url", url, "--worker", address, "--undo"]) == 0
+    assert eventually(lambda: any(w["address"] == address and w["drain"] == "serving" for w in decode_workers(url)), 10)
+
+
+def moved(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('pdserve_migrations_total{') and 'outcome="moved"' in line)
+
+
+def check_drained(url: str, address: str) -> None:
+    """The drained worker holds nothing: every block back in its pool, nothing reserved or running."""
+    def empty():
+        w = next(w for w in decode_workers(url) if w["address"] == address)
+        return w["drain"] == "drained" and w["active"] == 0 and w["kv_reserved_bytes"] == 0 and \
+            w["kv_blocks_free"] == w["kv_blocks"] and w["migrations_pausing"] == 0
+    assert eventually(empty, 30)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, seed=11, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3),
+    dict(temperature=0, min_tokens=30, stop=["zz"], max_tokens=40),
+])
+def test_a_sequence_moved_mid_way_with_its_kv_goes_on_as_the_whole_one(params):
+    """The state a move carries (prompt, output tokens, detokenizer position, resolved parameters) and the KV of every
+    token but the last, into a second engine: seeded noise, penalties, min_tokens and stop strings go on exactly."""
+    from engine import EngineConfig, SamplingParams
+    from engine.engine import Engine
+    from engine.generate import generate_many
+    from engine.requests import resumed_sequence
+    from engine.sequence import Sequence
+
+    a, b = (Engine(EngineConfig(model="tiny-llama", threads=1)) for _ in range(2))
+    prompt = list(range(5, 60))
+    whole = generate_many(a, [prompt], [SamplingParams(**{"max_tokens": 40, **params})])[0][1]
+    part = Sequence.create("part", prompt, SamplingParams(**{"max_tokens": 40, **params}), a.tokenizer, a.max_len)
+    a.add(part)
+    while len(part.output_ids) < 17:  # one token a step: the source's state when the move began
+        a.step()
+    a.scheduler.remove(part)
+    seq = resumed_sequence(b, "moved", part.prompt_ids, part.output_ids[-1], part.detok.emitted, part.params.to_dict(),
+                           part.output_ids[:-1])
+    assert b.add_prefilled(seq, a.pool.gather(part.block_table, part.num_tokens - 1))
+    while not seq.finished:
+        b.step()
+    assert seq.output_ids == whole.output_ids and seq.detok.text == whole.detok.text
+
+
+@pytest.mark.parametrize("variant", ["greedy", "json_schema", "n2"])
+def test_a_drained_worker_hands_its_streams_over_mid_way_and_each_ends_as_undisturbed(cluster, model, variant):
+    name = model.rsplit("/", 1)[1]
+    body = {"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if variant == "json_schema":
+        body = {"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}}}
+    if variant == "n2":
+        body = {**body, "n": 2, "temperature": 0.8, "seed": 7}
+    bodies = [{**body, "prompt": f"stream {i} of eight: the quick brown fox"} for i in range(8 if variant == "greedy" else 4)]
+    want, _ = run_streams(cluster.url, bodies)
+    before = moved(cluster.url)
+    got, address = run_streams(cluster.url, bodies, drain_busiest)
+    try:
+        assert [s.texts for s in got] == [s.texts for s in want]
+        if variant != "json_schema":  # a schema's answer may end before max_tokens, the same in both runs
+            assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        else:
+            assert all(json.loads(t) for s in got for t in s.texts.values())
+        assert moved(cluster.url) > before
+        check_drained(cluster.url, address)
+    finally:
+        undrain(cluster.url, address)
+
+
+def test_drain_refuses_an_unknown_worker_and_the_last_of_its_role_unless_forced(cluster):
+    r = httpx.post(cluster.url + "/admin/drain", json={"worker": "tcp://127.0.0.1:1"}, timeout=10)
+    assert r.status_code == 404 and "no worker 'tcp://127.0.0.1:1'" in r.json()["error"]["message"]
+    assert httpx.post(cluster.url + "/admin/drain", json={"worker": 3}, timeout=10).status_code == 400
+    prefill = health(cluster.url)["workers"]["prefill"][0]["address"]
+    r = httpx.post(cluster.url + "/admin/drain", json={"worker": prefill}, timeout=10)
+    assert r.status_code == 409 and "last prefill worker" in r.json()["error"]["message"]
+    first, second = (w["address"] for w in decode_workers(cluster.url))
+    assert httpx.post(cluster.url + "/admin/drain", json={"worker": first}, timeout=10).json()["drain"] in (
+        "draining", "drained")
+    assert httpx.post(cluster.url + "/admin/drain", json={"worker": second}, timeout=10).status_code == 409
+    try:
+        r = httpx.post(cluster.url + "/admin/drain", json={"worker": second, "force": True}, timeout=10)
+        assert r.status_code == 200
+        assert health(cluster.url)["status"] == "unavailable"  # no decode worker in the picks
+    finally:
+        for address in (first, second):
+            undrain(cluster.url, address)
+    assert eventually(lambda: health(cluster.url)["status"] == "ok", 10)
+
+
+def test_a_stream_moves_from_a_single_rank_worker_to_a_tensor_parallel_group(model):
+    """KV of whole heads from a TP=1 decode worker into a TP=2 group (gloo ranks), each rank taking its heads: the
+    stream ends as on the TP=1 worker alone."""
+    from tests.fleet import Fleet
+
+    name = model.rsplit("/", 1)[1]
+    bodies = [{"model": name, "prompt": f"moving to a group {i}", "max_tokens": TOKENS, "temperature": 0,
+               "extra_body": {"ignore_eos": True}} for i in range(2)]
+    with Fleet("--model", model) as fleet:
+        fleet.worker("p", "prefill")
+        one = fleet.worker("one", "decode")
+        fleet.worker("two", "decode", "--tp", "2")
+        fleet.router()
+        fleet.wait_healthy()
+        assert pdserve(["drain", "--url", fleet.url, "--worker", fleet.addrs["two"]]) == 0  # both on the single rank
+        want, _ = run_streams(fleet.url, bodies)
+
+        def to_the_group(url):
+            undrain(url, fleet.addrs["two"])
+            assert pdserve(["drain", "--url", url, "--worker", one]) == 0
+            return one
+
+        got, _ = run_streams(fleet.url, bodies, to_the_group)
+        assert [s.texts for s in got] == [s.texts for s in want]
+        assert moved(fleet.url) >= 1 and fleet.worker_info("two")["migrations_out"] == 0
+        check_drained(fleet.url, one)
+
+
+def test_a_rolling_restart_of_pdserve_up_ends_no_stream(model):
+    """``kill -HUP`` on ``pdserve up``: every worker restarted in turn, the decode workers drained first (their
+    streams moved), the lone prefill worker through its own drain; streams started before end as undisturbed."""
+    import os
+    import signal
+
+    name = model.rsplit("/", 1)[1]
+    bodies = [{"model": name, "prompt": f"rolling {i}", "max_tokens": TOKENS, "temperature": 0,
+               "extra_body": {"ignore_eos": True}} for i in range(4)]
+    cluster = Cluster("--decode", "2", "--model", model).wait_ready()
+    try:
+        want, _ = run_streams(cluster.url, bodies)
+        got, _ = run_streams(cluster.url, bodies, lambda url: os.kill(cluster.proc.pid, signal.SIGHUP))
+        assert [s.texts for s in got] == [s.texts for s in want]
+
+        def restarted():
+            workers = [w for group in health(cluster.url)["workers"].values() for w in group]
+            return all(w.get("restarts") == 1 and w["healthy"] and w["drain"] == "serving" for w in workers)
+        assert eventually(restarted, 120)
+        assert moved(cluster.url) >= 1
+    finally:
+        cluster.stop()
+
+
+def test_a_move_the_target_refuses_leaves_the_stream_decoding_where_it_was(model):
+    """The target's KV budget cannot hold the request (a 503 there): the source decodes on, the client notices
+    nothing, the move counts as failed, and the drained worker ends drained once its streams end."""
+    from tests.fleet import Fleet
+
+    name = model.rsplit("/", 1)[1]
+    bodies = [{"model": name, "prompt": f"nowhere to go {i}", "max_tokens": TOKENS, "temperature": 0,
+               "extra_body": {"ignore_eos": True}} for i in range(2)]
+    with Fleet("--model", model) as fleet:
+        fleet.worker("p", "prefill")
+        fleet.worker("roomy", "decode")
+        fleet.worker("full", "decode", "--kv-budget", "1M")  # a 144-token context: a request there is retried elsewhere
+        fleet.router()
+        fleet.wait_healthy()
+        want, _ = run_streams(fleet.url, bodies)
+        got, drained = run_streams(fleet.url, bodies, lambda url: pdserve(
+            ["drain", "--url", url, "--worker", fleet.addrs["roomy"]]) == 0 and fleet.addrs["roomy"])
+        assert drained == fleet.addrs["roomy"]
+        assert [s.texts for s in got] == [s.texts for s in want]
+        metrics = httpx.get(fleet.url + "/metrics", timeout=10).text
+        assert 'pdserve_migrations_total{outcome="failed",reason="drain"}' in metrics
+        assert moved(fleet.url) == 0
+        check_drained(fleet.url, fleet.addrs["roomy"])
+        assert fleet.worker_info("full")["active"] == 0 and fleet.worker_info("full")["kv_reserved_bytes"] == 0
+
+
+def test_rebalancing_moves_the_shortest_request_off_a_pressed_worker_to_the_roomiest():
+    from types import SimpleNamespace
+
+    from router.rebalance import plan
+
+    def worker(address, free, blocks=100, waiting=0, step=None, slo=None):
+        return SimpleNamespace(address=address, info={"kv_blocks": blocks, "kv_blocks_free": free, "waiting": waiting,
+                                                     "step_base_ms": step, "slo_tpot_ms": slo})
+
+    def run(where, prompt, moving=False):
+        return SimpleNamespace(where=where, first={"prompt_tokens": prompt}, moving=moving)
+
+    movable = lambda r: not r.moving  # noqa: E731
+    full, half, empty, slow = worker("full", 5), worker("half", 50), worker("empty", 90), worker("slow", 60, step=12, slo=10)
+    runs = [run(full, 900), run(full, 300), run(full, 100, moving=True), run(half, 10), run(slow, 50)]
+    moves = plan([full, half, empty, slow], runs, movable, {}, 0.0)
+    assert [(r.first["prompt_tokens"], r.where.address, t.address) for r, t in moves] == [
+        (300, "full", "empty"), (50, "slow", "empty")]
+    assert plan([full, half, empty], runs, movable, {"full": 5.0}, 1.0) == []  # cooling down
+    assert plan([full, worker("warm", 20)], runs, movable, {}, 0.0) == []  # no worker with room
+    waiting = worker("waiting", 50, waiting=1)
+    assert plan([waiting, empty], [run(waiting, 7)], movable, {}, 0.0)[0][1] is empty
