@@ -261,8 +261,11 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
 
 def _bench_parsers(bsub) -> None:
-    from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, pipeline, router, serve, soak,
-                       stream, transfer)
+    from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, migrate, pipeline, router, serve,
+                       soak, stream, transfer)
+
+    migrate.add_arguments(bsub.add_parser("migrate", help="streams undisturbed and then drained off a decode worker: "
+                                          "errors, equal texts, gaps between tokens, each move's stall"))
 
     guided.add_arguments(bsub.add_parser("guided", help="xgrammar vs llguidance: compile and mask time per token"))
     pipeline.add_arguments(bsub.add_parser("pipeline", help="one device vs --pp 2 vs --tp 2 over a shaped link: "

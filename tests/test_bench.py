@@ -262,3 +262,16 @@ def test_mixed_step_summary_fits_the_line_and_the_cost_beyond_running_apart():
     assert [s["beyond_apart_ms"] for s in result["sizes"]] == [pytest.approx(2.0)] * 2
     with pytest.raises(RuntimeError, match="chunk 100: no mixed step"):
         summarize(8, {100: {"decode": [5.0], "mixed": [], "alone": [2.0]}})
+
+
+def test_bench_migrate_small(tmp_path):
+    """Streams drained off one of two decode workers mid-way: no error, every text as undisturbed, moves reported."""
+    from tests.checkpoints import SLOW, write_checkpoint
+
+    out, model = tmp_path / "migrate", write_checkpoint(tmp_path / "slow", SLOW)
+    assert main(["bench", "migrate", "--up-args", f"--decode 2 --model {model}", "--streams", "4", "--max-tokens",
+                 "300", "--drain-after", "4", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["texts_equal"] == 4 and report["drained"]["errors"] == [] and report["undisturbed"]["errors"] == []
+    assert report["drained"]["moves"] and report["drained"]["stall_ms"]["max"] >= 0
+    assert set(report["drained"]["tokens"]) == {300}

@@ -1,0 +1,19 @@
+#!/bin/bash
+# Moving decoding requests between decode workers on GPUs (bench migrate: undisturbed, then drained mid-way).
+#   OUT=bench/out/migrate TAG=2xh100-DATE bash bench/gpu/run.sh migrate [steps...]
+# steps (default: drain long):
+#   drain  1P2D over nccl on 2 GPUs (each prefill shares a card), 32 live streams of 256 tokens, the busiest decode
+#          worker drained: errors, equal texts, the gap p99 against the undisturbed run's, each move's stall
+#   long   the same with ~8k-token contexts, 8 streams: the stall of moving an 8k context
+OUT=${OUT:-bench/out/migrate}
+TAG=${TAG:-gpu}
+source "$(dirname "$0")/common.sh"
+model="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216 --max-num-seqs 64 --kv-budget 8G"
+for step in ${*:-drain long}; do
+  case $step in
+    drain) timeout 580 $PY -m pdserve bench migrate --up-args "--decode 2 --gpus 2 --transport nccl $model" \
+             --streams 32 --max-tokens 256 --out "$OUT/migrate-drain-c32-$TAG" 2>&1 | tail -6 ;;
+    long) timeout 580 $PY -m pdserve bench migrate --up-args "--decode 2 --gpus 2 --transport nccl $model" \
+            --streams 8 --max-tokens 256 --prompt-words 8000 --out "$OUT/migrate-drain-8k-$TAG" 2>&1 | tail -6 ;;
+  esac
+done
