@@ -38,8 +38,9 @@ class Move:
 
 
 class Migrations:
-    def __init__(self, metrics, admission):
+    def __init__(self, metrics, admission, dispatch):
         self.metrics, self.admission = metrics, admission
+        self.dispatch = dispatch  # Service._dispatch: a worker's part of a request counted, owned and sent
 
     @staticmethod
     def movable(run) -> bool:
@@ -74,12 +75,9 @@ class Migrations:
                 if not run.warm:
                     self.metrics.observe_transfer(run.timing.get("transport") or "kv", msg["phases"])
             r = msg["resume"]
-            move.target.outstanding += 1
-            move.target.owned.add(run.attempt_rid)
-            run.involved.append(move.target)
-            await move.target.send("decode", rid=run.attempt_rid, first_token=r["first_token"],
-                                   prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
-                                   params=r["params"], kv_tp=1)
+            await self.dispatch(move.target, run.involved, run.attempt_rid, "decode", first_token=r["first_token"],
+                                prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
+                                params=r["params"], kv_tp=1)
             return True
         if op == "migrate_failed":
             await self._end(run, "failed", msg.get("message"))

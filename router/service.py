@@ -56,7 +56,7 @@ class Service:
         self.inboxes: dict[str, asyncio.Queue] = {}
         self.waits = Waits(stall_timeout_s)  # every wait for a worker's message, and the stall watchdog
         self.first_timeout_s, self.token_timeout_s = first_timeout_s, token_timeout_s
-        self.migrations = Migrations(metrics, admission)  # decoding requests moved between decode workers (router.migration)
+        self.migrations = Migrations(metrics, admission, self._dispatch)  # decoding requests moved between decode workers (router.migration)
 
     @property
     def colocated(self) -> bool:
