@@ -11,8 +11,6 @@
 #   profile    rank 0's torch profile of Mistral-7B TP=2 decode steps (bench.profile_engine --tp 2)
 #   gemv       the batch-1 projection kernel's tiles swept for one TP=2 rank's shapes (Mistral-7B), then Mistral TP=2
 #              decode with the picks (PDSERVE_GEMV_CONFIGS) against the built-in tiles, one run
-#   lamport    Mistral-7B TP=2 decode with the barrier-free all-reduce (PDSERVE_TP_ALLREDUCE=lamport) against the
-#              one-shot, one run (run allreduce first: it checks lamport's sums against NCCL's)
 #   pp         PP=2 against TP=2, Llama-3-70B shape, hidden states over nccl (bench pipeline; issue 31's bar)
 #   pushed     the GPU tests of the pushed all-reduce, then Mistral-7B TP=1 and TP=2 with batch 1's all-reduces
 #              one-shot (oneshot) and pushed by the projections (auto, the default), one run
@@ -42,7 +40,7 @@ for step in $steps; do
         --max-tokens 64 --requests 64 --out "$OUT/serve-llama70b-tp2-$TAG"
       kill -INT $up; wait $up ;;
     handoff)
-      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py tests/test_lamport.py \
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tp_overlap.py tests/test_nccl.py \
         -k "gpus" 2>&1 | tail -5
       timeout 200 $PY -m bench.nccl_check --same-gpu --out "$OUT/nccl-check-same-gpu-$TAG.json" | tail -5
       timeout 400 $PY -m bench.tp_handoff --transports nccl,tcp --out "$OUT/tp-handoff-$TAG" ;;
@@ -54,11 +52,6 @@ for step in $steps; do
       timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-builtin-$TAG"
       PDSERVE_GEMV_CONFIGS="$OUT/gemv-mistral-tp2-$TAG-picks.json" timeout 150 $PY -m pdserve bench engine \
         --model mistral-7b --tp 2 $common --out "$OUT/engine-mistral-tp2-picks-$TAG" ;;
-    lamport)
-      for ar in auto lamport; do
-        PDSERVE_TP_ALLREDUCE=$ar timeout 150 $PY -m pdserve bench engine --model mistral-7b --tp 2 $common \
-          --out "$OUT/engine-mistral-tp2-ar-$ar-$TAG" 2>&1 | grep "decode batch\|all-reduce"
-      done ;;
     pushed)
       timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_pushed.py tests/test_triton_gemv.py --tb=short 2>&1 \
         | grep -E "^(E |FAILED)|passed|failed" | tail -12

@@ -6,8 +6,7 @@ A decode step of a TP group all-reduces twice per layer a ``[batch, hidden]`` bf
 a 8192-wide model); this times ``torch.distributed.all_reduce`` (NCCL, NVLink multicast off) and, where this
 torch has it, ``torch.ops.symm_mem.one_shot_all_reduce`` (each rank reads every peer's buffer over NVLink through
 CUDA IPC, one kernel) and ``two_shot_all_reduce_`` (each rank reduces its share, then gathers the others': half
-the bytes read, two barriers) and pdserve's barrier-free ``engine.parallel.lamport`` (checked against NCCL's sum
-call after call, also after graph replays), each as the mean of 200 calls captured in a CUDA graph (how decode runs them)."""
+the bytes read, two barriers), each as the mean of 200 calls captured in a CUDA graph (how decode runs them)."""
 from __future__ import annotations
 
 import argparse
@@ -46,12 +45,6 @@ def worker(rank: int, size: int, port: int, queue) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
     rows = []
-    try:
-        from engine.parallel.lamport import for_group
-
-        lamport = for_group(dist.group.WORLD, torch.bfloat16, torch.device("cuda", rank), cap=1 << 20)
-    except Exception as e:  # noqa: BLE001 - no symmetric memory here
-        lamport = f"{type(e).__name__}: {e}"[:200]
     for batch, hidden in SIZES:
         x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
         row = {"shape": [batch, hidden], "bytes": x.numel() * 2, "nccl_us": _time_graph(lambda: dist.all_reduce(x))}
@@ -75,16 +68,6 @@ def worker(rank: int, size: int, port: int, queue) -> None:
             row["two_shot_us"] = _time_graph(lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name))
         except Exception as e:  # noqa: BLE001 - not in this torch, or a size it refuses
             row["two_shot_error"] = f"{type(e).__name__}: {e}"[:200]
-        if isinstance(lamport, str) or not lamport.fits(x):
-            row["lamport_error"] = lamport if isinstance(lamport, str) else f"over its {lamport.cap} values"
-        else:  # right call after call, also after graph replays, against NCCL's sum
-            want = x.clone()
-            dist.all_reduce(want)
-            checks = [lamport(x) for _ in range(4)]
-            row["lamport_us"] = _time_graph(lambda: lamport(x))
-            checks.append(lamport(x))
-            row["lamport_ok"] = all(bool(torch.allclose(c.float(), want.float(), rtol=2e-2, atol=2e-2))
-                                    for c in checks) and not int(lamport.error.item())
         rows.append(row)
     if rank == 0:
         queue.put(rows)
@@ -112,13 +95,11 @@ def main(argv=None) -> int:
     rows = queue.get(timeout=300)
     for p in procs:
         p.join(60)
-    lines = ["| shape (bf16) | bytes | NCCL µs | one-shot µs | two-shot µs | lamport µs (right) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| shape (bf16) | bytes | NCCL µs | one-shot µs | two-shot µs |", "|---|---|---|---|---|"]
     for r in rows:
-        one, two, lam = (f"{r[k + '_us']:.1f}" if k + "_us" in r else r.get(k + "_error", "-")[:60]
-                         for k in ("one_shot", "two_shot", "lamport"))
-        lam += f" ({r['lamport_ok']})" if "lamport_ok" in r else ""
-        lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['bytes']} | {r['nccl_us']:.1f} | {one} | {two} | {lam} |")
+        one, two = (f"{r[k + '_us']:.1f}" if k + "_us" in r else r.get(k + "_error", "-")[:60]
+                    for k in ("one_shot", "two_shot"))
+        lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['bytes']} | {r['nccl_us']:.1f} | {one} | {two} |")
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

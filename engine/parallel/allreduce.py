@@ -7,8 +7,6 @@ CUDA graphs (``python -m bench.lab.allreduce``): 6.4 vs 28.3 us at 16 KiB, 19 vs
 16 MiB. So tensors up to ``MAX_BYTES`` go one-shot (through a symmetric buffer made at start-up; every rank makes
 it at the same point of the engine's construction), larger ones (prefill) through NCCL.
 ``PDSERVE_TP_ALLREDUCE=nccl`` turns it off; so does a first call that disagrees with NCCL.
-``PDSERVE_TP_ALLREDUCE=lamport`` uses ``lamport`` instead (no barriers: each rank writes its values into every
-peer's buffer and polls its own; up to 1 MiB; not yet measured against one-shot on GPUs, hence not the default).
 ``auto`` also has batch 1's row-parallel all-reduces pushed by the projections (``pushed``; ``pushed_slots`` makes
 the slots); ``oneshot`` is ``auto`` without that (the A/B)."""
 from __future__ import annotations
@@ -21,8 +19,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 MAX_BYTES = 4 << 20
-CHOICES = ("auto", "oneshot", "nccl", "lamport")
-LAMPORT_WORDS = 1 << 19  # 1 MiB a row: batch 64 of an 8192-wide model
+CHOICES = ("auto", "oneshot", "nccl")
 
 
 class OneShot:
@@ -56,26 +53,19 @@ def one_shot(group, dtype: torch.dtype, device: torch.device) -> OneShot | None:
     if device.type != "cuda" or choice == "nccl":
         return None
     try:
-        if choice == "lamport":
-            from .lamport import for_group
-
-            op = for_group(group, dtype, device, cap=LAMPORT_WORDS)
-        else:
-            op = OneShot(group, dtype, device)
+        op = OneShot(group, dtype, device)
         probe = torch.arange(3 * 1000, device=device, dtype=torch.float32).to(dtype).view(3, 1000) / 1000
         probe = probe + dist.get_rank(group)
         want = probe.clone()
         dist.all_reduce(want, group=group)
-        agree = _matches(op(probe), want, getattr(op, "error", None))  # lamport's flag: a read that gave up
+        agree = _matches(op(probe), want, None)
     except Exception as e:  # noqa: BLE001 - an older torch, no peer access: NCCL it is
         log.warning("one-shot all-reduce unavailable (%s): NCCL for every all-reduce", e)
         return None
     if not _everywhere(agree, group, device):
         log.warning("one-shot all-reduce disagreed with NCCL: NCCL for every all-reduce")
         return None
-    limit = (op.numel if isinstance(op, OneShot) else op.cap) * dtype.itemsize >> 10
-    log.info("%s all-reduce over symmetric memory for tensors up to %d KiB",
-             "lamport (barrier-free)" if choice == "lamport" else "one-shot", limit)
+    log.info("one-shot all-reduce over symmetric memory for tensors up to %d KiB", op.numel * dtype.itemsize >> 10)
     return op
 
 

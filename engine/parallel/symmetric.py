@@ -1,4 +1,4 @@
-"""A symmetric buffer for a TP group's barrier-free collectives (``lamport``, ``pushed``): every rank allocates the
+"""A symmetric buffer for a TP group's barrier-free collective (``pushed``): every rank allocates the
 same size through ``torch.distributed._symmetric_memory``, and each can store into every peer's over NVLink."""
 from __future__ import annotations
 
