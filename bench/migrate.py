@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import statistics
 import threading
@@ -28,7 +29,8 @@ def add_arguments(p):
     p.add_argument("--up-args", default="--decode 2", help="pdserve up's arguments (two decode workers or more)")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--prompt-words", type=int, default=8, help="words of each prompt (the context a move carries)")
+    p.add_argument("--prompt-words", type=int, default=8,
+                   help="words of each prompt (the context a move carries; a byte tokenizer makes 4 tokens of each)")
     p.add_argument("--drain-after", type=int, default=8, help="tokens every stream has before the drain")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench/out/migrate")
@@ -45,6 +47,9 @@ class Stream(threading.Thread):
         try:
             with httpx.Client(timeout=600) as client, client.stream("POST", self.url + "/v1/completions",
                                                                      json=self.body) as r:
+                if r.status_code != 200:
+                    self.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
+                    return
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -88,6 +93,8 @@ def one_run(url: str, model: str, args, drain: bool) -> dict:
         httpx.post(url + "/admin/drain", json={"worker": drained}, timeout=10).raise_for_status()
     for s in streams:
         s.join(600)
+        if s.error is None and s.tokens != args.max_tokens:  # ignore_eos: every stream runs to max_tokens
+            s.error = f"ended after {s.tokens} of {args.max_tokens} tokens"
     if drained:
         httpx.post(url + "/admin/undrain", json={"worker": drained}, timeout=10)
     gaps = sorted(g for s in streams for g in s.gaps)
@@ -97,6 +104,17 @@ def one_run(url: str, model: str, args, drain: bool) -> dict:
             "gap_ms": {"p50": _pct(gaps, 0.5), "p99": _pct(gaps, 0.99), "max": gaps[-1] if gaps else None},
             "moves": moves, "stall_ms": {"median": statistics.median([m["stall_ms"] for m in moves]) if moves else None,
                                          "max": max((m["stall_ms"] for m in moves), default=None)}}
+
+
+def push_phases(url: str) -> dict:
+    """The mean of each phase of the moves' KV pushes (ms), from the router's metrics (transport ``*-migration``)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    sums, counts = {}, {}
+    for kind, labels, value in re.findall(r'pdserve_kv_transfer_phase_seconds_(sum|count)\{([^}]*)\} (\S+)', text):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if found.get("transport", "").endswith("-migration"):
+            (sums if kind == "sum" else counts)[found["phase"]] = float(value)
+    return {p: round(sums[p] / counts[p] * 1e3, 2) for p in sums if counts.get(p)}
 
 
 def _pct(values: list, q: float):
@@ -109,6 +127,7 @@ def run(args) -> int:
         model = httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         plain = one_run(cluster.url, model, args, drain=False)
         moved = one_run(cluster.url, model, args, drain=True)
+        moved["push_phases_ms"] = push_phases(cluster.url)
     finally:
         cluster.stop()
     same = sum(a == b for a, b in zip(plain.pop("texts"), moved.pop("texts")))
@@ -121,6 +140,9 @@ def run(args) -> int:
         g, st = r["gap_ms"], r["stall_ms"]
         lines.append(f"| {name} | {len(r['errors'])} | {same if name == 'drained' else '-'} | {_f(g['p50'])} | "
                      f"{_f(g['p99'])} | {_f(g['max'])} | {len(r['moves'])} | {_f(st['median'])} | {_f(st['max'])} |")
+    if moved["push_phases_ms"]:
+        lines += ["", "Each move's KV push, mean ms by phase: " +
+                  ", ".join(f"{k} {v}" for k, v in moved["push_phases_ms"].items())]
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -18,7 +18,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvtransfer import TransferError, make_sender
+import torch
+
+from kvtransfer import PiecewiseKV, SourceKV, TransferError, make_sender
 from kvtransfer.convert import layout_for
 from prefill.tp_kv import push_whole
 
@@ -40,6 +42,17 @@ def unmovable(engine, transport) -> str | None:
     if engine.group.size > 1:
         return "moving sequences off a tensor-parallel decode group is not supported yet"
     return None
+
+
+def _copied_event(kv: list):
+    """An event after the copy of ``kv`` out of the pool on a CUDA device (None elsewhere): the sender thread waits
+    for it, so no stream of a transport reads the copy before the engine's stream wrote it."""
+    first = kv[0][0] if kv else None
+    if first is None or first.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(first.device))
+    return event
 
 
 class Moves:
@@ -102,27 +115,39 @@ class Moves:
         seq = live.seq
         tokens = seq.num_tokens - 1
         layout = layout_for(self.engine.kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
-        start = time.perf_counter()
+        start, source = time.perf_counter(), None
         try:
-            kv = self.engine.pool.gather(seq.block_table, tokens)
+            if self.sender is None:
+                self.sender = make_sender(self.transport, self.cfg)
+            source = self.sender.alloc(layout, str(self.engine.device))  # memory it sends from as it is
+            kv = self.engine.pool.gather(seq.block_table, tokens, source.layers if source is not None else None)
+            copied = _copied_event(kv)
+            if source is None and getattr(self.sender, "sends_pieces", False):  # no room there: one piece a layer,
+                kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # which the sender joins in one copy
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
+            if source is not None:
+                source.release()
             self.engine.scheduler.add_running(seq)
             return self.worker.emit(rid, "migrate_failed", message=f"KV copy failed: {e}")
         d2h_ms = (time.perf_counter() - start) * 1e3
+        log.info("paused %s to move it (%d tokens of KV copied out in %.1f ms)", rid, tokens, d2h_ms)
         self.paused[rid] = seq
         resume = {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
                   "emitted": seq.detok.emitted, "params": seq.params.to_dict()}
         handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
         self.worker.emit(rid, "paused", resume=resume, kv_tokens=tokens, kv_bytes=layout.total_nbytes,
                          phases=handoff)  # its own KV's arrival here, which its done would have reported
-        self.threads.submit(self._push, rid, kv_dest, layout, kv, d2h_ms)
+        self.threads.submit(self._push, rid, kv_dest, layout, source if source is not None else kv, d2h_ms, copied)
 
-    def _push(self, rid: str, kv_dest: str, layout, kv, d2h_ms: float) -> None:
-        """(Sender thread) The KV to the target; ``moved`` with its phases, or back to the engine thread."""
+    def _push(self, rid: str, kv_dest: str, layout, kv, d2h_ms: float, copied=None) -> None:
+        """(Sender thread) The KV to the target; ``moved`` with its phases, or back to the engine thread. Little
+        Python runs here: the engine thread, which holds the GIL most of the time, copied the KV out already (into
+        the sender's own memory where it has some), so a busy engine does not stretch each small step of a push."""
+        start = time.perf_counter()
         try:
-            if self.sender is None:
-                self.sender = make_sender(self.transport, self.cfg)
+            if copied is not None:  # the copy ran on the engine's stream; a transport may read on a stream of its own
+                copied.synchronize()
             meta = {"d2h_ms": d2h_ms}
             if isinstance(kv_dest, list):  # a tensor-parallel group: each rank its heads
                 phases = push_whole(self.sender, rid, kv_dest, layout, kv, meta)
@@ -132,6 +157,11 @@ class Moves:
             log.warning("moving the KV of %s to %s failed: %s", rid, kv_dest, e)
             self.worker.inbox.put({"op": "_moved", "rid": rid, "ok": False, "message": f"KV transfer failed: {e}"})
             return
+        finally:
+            if isinstance(kv, SourceKV):
+                kv.release()
+        log.info("moved the KV of %s (%d tokens) to %s in %.1f ms", rid, layout.num_tokens, kv_dest,
+                 (time.perf_counter() - start) * 1e3)
         self.worker.emit(rid, "moved", phases=phases.to_dict())
 
     def _unpause(self, rid: str) -> bool:

@@ -161,6 +161,27 @@ def test_a_drained_worker_hands_its_streams_over_mid_way_and_each_ends_as_undist
         undrain(cluster.url, address)
 
 
+@pytest.mark.parametrize("arena", ["roomy", "full"])
+def test_streams_drained_over_the_nccl_protocol_end_as_undisturbed(model, arena):
+    """The nccl transport's protocol (over gloo): the KV copied out into the sender's own memory, or, where that has
+    no room, one piece a layer that the sender joins in one copy; either way the texts of an undisturbed run."""
+    room = ("--kv-option", "nccl_pool_bytes=4096") if arena == "full" else ()
+    c = Cluster("--decode", "2", "--model", model, "--policy", "round_robin", "--transport", "nccl", "--device", "cpu",
+                "--kv-option", "nccl_backend=gloo", *room).wait_ready()
+    try:
+        name = model.rsplit("/", 1)[1]
+        bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
+                   "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
+        want, _ = run_streams(c.url, bodies)
+        got, address = run_streams(c.url, bodies, drain_busiest)
+        assert [s.texts for s in got] == [s.texts for s in want]
+        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        assert moved(c.url) > 0
+        check_drained(c.url, address)
+    finally:
+        c.stop()
+
+
 def test_drain_refuses_an_unknown_worker_and_the_last_of_its_role_unless_forced(cluster):
     r = httpx.post(cluster.url + "/admin/drain", json={"worker": "tcp://127.0.0.1:1"}, timeout=10)
     assert r.status_code == 404 and "no worker 'tcp://127.0.0.1:1'" in r.json()["error"]["message"]

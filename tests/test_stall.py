@@ -96,7 +96,7 @@ def test_up_fails_stalled_requests_in_time_and_keeps_serving(monkeypatch):
         assert 2 * STALL_S - 0.3 <= took <= 2 * (STALL_S + 1.0), took
         # A request meanwhile and after: served as usual.
         ok = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4)
-        assert ok.choices[0].finish_reason == "length"
+        assert ok.choices[0].finish_reason == "length", ok  # (once "stop" in CI, not reproduced: the reply shows why)
         counts = stalled_count(cluster.url)
         assert counts.get('role="colocated",state="decoding"') == 1, counts
         assert sum(v for k, v in counts.items() if "decoding" not in k) == 2, counts

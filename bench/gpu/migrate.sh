@@ -8,12 +8,13 @@
 OUT=${OUT:-bench/out/migrate}
 TAG=${TAG:-gpu}
 source "$(dirname "$0")/common.sh"
+export PDSERVE_LOG_LEVEL=${PDSERVE_LOG_LEVEL:-INFO}  # each move's push in the logs beside the tables
 model="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216 --max-num-seqs 64 --kv-budget 8G"
 for step in ${*:-drain long}; do
   case $step in
     drain) timeout 580 $PY -m pdserve bench migrate --up-args "--decode 2 --gpus 2 --transport nccl $model" \
-             --streams 32 --max-tokens 256 --out "$OUT/migrate-drain-c32-$TAG" 2>&1 | tail -6 ;;
+             --streams 32 --max-tokens 256 --out "$OUT/migrate-drain-c32-$TAG" 2> "$OUT/migrate-drain-c32-$TAG.log" | tail -8 ;;
     long) timeout 580 $PY -m pdserve bench migrate --up-args "--decode 2 --gpus 2 --transport nccl $model" \
-            --streams 8 --max-tokens 256 --prompt-words 8000 --out "$OUT/migrate-drain-8k-$TAG" 2>&1 | tail -6 ;;
+            --streams 8 --max-tokens 256 --prompt-words 2000 --out "$OUT/migrate-drain-8k-$TAG" 2> "$OUT/migrate-drain-8k-$TAG.log" | tail -8 ;;
   esac
 done
