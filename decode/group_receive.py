@@ -141,7 +141,7 @@ class GroupReceive:
         except (KeyError, TypeError, RequestError) as e:
             self.abort(rid, split)
             return w.fail(rid, 400, f"bad decode request: {e}")
-        if not w._reserve(rid, len(seq.prompt_ids), seq.params):
+        if not w.reserve_budget(rid, len(seq.prompt_ids), seq.params):
             self.engine.release(prefix)
             return self.abort(rid, split)
         table = w.landing.pop(rid, None) or self.engine.reserve(tokens)

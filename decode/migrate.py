@@ -15,6 +15,8 @@ decoding here (unknown, still prefilling, finished)."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,6 +65,8 @@ class Moves:
         self.asked: dict[str, object] = {}  # rid -> kv_dest (an address, or one per rank of a group), out of the steps, waiting for its tokens to be known
         self.paused: dict[str, object] = {}  # rid -> sequence, its KV sent or on its way
         self.moved_out = 0
+        self.closed = threading.Event()
+        self.hold = os.environ.get("PDSERVE_TEST_HOLD_MOVES") == "1"  # a test hook: pushes wait for the worker's end
 
     @property
     def engine(self):
@@ -119,10 +123,11 @@ class Moves:
         try:
             if self.sender is None:
                 self.sender = make_sender(self.transport, self.cfg)
-            source = self.sender.alloc(layout, str(self.engine.device))  # memory it sends from as it is
+            whole = not isinstance(kv_dest, list)  # (a group's ranks each get a copy of their heads)
+            source = self.sender.alloc(layout, str(self.engine.device)) if whole else None  # sent from as it is
             kv = self.engine.pool.gather(seq.block_table, tokens, source.layers if source is not None else None)
             copied = _copied_event(kv)
-            if source is None and getattr(self.sender, "sends_pieces", False):  # no room there: one piece a layer,
+            if whole and source is None and getattr(self.sender, "sends_pieces", False):  # no room there: one piece a layer,
                 kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # which the sender joins in one copy
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
@@ -145,6 +150,9 @@ class Moves:
         Python runs here: the engine thread, which holds the GIL most of the time, copied the KV out already (into
         the sender's own memory where it has some), so a busy engine does not stretch each small step of a push."""
         start = time.perf_counter()
+        if self.hold:  # (a test loses the source mid-move)
+            self.closed.wait()
+            return
         try:
             if copied is not None:  # the copy ran on the engine's stream; a transport may read on a stream of its own
                 copied.synchronize()
@@ -153,7 +161,9 @@ class Moves:
                 phases = push_whole(self.sender, rid, kv_dest, layout, kv, meta)
             else:
                 phases = self.sender.send(kv_dest, rid, layout, kv, meta)
-        except (TransferError, OSError, TimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever stops a push leaves the sequence on this worker
+            if not isinstance(e, (TransferError, OSError, TimeoutError)):
+                log.exception("moving the KV of %s to %s failed", rid, kv_dest)
             log.warning("moving the KV of %s to %s failed: %s", rid, kv_dest, e)
             self.worker.inbox.put({"op": "_moved", "rid": rid, "ok": False, "message": f"KV transfer failed: {e}"})
             return
@@ -177,9 +187,11 @@ class Moves:
         self.paused.pop(rid, None)
 
     def info(self) -> dict:
-        return {"migrations_out": self.moved_out, "migrations_pausing": len(self.asked) + len(self.paused)}
+        return {"migrations_out": self.moved_out, "migrations_pausing": len(self.asked) + len(self.paused),
+                "migrations_paused": len(self.paused)}
 
     def close(self) -> None:
+        self.closed.set()
         self.threads.shutdown(wait=False, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()

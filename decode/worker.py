@@ -33,14 +33,14 @@ from engine import EngineConfig, RequestError
 from engine.factory import make_engine
 from engine.guided.background import Background
 from engine.step_profiler import attach as attach_profiler
-from engine.requests import first_message, new_sequence, pp_timing, resumed_sequence
+from engine.requests import first_message, pp_timing, resumed_sequence
 from kvtransfer import (KVLayout, Landing, PiecewiseKV, PoolRows, TransferError, TransferStatus, TransportConfig,
                         make_receiver)
 from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
-from . import holds, pp_kv
+from . import holds, local, pp_kv
 from .group_receive import GroupReceive
 from .migrate import OPS as MOVE_OPS, Moves
 from .report import report
@@ -121,7 +121,7 @@ class DecodeWorker(WorkerLoop):
     def idle(self):
         return super().idle() and not self.waiting
 
-    def _reserve(self, rid, prompt_len, params) -> bool:
+    def reserve_budget(self, rid, prompt_len, params) -> bool:
         e = self.engine
         if prompt_len + params.max_tokens > e.max_len:  # a smaller pool than its prefill worker's: elsewhere
             self.fail(rid, 503, f"the request needs {prompt_len + params.max_tokens} tokens of context; this "
@@ -161,7 +161,7 @@ class DecodeWorker(WorkerLoop):
         elif op == "_adopted":
             self.group_kv.finish(rid)
         elif op == "generate":
-            self._generate(msg)
+            local.generate(self, msg)
         elif op == "hold" and not self.colocated:
             holds.hold(self, rid, msg.get("keys"))
         elif op == "abort":
@@ -269,7 +269,7 @@ class DecodeWorker(WorkerLoop):
             received.release()
             self.fail(rid, 400, f"bad decode request: {e}")
             return None
-        if not self._reserve(rid, len(seq.prompt_ids), seq.params):
+        if not self.reserve_budget(rid, len(seq.prompt_ids), seq.params):
             self.engine.release(prefix)
             received.release()
             return None
@@ -293,25 +293,17 @@ class DecodeWorker(WorkerLoop):
             received.release()
             self.live[seq.rid] = Live(seq, received.phases)
 
-    def _generate(self, msg):
-        """Prompt to the end here; with ``resume`` (the router retrying a request whose client has its first token
-        from a worker that failed) from that first token on: prompt and token are computed again, no ``first``."""
-        rid, resume = msg["rid"], msg.get("resume")
-        try:
-            if isinstance(resume, dict):
-                seq = resumed_sequence(self.engine, rid, resume.get("prompt_ids"), resume.get("token"),
-                                       resume.get("emitted"), resume.get("params"))
-            else:
-                seq = new_sequence(self.engine, rid, msg)
-        except RequestError as e:
-            return self.fail(rid, e.status, str(e))
-        if not self._reserve(rid, len(seq.prompt_ids), seq.params):
-            return
-        self.engine.add(seq)
-        self.live[rid] = Live(seq, colocated=True)
+    def start_local(self, seq) -> None:
+        self.live[seq.rid] = Live(seq, colocated=True)
         self.local_prefills += not self.colocated
 
     def _abort(self, rid):
+        self.drop_wait(rid)
+        self.moves.drop(rid)
+        self.forget(rid)
+
+    def drop_wait(self, rid) -> None:
+        """Whatever ``rid`` holds here on its way in (a wait for its KV, blocks held or landing), let go."""
         msg = self.waiting.pop(rid, (None,))[0]
         if self.group_kv is not None and (rid in self.adopting or (msg and GroupReceive.sliced(msg, self.engine))):
             split = self.adopting[rid][3] if rid in self.adopting else GroupReceive.split(msg, self.engine)
@@ -324,8 +316,6 @@ class DecodeWorker(WorkerLoop):
         held = self.held.pop(rid, None)
         if held is not None:
             self.engine.release(held[0])
-        self.moves.drop(rid)
-        self.forget(rid)
         if self.receiver:
             self.receiver.abort(rid)
 

@@ -219,10 +219,12 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     plan_cli.add_arguments(sub.add_parser("plan", help="the best configuration of these GPUs for a workload and "
                                           "SLOs, simulated from measured engine profiles"))
 
-    from deploy import drain
+    from deploy import drain, role
 
     drain.add_arguments(sub.add_parser("drain", help="take a worker out of the picks, its decoding requests moved "
                                        "to the others (the router's /admin/drain)"))
+    role.add_arguments(sub.add_parser("role", help="a mixed worker's role at runtime: prefill, decode or mixed "
+                                      "(the router's /admin/role)"))
     dp = sub.add_parser("deploy", help="a cluster on Ray: roles as actors, placed, restarted and scaled by Ray")
     dsub = dp.add_subparsers(dest="deploy", required=True)
     dr = dsub.add_parser("ray", help="start a deployment")
@@ -366,6 +368,10 @@ def main(argv=None) -> int:
         from deploy import drain
 
         return drain.run(args)
+    if args.cmd == "role":
+        from deploy import role
+
+        return role.run(args)
     if args.cmd == "up":
         from deploy.up import up
 

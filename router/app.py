@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI
 from .admission import Admission
 from .config import RouterConfig
 from .drain import Drains
+from .roles import Roles
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
 from .metrics import Metrics
@@ -37,7 +38,8 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
                       stall_timeout_s=cfg.stall_timeout_s)
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
-    return RouterState(cfg, service, metrics, admission, groups, api_key, drains=Drains(service, groups))
+    drains = Drains(service, groups)
+    return RouterState(cfg, service, metrics, admission, groups, api_key, drains=drains, roles=Roles(drains, metrics))
 
 
 def lifespan_of(st: RouterState, membership: Membership):

@@ -35,8 +35,9 @@ class Drains:
             raise ApiError(404, f"no worker {address!r}; the router knows {known}", param="worker")
         return found
 
-    async def drain(self, address: str, force: bool = False) -> dict:
-        found = self.find(address)
+    async def drain(self, address: str, force: bool = False, roles: tuple | None = None) -> dict:
+        """``roles``: only the worker's clients in those groups (``router.roles``: a mixed worker leaving one)."""
+        found = [(g, c) for g, c in self.find(address) if roles is None or g.role in roles]
         client = next((c for g, c in found if g.role == "decode"), found[0][1])  # whose requests decode there
         for group, own in found:
             others = [c for c in group.clients if c is not own and c.healthy and not c.leaving]
@@ -51,13 +52,13 @@ class Drains:
         log.info("draining %s worker %s (%d requests on it)", client.role, address, client.outstanding)
         return self.describe(client)
 
-    def undrain(self, address: str) -> dict:
-        found = self.find(address)
+    def undrain(self, address: str, roles: tuple | None = None) -> dict:
+        found = [(g, c) for g, c in self.find(address) if roles is None or g.role in roles]
         for _, own in found:
             own.draining = False
-        task = self.tasks.pop(address, None)
-        if task is not None:
-            task.cancel()
+        task = self.tasks.get(address)
+        if task is not None and not any(c.draining for _, c in self.find(address)):
+            self.tasks.pop(address).cancel()
         return self.describe(next((c for g, c in found if g.role == "decode"), found[0][1]))
 
     @staticmethod

@@ -55,8 +55,10 @@ class Metrics:
                                "worker for --stall-timeout), by the role waited on and where the request stood",
                                ["role", "state"], registry=r)
         self.migrations = Counter("pdserve_migrations", "Decoding requests moved to another decode worker, by why "
-                                  "(drain, rebalance, admin) and how it went (moved, failed)", ["reason", "outcome"],
+                                  "(drain, rebalance, admin) and how it went (moved, recomputed, failed)", ["reason", "outcome"],
                                   registry=r)
+        self.role_changes = Counter("pdserve_role_changes", "Mixed workers' roles changed at runtime, by the new role",
+                                    ["role"], registry=r)
         self.migration_stall = Histogram("pdserve_migration_stall_seconds", "Time a moved request's tokens paused: "
                                          "from the source's last token to the target's first", buckets=LATENCY_BUCKETS,
                                          registry=r)

@@ -11,7 +11,10 @@
 
 A ``migrate_failed`` from the source (the request was not decoding there, or its KV could not be sent), or an
 ``error`` from the target before its first token (no KV, no room, dead), ends the move: the source decodes on
-(``unpause``) and the client notices nothing. Tokens keep their order (the source is silent from ``paused`` until
+(``unpause``) and the client notices nothing. A source lost after ``paused`` (its KV may never come) has the
+target compute the request's tokens again instead (``generate`` with the paused state, ``earlier`` included) and go
+on from the token after the client's last, as a retry would; a source lost before ``paused`` fails the request as
+any decode worker lost mid-stream does. Tokens keep their order (the source is silent from ``paused`` until
 ``unpause``, the target starts at the token after the source's last), so a request is never lost or doubled by a
 move. Counted in ``pdserve_migrations_total{reason,outcome}``, the stall (from ``paused`` to the target's first
 token) in ``pdserve_migration_stall_seconds``, the KV like any transfer's (``transport`` label ``NAME-migration``)."""
@@ -35,6 +38,8 @@ class Move:
     reason: str  # drain | rebalance | admin
     paused_at: float | None = None
     kv_bytes: int = 0
+    resume: dict | None = None  # the source's state at ``paused``
+    recomputed: bool = False  # the source was lost: the target computes the tokens again
 
 
 class Migrations:
@@ -74,7 +79,7 @@ class Migrations:
                 run.timing["kv"] = msg["phases"]
                 if not run.warm:
                     self.metrics.observe_transfer(run.timing.get("transport") or "kv", msg["phases"])
-            r = msg["resume"]
+            r = move.resume = msg["resume"]
             await self.dispatch(move.target, run.involved, run.attempt_rid, "decode", first_token=r["first_token"],
                                 prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
                                 params=r["params"], kv_tp=1)
@@ -89,11 +94,12 @@ class Migrations:
     async def _switch(self, run) -> None:
         """The target streams: the request is its own from here."""
         move, rid = run.move, run.attempt_rid
-        await move.source.send("release", rid=rid)
-        move.source.release(rid)
-        move.source.owned.discard(rid)
-        if move.source in run.involved:
-            run.involved.remove(move.source)
+        if not move.recomputed:  # (a lost source was let go at once)
+            await move.source.send("release", rid=rid)
+            move.source.release(rid)
+            move.source.owned.discard(rid)
+            if move.source in run.involved:
+                run.involved.remove(move.source)
         run.where = run.workers["decode"] = move.target
         self.admission.move(rid, move.target)
         stall = time.monotonic() - move.paused_at if move.paused_at is not None else 0.0
@@ -101,24 +107,49 @@ class Migrations:
         run.timing.setdefault("migrations", []).append(
             {"from": move.source.address, "to": move.target.address, "reason": move.reason,
              "stall_ms": round(stall * 1e3, 1), "kv_bytes": move.kv_bytes})
-        await self._end(run, "moved")
+        await self._end(run, "recomputed" if move.recomputed else "moved")
 
     async def failed(self, run, failure) -> bool:
-        """An ``error`` while ``run`` moves: True where it was the target's (the source decodes on) or came from a
-        target given up already, False where the request itself failed."""
+        """An ``error`` while ``run`` moves: True where it was the target's (the source decodes on), came from a
+        target given up already, or was the loss of a paused source (the target computes the tokens again); False
+        where the request itself failed."""
         move = run.move
         if failure.source in run.ignore:
             return True
+        if move is not None and failure.source is move.source and failure.msg.get("lost") and move.resume \
+                and not move.recomputed:
+            await self._recompute(run)
+            return True
         if move is None or failure.source is not move.target:
+            return False
+        if move.recomputed:  # no source to go back to
             return False
         await move.source.send("unpause", rid=run.attempt_rid)
         await self._end(run, "failed", failure.message)
         return True
 
+    async def _recompute(self, run) -> None:
+        """The source was lost after pausing: the target drops its wait for the KV and computes the prompt and the
+        tokens so far again, going on from the token after the client's last (``decode.local``; no ``abort`` before
+        it: one for the same id could overtake the new work there)."""
+        move, rid, r = run.move, run.attempt_rid, run.move.resume
+        log.warning("request %s: %s was lost while it moved; %s computes its %d tokens again", run.rid,
+                    move.source.address, move.target.address, len(r["prompt_ids"]) + len(r["earlier"]) + 1)
+        move.recomputed = True
+        if move.source in run.involved:
+            run.involved.remove(move.source)
+            move.source.release(rid)
+        move.source.owned.discard(rid)
+        run.where = move.target  # whose silence the stall watchdog blames from here
+        await move.target.send("generate", rid=rid, resume={"prompt_ids": r["prompt_ids"], "token": r["first_token"],
+                                                            "earlier": r["earlier"], "emitted": r["emitted"],
+                                                            "params": r["params"]})
+        move.target.owned.add(rid)
+
     async def _end(self, run, outcome: str, why: str | None = None) -> None:
         move, run.move = run.move, None
         self.metrics.migrations.labels(move.reason, outcome).inc()
-        if outcome == "moved":
+        if outcome in ("moved", "recomputed"):
             return
         log.warning("request %s: moving it from %s to %s failed (%s); it decodes on where it was",
                     run.rid, move.source.address, move.target.address, why)

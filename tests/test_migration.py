@@ -5,6 +5,8 @@ a worker mid-way end with every token and the text of an undisturbed run, greedy
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import httpx
@@ -182,6 +184,32 @@ def test_streams_drained_over_the_nccl_protocol_end_as_undisturbed(model, arena)
         c.stop()
 
 
+def test_streams_whose_source_is_lost_mid_move_are_computed_again_on_the_target(model, monkeypatch):
+    """The source pauses the drained streams and is killed before any KV leaves it (a test hook holds its pushes):
+    the target computes each one's tokens again and goes on; every stream ends with the undisturbed run's text."""
+    monkeypatch.setenv("PDSERVE_TEST_HOLD_MOVES", "1")
+    c = Cluster("--decode", "2", "--model", model, "--policy", "round_robin").wait_ready()
+    try:
+        name = model.rsplit("/", 1)[1]
+        bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
+                   "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
+        want, _ = run_streams(c.url, bodies)
+
+        def drain_and_kill(url):
+            address = drain_busiest(url)
+            source = lambda: next(w for w in decode_workers(url) if w["address"] == address)  # noqa: E731
+            assert eventually(lambda: 0 < source()["migrations_paused"] == source()["active"], 30)  # all paused
+            os.kill(source()["pid"], signal.SIGKILL)
+            return address
+        got, _ = run_streams(c.url, bodies, drain_and_kill)
+        assert [s.texts for s in got] == [s.texts for s in want]
+        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        text = httpx.get(c.url + "/metrics", timeout=10).text
+        assert 'outcome="recomputed"' in text and 'outcome="moved"' not in text
+    finally:
+        c.stop()
+
+
 def test_drain_refuses_an_unknown_worker_and_the_last_of_its_role_unless_forced(cluster):
     r = httpx.post(cluster.url + "/admin/drain", json={"worker": "tcp://127.0.0.1:1"}, timeout=10)
     assert r.status_code == 404 and "no worker 'tcp://127.0.0.1:1'" in r.json()["error"]["message"]
@@ -303,3 +331,41 @@ def test_rebalancing_moves_the_shortest_request_off_a_pressed_worker_to_the_room
     assert plan([full, worker("warm", 20)], runs, movable, {}, 0.0) == []  # no worker with room
     waiting = worker("waiting", 50, waiting=1)
     assert plan([waiting, empty], [run(waiting, 7)], movable, {}, 0.0)[0][1] is empty
+
+
+def role(url: str, worker: str, new: str, force: bool = False) -> httpx.Response:
+    return httpx.post(url + "/admin/role", json={"worker": worker, "role": new, "force": force}, timeout=30)
+
+
+def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model):
+    """``POST /admin/role`` on a mixed worker: ``prefill`` takes it out of the decode picks and moves what decodes
+    there to the decode worker (texts as undisturbed), ``decode`` out of the prefill picks, ``mixed`` back in both;
+    a worker started as decode, an unknown worker or role, and leaving the last prefill worker are refused."""
+    c = Cluster("--prefill", "1", "--decode", "1", "--mixed", "1", "--model", model, "--policy", "round_robin").wait_ready()
+    try:
+        url, name = c.url, model.rsplit("/", 1)[1]
+        workers = health(url)["workers"]
+        mixed = next(w["address"] for w in workers["decode"] if w.get("role") == "mixed")
+        plain_decode = next(w["address"] for w in workers["decode"] if w.get("role") != "mixed")
+        plain_prefill = next(w["address"] for w in workers["prefill"] if w["address"] != mixed)
+        assert role(url, plain_decode, "prefill").status_code == 409
+        assert role(url, "tcp://127.0.0.1:1", "decode").status_code == 404
+        assert role(url, mixed, "router").status_code == 400
+        bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
+                   "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
+        want, _ = run_streams(url, bodies)
+        got, _ = run_streams(url, bodies, lambda u: role(u, mixed, "prefill").json())
+        assert [s.texts for s in got] == [s.texts for s in want]
+        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        assert moved(url) > 0
+        mixed_decode = lambda: next(w for w in decode_workers(url) if w["address"] == mixed)  # noqa: E731
+        assert eventually(lambda: mixed_decode()["drain"] == "drained" and mixed_decode()["active"] == 0, 30)
+        assert role(url, mixed, "decode").json()["role"] == "decode"
+        assert httpx.post(url + "/admin/drain", json={"worker": plain_prefill}, timeout=10).status_code == 409
+        again, _ = run_streams(url, bodies[:2])  # prompts on the plain prefill worker, decode on either
+        assert [s.texts for s in again] == [s.texts for s in want[:2]]
+        assert role(url, mixed, "mixed").json() == {"worker": mixed, "role": "mixed", "prefill_drain": "serving",
+                                                    "decode_drain": "serving"}
+        assert 'pdserve_role_changes_total{role="prefill"} 1.0' in httpx.get(url + "/metrics", timeout=10).text
+    finally:
+        c.stop()

@@ -25,6 +25,7 @@ class RouterState:
     api_key: str | None = None
     ready_since: float | None = None  # when /health first answered ok (``pdserve up``: the cluster has started)
     drains: object = None  # router.drain.Drains
+    roles: object = None  # router.roles.Roles
 
     @property
     def mode(self) -> str:
