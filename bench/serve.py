@@ -139,7 +139,7 @@ async def run_load(args) -> tuple[list[dict], float]:
         count = args.requests if not args.duration else int(args.rate * args.duration * 1.5) + 50 if args.rate \
             else 1_000_000
         requests = build(min(count, 20_000), args.prompt_len, args.max_tokens, args.seed, args.prompts_jsonl,
-                         getattr(args, "workload", "uniform"))
+                         getattr(args, "workload", "uniform"), rate=args.rate)
         offsets = arrivals(len(requests), args.rate, args.seed)
         gate = asyncio.Semaphore(args.concurrency)
         rows, start = [], time.perf_counter()

@@ -203,6 +203,8 @@ def plan(args) -> list[list[str]]:
         router += ["--warm-pairs", args.warm_pairs]
     if getattr(args, "rebalance", False):
         router += ["--rebalance"]
+    if getattr(args, "roles", "fixed") == "auto":
+        router += ["--roles", "auto"]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]

@@ -14,6 +14,8 @@ from deploy.units import byte_size
 
 REBALANCE_HELP = ("move decoding requests off a decode worker short of KV blocks or over its TPOT SLO onto one with "
                   "room, while they stream (router.rebalance)")
+ROLES_HELP = ("fixed (default) or auto: mixed workers (--mixed) step between decode, mixed and prefill as prompts or "
+              "decoding stay pressed (router.role_control)")
 STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
               "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
 
@@ -144,6 +146,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "needs to be in the picks, e.g. a restarting one (default 3); a new request waits as long, 5 s at least")
     r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
     r.add_argument("--rebalance", action="store_true", default=None, help=REBALANCE_HELP)
+    r.add_argument("--roles", choices=("fixed", "auto"), default=None, help=ROLES_HELP)
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -189,6 +192,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    "at least")
     u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
     u.add_argument("--rebalance", action="store_true", help="router: " + REBALANCE_HELP)
+    u.add_argument("--roles", choices=("fixed", "auto"), default="fixed", help="router: " + ROLES_HELP)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")

@@ -1,7 +1,9 @@
 """Workload shapes for ``bench serve``, ``bench goodput`` and ``pdserve plan``: prompt/output lengths and
 arrival times. ``uniform``: lengths uniform in the ranges given; ``mixed``: 70% prompts of 128-1,024 tokens and
 30% of 6,000-8,000, outputs 128-512; ``mid``: prompts 1,000-4,000, outputs 128-512; ``long``: prompts 6,000-8,000,
-outputs 128-256 (the named ones ignore the ranges given); a JSONL trace: its rows, in order."""
+outputs 128-256; ``shifting``: prompt-heavy phases (prompts 3,000-6,000, outputs 16-64) and generation-heavy ones
+(prompts 64-256, outputs 256-512) alternating every ``SHIFT_S`` seconds of arrivals at the rate given (every
+``SHIFT_REQUESTS`` requests without one); the named ones ignore the ranges given; a JSONL trace: its rows, in order."""
 from __future__ import annotations
 
 import json
@@ -36,14 +38,16 @@ def synthetic_prompt(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-WORKLOADS = ("uniform", "mixed", "mid", "long")
+WORKLOADS = ("uniform", "mixed", "mid", "long", "shifting")
 PRESETS = {"mid": ("1000:4000", "128:512"), "long": ("6000:8000", "128:256")}  # uniform ranges by name
 MIXED = ((0.7, (128, 1024)), (0.3, (6000, 8000)))
 MIXED_OUTPUT = (128, 512)
+SHIFT_S, SHIFT_REQUESTS = 60.0, 64
+SHIFTING = (((3000, 6000), (16, 64)), ((64, 256), (256, 512)))  # (prompt, output) ranges: prompt-heavy, then generation
 
 
 def lengths(count: int, prompt_len: str, max_tokens: str, seed: int = 0, workload: str = "uniform",
-            jsonl: str | None = None) -> list[tuple[int, int]]:
+            jsonl: str | None = None, rate: float | None = None) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of ``count`` requests; a JSONL row gives ``prompt_tokens`` (or a ``prompt``,
     a token per character as for the byte tokenizer) and ``max_tokens`` (or ``output_tokens``)."""
     if jsonl:
@@ -56,6 +60,10 @@ def lengths(count: int, prompt_len: str, max_tokens: str, seed: int = 0, workloa
     if workload in PRESETS:
         (prompt_len, max_tokens), workload = PRESETS[workload], "uniform"
     rng = random.Random(seed)
+    if workload == "shifting":
+        per_phase = max(1, round(SHIFT_S * rate)) if rate else SHIFT_REQUESTS
+        phases = [SHIFTING[(i // per_phase) % 2] for i in range(count)]
+        return [(rng.randint(*p), rng.randint(*o)) for p, o in phases]
     if workload == "mixed":
         out = []
         for _ in range(count):
@@ -75,14 +83,14 @@ def _rows(jsonl: str) -> list[dict]:
 
 
 def build(count: int, prompt_len: str, max_tokens: str, seed: int = 0, jsonl: str | None = None,
-          workload: str = "uniform") -> list[Request]:
+          workload: str = "uniform", rate: float | None = None) -> list[Request]:
     rng = random.Random(seed)
     if workload in PRESETS and not jsonl:
         (prompt_len, max_tokens), workload = PRESETS[workload], "uniform"
     if workload != "uniform" and not jsonl:
         text = random.Random(seed + 7)
         return [Request(synthetic_prompt(text, p), o) for p, o in lengths(count, prompt_len, max_tokens, seed,
-                                                                            workload)]
+                                                                            workload, rate=rate)]
     if jsonl:
         rows = _rows(jsonl)
         return [Request(r["prompt"], int(r.get("max_tokens", parse_range(max_tokens)[0]))) for r in
@@ -107,4 +115,6 @@ def longest_output(workload: str, max_tokens: str) -> int:
     """The most output tokens a request of this workload asks for."""
     if workload == "mixed":
         return MIXED_OUTPUT[1]
+    if workload == "shifting":
+        return SHIFTING[1][1][1]
     return parse_range(PRESETS[workload][1] if workload in PRESETS else max_tokens)[1]

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI
 from .admission import Admission
 from .config import RouterConfig
 from .drain import Drains
+from .role_control import RoleControl
 from .roles import Roles
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
@@ -52,6 +53,8 @@ def lifespan_of(st: RouterState, membership: Membership):
         tasks = [asyncio.create_task(tick(st)), asyncio.create_task(st.service.warmer.run())]
         if st.cfg.rebalance:
             tasks.append(asyncio.create_task(Rebalancer(st.service, st.groups).run()))
+        if st.cfg.roles == "auto":
+            tasks.append(asyncio.create_task(RoleControl(st.roles, st.groups, st.cfg.disagg_policy()).run()))
         if st.cfg.workers_file:
             tasks.append(asyncio.create_task(membership.watch(ctx)))
         yield

@@ -22,6 +22,7 @@ class RouterConfig:
     token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0  # a request with no word from its worker for this long fails (0: never; router.waits)
     rebalance: bool = False  # move decoding requests off pressed decode workers (router.rebalance)
+    roles: str = "fixed"  # fixed | auto: mixed workers' roles follow the load (router.role_control)
     heartbeat_s: float = 0.25
     stale_after_s: float = 1.0  # no pong for this long: out of the picks
     dead_after_s: float = 3.0  # no pong for this long: the requests it owns fail (and are retried)
@@ -53,6 +54,8 @@ class RouterConfig:
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout_s > 0")
         self.disagg_policy()  # raises if invalid
+        if self.roles not in ("fixed", "auto"):
+            raise ValueError(f"roles {self.roles!r} not in ('fixed', 'auto')")
         if self.warm_pairs not in WARM_MODES:
             raise ValueError(f"warm_pairs {self.warm_pairs!r} not in {WARM_MODES}")
         if self.colocated and (self.prefill or self.decode):

@@ -23,6 +23,7 @@ def run_router(args) -> int:
                      dead_after_s=max(3.0, args.heartbeat * 6) if args.heartbeat else None,
                      retries=getattr(args, "retries", None), retry_wait_s=getattr(args, "retry_wait", None),
                      stall_timeout_s=getattr(args, "stall_timeout", None), rebalance=getattr(args, "rebalance", None),
+                     roles=getattr(args, "roles", None),
                      disagg=getattr(args, "disagg", None),
                      disagg_local_tokens=getattr(args, "disagg_local_tokens", None),
                      disagg_prefill_queue=getattr(args, "disagg_prefill_queue", None),

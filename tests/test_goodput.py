@@ -102,3 +102,17 @@ def test_a_low_rate_runs_long_enough_to_count_min_timed_requests():
     args.duration, args.min_timed = None, 20
     assert probe_length(args, 0.5) == (200, None) and probe_length(SimpleNamespace(
         requests=8, duration=None, warmup_requests=4, min_timed=20), 1.0) == (24, None)
+
+
+def test_the_shifting_workload_alternates_prompt_heavy_and_generation_heavy_phases_by_arrival_time():
+    from planner.workload import SHIFT_S, lengths, longest_output
+
+    rate = 2.0
+    rows = lengths(int(4 * SHIFT_S * rate), "1", "1", seed=3, workload="shifting", rate=rate)
+    per_phase = int(SHIFT_S * rate)
+    for phase in range(4):
+        part = rows[phase * per_phase:(phase + 1) * per_phase]
+        heavy_prompts = phase % 2 == 0
+        assert all((p >= 3000 and o <= 64) if heavy_prompts else (p <= 256 and o >= 256) for p, o in part)
+    assert longest_output("shifting", "1") == 512
+    assert lengths(10, "1", "1", seed=3, workload="shifting", rate=rate) == rows[:10]  # seeded: the same everywhere

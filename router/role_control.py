@@ -1,0 +1,94 @@
+"""``--roles auto``: the router moves mixed workers' roles with the load (``router.roles`` makes each change).
+
+Every ``PASS_S`` it reads the pressure on each side, as the router's other decisions read it:
+- prompts: the least busy prefill worker in the picks would make a new prompt wait longer than
+  ``--disagg-prefill-wait-ms`` (its uncached prompt tokens in flight times its prompt time a token, ``router.disagg``'s
+  estimate), or, before any prompt time is known, every prefill worker has ``--disagg-prefill-queue`` prompts in
+  flight;
+- decoding: a decode worker in the picks is pressed as ``--rebalance`` sees it (90% of its KV blocks in use, KV
+  waiting for blocks, or its decode step over the TPOT SLO it serves).
+One side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes one step toward it
+(``decode`` -> ``mixed`` -> ``prefill`` for prompts, back for decoding; the gentlest step first: a worker that
+serves only the other side becomes mixed before a mixed one leaves that side), then nothing changes for
+``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither: no change. A change
+the roles refuse (it would leave a group with no worker) is skipped."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .errors import ApiError
+from .rebalance import pressed
+
+log = logging.getLogger(__name__)
+PASS_S = 1.0
+HOLD = 3
+COOLDOWN_S = 10.0
+TOWARD = {"prompts": {"decode": "mixed", "mixed": "prefill"}, "decoding": {"prefill": "mixed", "mixed": "decode"}}
+GENTLE_FIRST = {"prompts": ("decode", "mixed"), "decoding": ("prefill", "mixed")}
+
+
+def pick(roles: dict, side: str) -> tuple[str, str] | None:
+    """``(address, new role)``: one step toward ``side`` ("prompts" or "decoding") for one of the mixed workers
+    (``roles``: address -> its role now), the gentlest step first; None where none can step."""
+    for now in GENTLE_FIRST[side]:
+        for address in sorted(a for a, r in roles.items() if r == now):
+            return address, TOWARD[side][now]
+    return None
+
+
+def prompts_pressed(prefill_workers: list, policy) -> bool:
+    if not prefill_workers:
+        return False
+    per_token = [w.prompt_ms_per_token() for w in prefill_workers]
+    if None in per_token:
+        return min(w.outstanding for w in prefill_workers) >= policy.prefill_queue
+    return min(w.prefill_wait_ms() for w in prefill_workers) > policy.prefill_wait_ms
+
+
+class RoleControl:
+    def __init__(self, roles, groups: dict, policy):
+        self.roles, self.groups, self.policy = roles, groups, policy
+        self.held = {"prompts": 0, "decoding": 0}
+        self.quiet_until = 0.0
+
+    def mixed(self) -> dict:
+        """address -> role now, of every mixed worker (one in both groups)."""
+        both = {c.address for c in self.groups["prefill"].clients} & {c.address for c in self.groups["decode"].clients}
+        return {a: self.roles.current(a) for a in both}
+
+    def pressure(self) -> dict:
+        prefill, decode = (self.groups[r].healthy() for r in ("prefill", "decode"))
+        return {"prompts": prompts_pressed(prefill, self.policy), "decoding": any(pressed(w) for w in decode)}
+
+    async def step(self, now: float) -> tuple[str, str] | None:
+        """One pass; the change made, if any."""
+        hot = self.pressure()
+        for side in self.held:
+            self.held[side] = self.held[side] + 1 if hot[side] and not any(hot[o] for o in hot if o != side) else 0
+        if now < self.quiet_until:
+            return None
+        side = next((s for s, n in self.held.items() if n >= HOLD), None)
+        change = pick(self.mixed(), side) if side else None
+        if change is None:
+            return None
+        try:
+            await self.roles.set(*change)
+        except ApiError as e:  # it would leave a group empty: not this change
+            log.info("roles auto: %s to %s not made: %s", *change, e.message)
+            return None
+        log.info("roles auto: %s pressed for %d passes: %s is now %s", side, self.held[side], *change)
+        self.held = {s: 0 for s in self.held}
+        self.quiet_until = now + COOLDOWN_S
+        return change
+
+    async def run(self) -> None:
+        if "prefill" not in self.groups or "decode" not in self.groups:
+            return
+        while True:
+            await asyncio.sleep(PASS_S)
+            try:
+                await self.step(time.monotonic())
+            except Exception:  # noqa: BLE001 - a pass that fails changes nothing
+                log.exception("roles auto: a pass failed")

@@ -1,0 +1,104 @@
+"""``--roles auto`` (``router.role_control``) decides on the router's own view of the workers: a side pressed for
+``HOLD`` passes in a row while the other is not moves one mixed worker one step toward it (the gentlest step
+first), nothing changes while both or neither are pressed or during the cooldown, and a change that would leave a
+group with no worker is skipped. Real ``Drains`` and ``Roles`` over stand-ins for the router's worker clients."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from router.disagg import DisaggPolicy
+from router.drain import Drains
+from router.metrics import Metrics
+from router.role_control import COOLDOWN_S, HOLD, RoleControl, pick
+from router.roles import Roles
+
+
+class Client:
+    def __init__(self, address: str, role: str):
+        self.address, self.role, self.info = address, role, {"role": role, "kv_blocks": 100, "kv_blocks_free": 90}
+        self.draining, self.healthy, self.outstanding, self.owned = False, True, 0, set()
+        self.prompt_tokens_out: dict = {}
+
+    @property
+    def leaving(self) -> bool:
+        return self.draining
+
+    @property
+    def drain_state(self) -> str:
+        return "drained" if self.draining else "serving"
+
+    def prompt_ms_per_token(self):
+        return 1.0
+
+    def prefill_wait_ms(self, per_token=None):
+        return sum(self.prompt_tokens_out.values()) * 1.0
+
+
+class Group:
+    def __init__(self, role: str, clients: list):
+        self.role, self.clients = role, clients
+
+    def healthy(self, avoid=()):
+        return [c for c in self.clients if c.healthy and not c.leaving]
+
+
+def cluster():
+    """A plain prefill worker, a plain decode worker and a mixed one (a client in each group, as the router has)."""
+    p, d, mp, md = Client("p", "prefill"), Client("d", "decode"), Client("m", "mixed"), Client("m", "mixed")
+    groups = {"prefill": Group("prefill", [p, mp]), "decode": Group("decode", [d, md])}
+    service = SimpleNamespace(waits=SimpleNamespace(runs={}))
+    roles = Roles(Drains(service, groups), Metrics())
+    return RoleControl(roles, groups, DisaggPolicy(mode="auto")), p, d, mp, md
+
+
+def press_prompts(*clients, on=True):
+    for c in clients:
+        c.prompt_tokens_out = {"x": 2000} if on else {}
+
+
+def press_decoding(*clients, on=True):
+    for c in clients:
+        c.info["kv_blocks_free"] = 5 if on else 90
+
+
+def test_the_gentlest_step_toward_the_pressed_side_first():
+    assert pick({"b": "mixed", "a": "decode"}, "prompts") == ("a", "mixed")
+    assert pick({"b": "mixed"}, "prompts") == ("b", "prefill")
+    assert pick({"c": "prefill"}, "prompts") is None
+    assert pick({"c": "prefill", "b": "mixed"}, "decoding") == ("c", "mixed")
+
+
+def test_sustained_one_sided_pressure_moves_a_mixed_worker_and_then_waits():
+    async def main():
+        control, p, d, mp, md = cluster()
+        press_prompts(p, mp)
+        now = 100.0
+        for i in range(HOLD - 1):
+            assert await control.step(now + i) is None
+        assert await control.step(now + HOLD) == ("m", "prefill")
+        assert control.roles.current("m") == "prefill" and md.draining and not mp.draining
+        press_decoding(d)
+        press_prompts(p, mp, on=False)  # now decoding is pressed: nothing during the cooldown
+        for i in range(HOLD + 1):
+            assert await control.step(now + HOLD + 1 + i) is None
+        assert await control.step(now + HOLD + COOLDOWN_S + 1) == ("m", "mixed")
+        assert control.roles.current("m") == "mixed" and not md.draining
+    asyncio.run(main())
+
+
+def test_both_sides_pressed_or_a_group_left_empty_changes_nothing():
+    async def main():
+        control, p, d, mp, md = cluster()
+        press_prompts(p, mp)
+        press_decoding(d, md)
+        for i in range(2 * HOLD):
+            assert await control.step(float(i)) is None
+        press_prompts(p, mp, on=False)
+        d.healthy = False  # the mixed worker is the only decode worker in the picks: it may not leave decoding
+        control.roles.drains.groups["decode"].clients[1].info["kv_blocks_free"] = 90
+        press_prompts(p, mp)
+        for i in range(2 * HOLD):
+            assert await control.step(10.0 + i) is None
+        assert control.roles.current("m") == "mixed"
+    asyncio.run(main())
