@@ -127,8 +127,8 @@ class Moves:
             source = self.sender.alloc(layout, str(self.engine.device)) if whole else None  # sent from as it is
             kv = self.engine.pool.gather(seq.block_table, tokens, source.layers if source is not None else None)
             copied = _copied_event(kv)
-            if whole and source is None and getattr(self.sender, "sends_pieces", False):  # no room there: one piece a layer,
-                kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # which the sender joins in one copy
+            if whole and source is None and getattr(self.sender, "sends_pieces", False):  # no room in its memory:
+                kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # a piece a layer, joined there in one copy
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
             if source is not None:

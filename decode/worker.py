@@ -107,7 +107,7 @@ class DecodeWorker(WorkerLoop):
         self.live: dict[str, Live] = {}
         self.landing: dict[str, list] = {}
         self.held: dict[str, tuple[list, float]] = {}
-        self.kv_landed = 0
+        self.kv_landed = self.kv_converted = 0
         self.local_prefills = 0  # prompts computed here (generate) by a decode worker of a disaggregated cluster
         self.grammars = Background(self.engine, self.inbox.put, lambda rid: rid in self.reply_to)
         self.moves = Moves(self, self.transport, cfg)  # sequences moved to other decode workers (decode.migrate)
@@ -255,6 +255,7 @@ class DecodeWorker(WorkerLoop):
         if needs_convert(received.layout, self.engine.kv_dtype, self.engine.kv_scales):  # another dtype, or FP8
             with received.phases.measure("convert"):
                 views = convert(views, received.layout, self.engine.kv_dtype, self.engine.kv_scales)
+            self.kv_converted += 1
         self.blocked.append((seq, received, views, prefix))
         self._admit_blocked()
 

@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key-file", default=None, help="the router's API key (default: $PDSERVE_API_KEY)")
 
 
-def _call(url: str, key: str | None, body: dict | None = None) -> tuple[int, dict]:
+def router_call(url: str, key: str | None, body: dict | None = None) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
                                  headers={"Content-Type": "application/json",
@@ -34,7 +34,7 @@ def _call(url: str, key: str | None, body: dict | None = None) -> tuple[int, dic
 def worker_state(url: str, address: str, key: str | None = None) -> dict:
     """What the router's ``/health`` lists for the worker at ``address`` ({} while it does not answer or list it)."""
     try:
-        health = _call(f"{url.rstrip('/')}/health", key)[1]
+        health = router_call(f"{url.rstrip('/')}/health", key)[1]
     except (OSError, ValueError):
         return {}
     for group in (health.get("workers") or {}).values():
@@ -49,7 +49,7 @@ def drain(url: str, address: str, key: str | None, force: bool = False, wait_s: 
     """The router's answer (status, body); with ``wait_s``, its ``drain`` state once drained or the time is up."""
     url = url.rstrip("/")
     body = {"worker": address} if undo else {"worker": address, "force": force}
-    status, answer = _call(f"{url}/admin/{'undrain' if undo else 'drain'}", key, body)
+    status, answer = router_call(f"{url}/admin/{'undrain' if undo else 'drain'}", key, body)
     end = time.monotonic() + wait_s
     while status == 200 and not undo and answer.get("drain") != "drained" and time.monotonic() < end:
         time.sleep(0.2)
@@ -57,15 +57,27 @@ def drain(url: str, address: str, key: str | None, force: bool = False, wait_s: 
     return status, answer
 
 
-def run(args) -> int:
-    key = open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get("PDSERVE_API_KEY")
+def api_key(args) -> str | None:
+    return open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get("PDSERVE_API_KEY")
+
+
+def answered(name: str, url: str, call) -> dict | None:
+    """``call()``'s answer, printed; None after saying why there is none (the router silent, or not 200)."""
     try:
-        status, answer = drain(args.url, args.worker, key, args.force, args.wait, args.undo)
+        status, answer = call()
     except OSError as e:
-        print(f"pdserve drain: the router at {args.url} does not answer: {e}", file=sys.stderr)
-        return 1
+        print(f"pdserve {name}: the router at {url} does not answer: {e}", file=sys.stderr)
+        return None
     if status != 200:
-        print(f"pdserve drain: {status}: {(answer.get('error') or {}).get('message', answer)}", file=sys.stderr)
-        return 1
+        print(f"pdserve {name}: {status}: {(answer.get('error') or {}).get('message', answer)}", file=sys.stderr)
+        return None
     print(json.dumps(answer))
+    return answer
+
+
+def run(args) -> int:
+    key = api_key(args)
+    answer = answered("drain", args.url, lambda: drain(args.url, args.worker, key, args.force, args.wait, args.undo))
+    if answer is None:
+        return 1
     return 0 if args.undo or not args.wait or answer.get("drain") == "drained" else 1

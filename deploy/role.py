@@ -2,11 +2,7 @@
 from the command line (a mixed worker's role at runtime: ``router.roles``)."""
 from __future__ import annotations
 
-import json
-import os
-import sys
-
-from .drain import _call
+from .drain import answered, api_key, router_call
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -20,15 +16,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    key = open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get("PDSERVE_API_KEY")
     body = {"worker": args.worker, "role": args.role, "force": args.force}
-    try:
-        status, answer = _call(f"{args.url.rstrip('/')}/admin/role", key, body)
-    except OSError as e:
-        print(f"pdserve role: the router at {args.url} does not answer: {e}", file=sys.stderr)
-        return 1
-    if status != 200:
-        print(f"pdserve role: {status}: {(answer.get('error') or {}).get('message', answer)}", file=sys.stderr)
-        return 1
-    print(json.dumps(answer))
-    return 0
+    call = lambda: router_call(f"{args.url.rstrip('/')}/admin/role", api_key(args), body)  # noqa: E731
+    return 0 if answered("role", args.url, call) is not None else 1

@@ -186,7 +186,8 @@ def test_streams_drained_over_the_nccl_protocol_end_as_undisturbed(model, arena)
 
 def test_streams_whose_source_is_lost_mid_move_are_computed_again_on_the_target(model, monkeypatch):
     """The source pauses the drained streams and is killed before any KV leaves it (a test hook holds its pushes):
-    the target computes each one's tokens again and goes on; every stream ends with the undisturbed run's text."""
+    the target computes each one's tokens again and goes on; every stream ends with the undisturbed run's text.
+    (Round robin puts two streams on each worker: both move at once, ``router.drain.IN_FLIGHT``.)"""
     monkeypatch.setenv("PDSERVE_TEST_HOLD_MOVES", "1")
     c = Cluster("--decode", "2", "--model", model, "--policy", "round_robin").wait_ready()
     try:
@@ -360,7 +361,8 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         assert moved(url) > 0
         mixed_decode = lambda: next(w for w in decode_workers(url) if w["address"] == mixed)  # noqa: E731
         assert eventually(lambda: mixed_decode()["drain"] == "drained" and mixed_decode()["active"] == 0, 30)
-        assert role(url, mixed, "decode").json()["role"] == "decode"
+        assert pdserve(["role", "--url", url, "--worker", mixed, "--role", "decode"]) == 0
+        assert next(w for w in health(url)["workers"]["prefill"] if w["address"] == mixed)["drain"] != "serving"
         assert httpx.post(url + "/admin/drain", json={"worker": plain_prefill}, timeout=10).status_code == 409
         again, _ = run_streams(url, bodies[:2])  # prompts on the plain prefill worker, decode on either
         assert [s.texts for s in again] == [s.texts for s in want[:2]]
@@ -369,3 +371,31 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         assert 'pdserve_role_changes_total{role="prefill"} 1.0' in httpx.get(url + "/metrics", timeout=10).text
     finally:
         c.stop()
+
+
+def test_a_stream_moves_from_an_fp8_kv_cache_to_a_full_precision_one(model):
+    """The source's FP8 KV goes as it is and the target converts it on arrival; every stream ends with all its
+    tokens."""
+    from tests.fleet import Fleet
+
+    name = model.rsplit("/", 1)[1]
+    bodies = [{"model": name, "prompt": f"from fp8 {i}", "max_tokens": TOKENS, "temperature": 0,
+               "extra_body": {"ignore_eos": True}} for i in range(2)]
+    with Fleet("--model", model) as fleet:
+        fleet.worker("p", "prefill", "--kv-cache-dtype", "fp8")
+        fp8 = fleet.worker("fp8", "decode", "--kv-cache-dtype", "fp8")
+        fleet.worker("full", "decode")
+        fleet.router()
+        fleet.wait_healthy()
+        assert pdserve(["drain", "--url", fleet.url, "--worker", fleet.addrs["full"]]) == 0  # both start on fp8
+
+        def to_full(url):
+            undrain(url, fleet.addrs["full"])
+            assert pdserve(["drain", "--url", url, "--worker", fp8]) == 0
+            return fp8
+
+        got, _ = run_streams(fleet.url, bodies, to_full)
+        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        assert moved(fleet.url) >= 1
+        assert fleet.worker_info("full")["kv_converted"] >= 1  # (prompts went to fp8 only: these are the moves)
+        check_drained(fleet.url, fp8)
