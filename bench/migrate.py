@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import statistics
 import threading
@@ -108,12 +107,13 @@ def one_run(url: str, model: str, args, drain: bool) -> dict:
 
 def push_phases(url: str) -> dict:
     """The mean of each phase of the moves' KV pushes (ms), from the router's metrics (transport ``*-migration``)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    from prometheus_client.parser import text_string_to_metric_families
+
     sums, counts = {}, {}
-    for kind, labels, value in re.findall(r'pdserve_kv_transfer_phase_seconds_(sum|count)\{([^}]*)\} (\S+)', text):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if found.get("transport", "").endswith("-migration"):
-            (sums if kind == "sum" else counts)[found["phase"]] = float(value)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples if family.name == "pdserve_kv_transfer_phase_seconds" else ():
+            if sample.labels.get("transport", "").endswith("-migration") and sample.name.endswith(("_sum", "_count")):
+                (sums if sample.name.endswith("_sum") else counts)[sample.labels["phase"]] = sample.value
     return {p: round(sums[p] / counts[p] * 1e3, 2) for p in sums if counts.get(p)}
 
 

@@ -334,45 +334,6 @@ def test_rebalancing_moves_the_shortest_request_off_a_pressed_worker_to_the_room
     assert plan([waiting, empty], [run(waiting, 7)], movable, {}, 0.0)[0][1] is empty
 
 
-def role(url: str, worker: str, new: str, force: bool = False) -> httpx.Response:
-    return httpx.post(url + "/admin/role", json={"worker": worker, "role": new, "force": force}, timeout=30)
-
-
-def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model):
-    """``POST /admin/role`` on a mixed worker: ``prefill`` takes it out of the decode picks and moves what decodes
-    there to the decode worker (texts as undisturbed), ``decode`` out of the prefill picks, ``mixed`` back in both;
-    a worker started as decode, an unknown worker or role, and leaving the last prefill worker are refused."""
-    c = Cluster("--prefill", "1", "--decode", "1", "--mixed", "1", "--model", model, "--policy", "round_robin").wait_ready()
-    try:
-        url, name = c.url, model.rsplit("/", 1)[1]
-        workers = health(url)["workers"]
-        mixed = next(w["address"] for w in workers["decode"] if w.get("role") == "mixed")
-        plain_decode = next(w["address"] for w in workers["decode"] if w.get("role") != "mixed")
-        plain_prefill = next(w["address"] for w in workers["prefill"] if w["address"] != mixed)
-        assert role(url, plain_decode, "prefill").status_code == 409
-        assert role(url, "tcp://127.0.0.1:1", "decode").status_code == 404
-        assert role(url, mixed, "router").status_code == 400
-        bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
-                   "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
-        want, _ = run_streams(url, bodies)
-        got, _ = run_streams(url, bodies, lambda u: role(u, mixed, "prefill").json())
-        assert [s.texts for s in got] == [s.texts for s in want]
-        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
-        assert moved(url) > 0
-        mixed_decode = lambda: next(w for w in decode_workers(url) if w["address"] == mixed)  # noqa: E731
-        assert eventually(lambda: mixed_decode()["drain"] == "drained" and mixed_decode()["active"] == 0, 30)
-        assert pdserve(["role", "--url", url, "--worker", mixed, "--role", "decode"]) == 0
-        assert next(w for w in health(url)["workers"]["prefill"] if w["address"] == mixed)["drain"] != "serving"
-        assert httpx.post(url + "/admin/drain", json={"worker": plain_prefill}, timeout=10).status_code == 409
-        again, _ = run_streams(url, bodies[:2])  # prompts on the plain prefill worker, decode on either
-        assert [s.texts for s in again] == [s.texts for s in want[:2]]
-        assert role(url, mixed, "mixed").json() == {"worker": mixed, "role": "mixed", "prefill_drain": "serving",
-                                                    "decode_drain": "serving"}
-        assert 'pdserve_role_changes_total{role="prefill"} 1.0' in httpx.get(url + "/metrics", timeout=10).text
-    finally:
-        c.stop()
-
-
 def test_a_stream_moves_from_an_fp8_kv_cache_to_a_full_precision_one(model):
     """The source's FP8 KV goes as it is and the target converts it on arrival; every stream ends with all its
     tokens."""
