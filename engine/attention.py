@@ -121,6 +121,7 @@ class AttnMeta:
     mixed: int = 0  # the first ``mixed`` rows decode one token each through ``mixed_ops`` (``tables``/``lens``)
     mixed_ops: object = None
     rest: "AttnMeta | None" = None  # how the rows after them attend
+    mixed_graph: object = None  # ``cuda_graphs.mixed.MixedGraphs``: attention through its device buffers
 
 
 def block_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

@@ -53,6 +53,7 @@ def engine_graphs(self, cfg: EngineConfig) -> DecodeGraphs | None:
                           part)
     if capture:
         graphs.prompts = prompt_graphs(self, cfg, graphs.mempool)
+        graphs.mixed = mixed_graphs(self, cfg, graphs.mempool)
     return graphs
 
 
@@ -68,6 +69,19 @@ def prompt_graphs(self, cfg: EngineConfig, mempool):
     most = min(cfg.max_batched_tokens or MAX_TOKENS, self.max_len)
     context = min(self.max_len, MAX_CONTEXT) if cfg.prefix_caching else 0
     return PromptGraphs(self.model, self.pool, self.device, most, True, mempool, context)
+
+
+def mixed_graphs(self, cfg: EngineConfig, mempool):
+    """Steps that decode and take prompt chunks as CUDA graphs (``cuda_graphs.mixed``), in the same memory pool;
+    None where prompt graphs cannot be captured either."""
+    from .cuda_graphs.mixed import MixedGraphs
+    from .cuda_graphs.prompt import supported
+
+    if supported(self.model, cfg) is not None:
+        return None
+    max_blocks = -(-self.max_len // self.block_size) + 1
+    return MixedGraphs(self.model, self.pool, self.device, cfg.max_batched_tokens or self.max_len,
+                       min(cfg.max_num_seqs, 512), max_blocks, True, mempool=mempool)
 
 
 def fewrow_kernels(model) -> None:

@@ -8,10 +8,12 @@ batch): plain data, so rank 0 of a tensor-parallel group sends the same
 rows to every other rank and all run the same forward.
 
 Where the engine captured CUDA graphs: a step of decodes only replays its
-decode graph (``cuda_graphs.decode``); a single prompt chunk replays a prompt graph
-(``cuda_graphs.prompt``), and so does one beside decode rows, after their decode
-graph (two replays beat one eager forward, which is host-bound there);
-everything else runs as one eager forward, decode rows first."""
+decode graph (``cuda_graphs.decode``); prompt chunks alone replay a prompt graph
+(``cuda_graphs.prompt``) where one takes them; decode rows with prompt chunks (and
+prompt chunks no prompt graph takes) replay a mixed-step graph chosen by their token
+count (``cuda_graphs.mixed``); the rest
+(prompt logprobs, layer-by-layer progress, steps past the graphs) as one eager
+forward, decode rows first."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +24,6 @@ from .attention import AttnMeta, build_meta, token_slot
 from .kv_pool import KVPool
 from .scheduler import Batch
 from .sequence import PENDING
-
-# decode rows beside one prompt chunk of at most this many tokens: both through their graphs
-SPLIT_PROMPT_TOKENS = 512
-
 
 @dataclass
 class StepRow:
@@ -100,9 +98,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, rows: list[StepRow], on_layer=None, feed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """``(scores of the sampling rows in order, {row index: prompt-position scores})``.
-        With ``graphs``, the decode rows go through the captured step and the rest (prompt chunks) eagerly in the
-        same forward, or, for one prompt chunk a prompt graph takes (``cuda_graphs.prompt``), through that graph.
-        ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
+        With ``graphs``: as the module says. ``on_layer(i)``: called as the eager forward finishes each layer. ``feed``: the device tokens of the step
         in flight, which rows with a ``feed`` index take as input (only through the graphs)."""
         decode = [i for i, r in enumerate(rows) if self.decodes(r)] if self.graphs is not None else []
         if len(decode) == len(rows) and self.graphs.fits(len(decode)):
@@ -110,49 +106,39 @@ class ModelRunner:
         self._no_feed(rows)
         if not decode and on_layer is None and self._prompt_graph_takes(rows):
             return self._run_prompt_graph(rows), {}
-        if not decode:
-            return self._run_eager(rows, on_layer)
-        if self._prompt_graph_beside(rows, decode, on_layer) and self.graphs.fits(len(decode)):
-            return self._run_split(rows, decode, on_layer)
-        return self._run_mixed(rows, decode, on_layer)
-
-    def _prompt_graph_beside(self, rows: list[StepRow], decode: list[int], on_layer) -> bool:
-        """Decode rows and prompt chunks a prompt graph takes, of at most ``SPLIT_PROMPT_TOKENS`` in all: two replays
-        (the weights read twice) beat one eager forward, whose host time exceeds a read of the weights there."""
-        if on_layer is not None:
-            return False
-        taken = set(decode)
-        rest = [r for i, r in enumerate(rows) if i not in taken]
-        return sum(len(r.ids) for r in rest) <= SPLIT_PROMPT_TOKENS and self._prompt_graph_takes(rest)
-
-    def _run_split(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
-        """Decode rows through their graph, the rest (one prompt chunk through its graph, or eagerly) after them:
-        two passes over the weights."""
-        graph_scores = self._run_graph([rows[i] for i in decode])
-        taken = set(decode)
-        index = [i for i in range(len(rows)) if i not in taken]
-        rest = [rows[i] for i in index]
-        if on_layer is None and self._prompt_graph_takes(rest):
-            eager_scores, rest_prompt = self._run_prompt_graph(rest), {}
-        else:
-            eager_scores, rest_prompt = self._run_eager(rest, on_layer)
-        out, g, e = [], iter(graph_scores), iter(eager_scores)
-        for i, row in enumerate(rows):
-            if i in taken:
-                out.append(next(g))
-            elif row.samples:
-                out.append(next(e))
-        return torch.stack(out), {index[j]: v for j, v in rest_prompt.items()}
-
-    def _run_mixed(self, rows: list[StepRow], decode: list[int], on_layer) -> tuple[torch.Tensor, dict]:
-        """Decode rows and prompt chunks in one eager forward (the weights read once): decode rows first, through
-        the graphs' attention kernels; scores put back in the rows' order."""
+        if on_layer is None and self._mixed_graph_takes(rows):
+            return self._run_mixed_graph(rows), {}
         taken = set(decode)
         order = decode + [i for i in range(len(rows)) if i not in taken]
         scores, prompt = self._run_eager([rows[i] for i in order], on_layer, len(decode))
+        if order == list(range(len(rows))):
+            return scores, prompt
         by_row = dict(zip([i for i in order if rows[i].samples], scores))
         picked = [by_row[i] for i in range(len(rows)) if rows[i].samples]
         return (torch.stack(picked) if picked else scores[:0]), {order[j]: v for j, v in prompt.items()}
+
+    def _mixed_graph_takes(self, rows: list[StepRow]) -> bool:
+        """Rows the mixed-step graphs (``cuda_graphs.mixed``) take: no prompt scores, few enough tokens."""
+        mixed = getattr(self.graphs, "mixed", None)
+        if mixed is None or any(r.prompt_scores for r in rows):
+            return False
+        return mixed.fits(sum(len(r.ids) for r in rows), len(rows))
+
+    def _run_mixed_graph(self, rows: list[StepRow]) -> torch.Tensor:
+        """The scores of the sampling rows of ``rows`` through the mixed-step graphs."""
+        bs, ids, positions, slots, query_starts = self.pool.block_size, [], [], [], [0]
+        for row in rows:
+            pos = range(row.start, row.start + len(row.ids))
+            ids += row.ids
+            positions += pos
+            slots += [token_slot(row.table, p, bs) for p in pos]
+            query_starts.append(query_starts[-1] + len(row.ids))
+        logits = self.graphs.mixed.run(ids, positions, slots, [list(r.table) for r in rows], query_starts,
+                                       [r.start for r in rows])
+        logits = logits[[i for i, r in enumerate(rows) if r.samples]]  # a copy (advanced indexing)
+        if self.suppress is not None:
+            logits[:, self.suppress] = float("-inf")
+        return logits
 
     def _run_eager(self, rows: list[StepRow], on_layer=None, decode_rows: int = 0) -> tuple[torch.Tensor, dict]:
         ids, positions, meta = self._meta(rows, decode_rows)

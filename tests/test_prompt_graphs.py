@@ -132,34 +132,6 @@ def test_captured_prompts_on_the_gpu_match_the_eager_step(monkeypatch):
             assert want.output_ids[same] in runner_up
 
 
-def test_a_prompt_arriving_while_others_decode_replays_beside_their_graph(model):
-    """Decode rows through their (padded, uncaptured) decode step and the new prompts through a prompt graph, two
-    passes instead of one eager forward: the same tokens and logprobs (1e-4) as the one eager mixed forward."""
-    from engine.sequence import Sequence
-
-    def run(graphs: bool):
-        engine = _engine(model, graphs, caching=False)
-        params = SamplingParams(max_tokens=8, **GREEDY)
-        first = Sequence.create("a", list(range(3, 23)), params, engine.tokenizer, engine.max_len)
-        second = Sequence.create("b", list(range(40, 52)), params, engine.tokenizer, engine.max_len)
-        third = Sequence.create("c", list(range(60, 69)), params, engine.tokenizer, engine.max_len)
-        engine.add(first)
-        while len(first.output_ids) < 3:
-            engine.step()
-        engine.add(second)  # the next step: first decodes, second's and third's prompts
-        engine.add(third)
-        while not (first.finished and second.finished and third.finished):
-            engine.step()
-        runs = engine.runner.graphs.prompts.runs if graphs else 0
-        return [(s.output_ids, [e[1] for e in s.pending_logprobs]) for s in (first, second, third)], runs
-
-    (want, _), (got, runs) = run(False), run(True)
-    assert runs == 2  # the first prompt alone, the second and third together beside the first's decode
-    for (ids, lps), (want_ids, want_lps) in zip(got, want):
-        assert ids == want_ids
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
-
-
 def _reference_varlen(q, k, v, starts, longest, scale, window, k_starts=None, k_longest=None):
     """What the GPU's varlen kernel computes, on the CPU, from the cumulative starts tensors: each sequence's queries
     attend causally (from the bottom right) to its own keys."""

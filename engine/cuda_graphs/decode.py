@@ -59,6 +59,7 @@ class DecodeGraphs:
         self.timer: ReplayTimer | None = None  # device time of each replay (``replay_timer``), once captured
         self.mempool = None  # the captures' memory pool (``prompt`` captures into it too)
         self.prompts = None  # ``prompt.PromptGraphs``: fresh prompts' first chunks, where captured
+        self.mixed = None  # ``mixed.MixedGraphs``: decode rows with prompt chunks, where captured
         if capture:
             self._capture()
 

@@ -131,23 +131,29 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, meta: AttnMeta, k_cache, v_cache):
         qkv = project(self.gemv, self.qkv_proj, x)  # x: maybe ``Quantized`` or ``Normed`` (a fused norm)
-        n, d = qkv.shape[0], self.s.head_dim
+        if meta.mixed_graph is not None:  # a mixed step's graph (``cuda_graphs.mixed``)
+            return project(self.gemv, self.o_proj, meta.mixed_graph.attend(self, qkv, k_cache, v_cache))
+        n = qkv.shape[0]
         if meta.paged is not None and not self.s.qk_norm:  # one kernel rotates and stores; attention reads the pool
             out = meta.paged.rope_decode(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, self.heads,
                                          self.kv_heads, meta.tables, meta.lens, self.scale, meta.window, self.kv_scales)
             return project(self.gemv, self.o_proj, out.reshape(n, -1))
+        return project(self.gemv, self.o_proj, self.core(qkv, positions, meta, k_cache, v_cache))
+
+    def core(self, qkv, positions, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
+        """Attention between the q/k/v and o projections: rotary, the new K/V into the pool, attention over it;
+        ``[tokens, heads * head_dim]``."""
+        n, d = qkv.shape[0], self.s.head_dim
         if self.prompt_ops is not None and meta.cos is not None and not self.s.qk_norm:
             q, k, v = self.prompt_ops.rope_store(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping,
                                                  self.heads, self.kv_heads, self.kv_scales, keep=True)
-            out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales, stored=True)
-            return project(self.gemv, self.o_proj, out.reshape(n, -1))
+            return attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales, stored=True).reshape(n, -1)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.cos, meta.sin)
-        out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales).reshape(n, -1)
-        return project(self.gemv, self.o_proj, out)
+        return attend(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales).reshape(n, -1)
 
 
 class MLP(nn.Module):
