@@ -103,6 +103,24 @@ def test_the_padding_writes_nothing_to_the_pool(model):
     assert engine.runner.graphs.mixed.runs >= 2
 
 
+@cpu_form
+def test_a_small_step_after_a_large_one_reads_only_its_own_rows(model):
+    """The rows a bucket's logits read are staged whole each step: a step of one bucket after a step of more
+    sequences in a larger one reads none of the larger step's rows (on a GPU an index past the bucket is a
+    device-side fault that ends the worker)."""
+    from engine.generate import generate_many
+
+    def run(engine):
+        many = generate_many(engine, [list(range(3 + i, 12 + i)) for i in range(7)], [SamplingParams(max_tokens=1,
+                                                                                                   **GREEDY)] * 7)
+        one = generate_many(engine, [[40, 41, 42]], [SamplingParams(max_tokens=1, **GREEDY)])
+        return [(s.output_ids, [e[1] for e in s.pending_logprobs]) for _, s in many + one]
+
+    engine = _engine(model, True)
+    _same(run(engine), run(_engine(model, False)))
+    assert engine.runner.graphs.mixed.runs == 2  # 63 tokens of 7 sequences in 64, then 3 tokens in 16
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed-step CUDA graphs need a GPU")
 def test_captured_mixed_steps_on_the_gpu_match_the_eager_step():
     """The built-in tiny model in bf16: prompts arriving while others decode replay the pieces; tokens and logprobs

@@ -112,11 +112,12 @@ class MixedGraphs:
         tiles[:count] = torch.tensor(cut + [(-1, 0, 0, 0)] * (count - len(cut)), dtype=torch.int32)
         width = max(len(t) for t in tables)
         blocks[:len(tables), :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        last[:len(tables)] = torch.tensor([e - 1 for e in query_starts[1:]])
+        rows = min(size, self.most_seqs)  # every index the bucket's logits read: the unused ones row 0, in range
+        last[:rows] = torch.tensor([e - 1 for e in query_starts[1:]] + [0] * (rows - len(tables)))
         self.tokens[:, :size].copy_(tokens[:, :size], non_blocking=True)
         self.tiles[:count].copy_(tiles[:count], non_blocking=True)
         self.tables[:len(tables), :width].copy_(blocks[:len(tables), :width], non_blocking=True)
-        self.last[:len(tables)].copy_(last[:len(tables)], non_blocking=True)
+        self.last[:rows].copy_(last[:rows], non_blocking=True)
         return len(tables)
 
     @torch.inference_mode()
