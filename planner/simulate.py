@@ -8,11 +8,14 @@ something decodes and ``slo_tpot_ms`` is set, only as many as keep the
 step within it, or as many as make the step's prompt compute at least its
 fixed cost, at least ``CAP_FLOOR``; no cap where even one prompt token
 would take the step past the SLO: as ``--slo-tpot-ms`` does). A step that
-decodes and takes prompt tokens lasts ``decode_ms(rows, mean context)`` plus
-the prompt tokens' prefill time: the engine runs the decode rows and the
-prompt chunk as two forwards (the decode graph, then the prompt's), each
-reading the weights (measured on an H200: 64 decode rows + a 512-token chunk
-23.5 ms, against 16.6 + 7.8 for the two alone). A sequence is admitted when
+decodes and takes prompt tokens is one forward over both (a mixed-step graph,
+``engine.cuda_graphs.mixed``), which reads the weights once: it lasts
+``decode_ms(rows, mean context)`` plus the prompt tokens' prefill time less
+what the two share, a read of the weights: the prefill curve at 0 tokens (its
+slope from its first point back; measured on an H200: 32 decode rows of 5.6
+ms with 64, 256, 512-token chunks of 5.8, 9.3, 16.1 ms alone took 6.8, 10.1,
+16.4 ms, ``engine-mixed-step-mistral7b-h200-2026-11-28.md``, where the curve
+at 0 is ~3.3 ms: the model errs 1-2 ms long). A sequence is admitted when
 its prompt and output fit the KV pool.
 
 Roles: ``colocated`` instances prefill and decode; ``prefill`` instances
@@ -145,7 +148,11 @@ class Instance:
         return self._mixed_ms(decode_ms, min(prompt, self.cap(decode_ms))) > self.slo_tpot_ms
 
     def _mixed_ms(self, decode_ms: float, prompt_tokens: int) -> float:
-        return decode_ms + self.profile.prefill_ms(prompt_tokens)
+        if prompt_tokens <= 0:
+            return decode_ms
+        first = self.profile.prefill[0]["tokens"]
+        weights = self.profile.prefill_ms(first) - self.profile.prefill_ms_per_token() * first  # the curve at 0 tokens
+        return decode_ms + self.profile.prefill_ms(prompt_tokens) - min(decode_ms, max(0.0, weights))
 
     def _fits(self, req: SimRequest) -> bool:
         return self.used + req.prompt + req.output <= self.profile.kv_capacity_tokens or not self.used
