@@ -1,6 +1,6 @@
 """Prefix holds of a decode worker: the router asks it to keep the cached blocks of a prompt's longest cached prefix
 (``hold``), so prefill sends only the KV after them; when the KV arrives, the held blocks stand for the prompt's first
-tokens once checked against its own keys (``prefix``). ``self`` is the ``DecodeWorker``."""
+tokens once checked against its own keys (``prefix``; blocks a move sent ahead, ``decode.precopy``, unchecked). ``self`` is the ``DecodeWorker``."""
 from __future__ import annotations
 
 import time
@@ -28,12 +28,14 @@ def prefix(self, rid, seq, kv_tokens) -> list[int]:
         if skip < 0 or skip % bs or skip // bs > len(table):
             raise RequestError(f"{len(seq.prompt_ids)} prompt ids but KV for {kv_tokens} tokens and "
                                f"{len(table)} cached blocks held")
-        keys = self.engine.scheduler.keys(seq, skip)
-        if [self.engine.blocks.key_of[b] for b in table[:skip // bs]] != keys[:skip // bs]:
+        keys = self.engine.scheduler.keys(seq, skip) if rid not in self.precopied else None  # (its own KV: trusted)
+        if keys is not None and [self.engine.blocks.key_of[b] for b in table[:skip // bs]] != keys[:skip // bs]:
             raise RequestError("the held blocks do not hold this prompt's prefix")
     except RequestError:
         self.engine.release(table)
         raise
+    finally:
+        self.precopied.discard(rid)
     self.engine.release(table[skip // bs:])
     del table[skip // bs:]
     return table

@@ -1,11 +1,15 @@
 """A decoding sequence moved to another decode worker: the source's side (``router.migration`` runs the protocol).
 
-``migrate {rid, kv_dest}``: the sequence leaves this worker's steps at once (the step in flight still hands out
+``precopy {rid, kv_dest}`` (first, where the target takes one address): the KV of the sequence's full blocks is
+copied out of the pool and sent to ``kv_dest`` as the transfer ``RID:pre`` while the sequence decodes on (full
+blocks never change); then ``precopied {rid, tokens}`` to the router (tokens 0: none sent). ``migrate {rid,
+kv_dest, kv_skip}``: the sequence leaves this worker's steps at once (the step in flight still hands out
 its token, which goes to the router as usual). At the next tick where every token it has is known, its state is
 sent to the router as ``paused {rid, resume}``: the prompt, the output tokens (the last one is the next step's
 input), the detokenizer's position and the resolved sampling parameters (the seed's noise is a function of the
 output count, penalties and ``min_tokens`` count the outputs, the grammar is replayed over them), and its KV, every
-token but the last, goes to ``kv_dest`` over this worker's transport, in a thread. The target continues from the
+token but the last (after the ``kv_skip`` tokens sent ahead; at least one token goes), goes to ``kv_dest`` over this
+worker's transport, in a thread. The target continues from the
 token after this worker's last, so the client sees neither a token twice nor a gap.
 
 Until the router says ``release`` (the target streamed its first token) the sequence keeps its blocks here; on
@@ -27,7 +31,7 @@ from kvtransfer.convert import layout_for
 from prefill.tp_kv import push_whole
 
 log = logging.getLogger(__name__)
-OPS = ("migrate", "release", "unpause", "_moved")
+OPS = ("precopy", "migrate", "release", "unpause", "_moved")
 
 
 def _is_dest(dest) -> bool:
@@ -62,9 +66,11 @@ class Moves:
         self.worker, self.transport, self.cfg = worker, transport, cfg
         self.sender = None
         self.threads = ThreadPoolExecutor(1, thread_name_prefix="kv-move")
-        self.asked: dict[str, object] = {}  # rid -> kv_dest (an address, or one per rank of a group), out of the steps, waiting for its tokens to be known
+        self.asked: dict[str, tuple] = {}  # rid -> (kv_dest: an address, or one per rank of a group; tokens sent
+        # ahead), out of the steps, waiting for its tokens to be known
         self.paused: dict[str, object] = {}  # rid -> sequence, its KV sent or on its way
         self.moved_out = 0
+        self.sent_ahead = 0  # tokens whose KV went ahead of a pause (precopy)
         self.closed = threading.Event()
         self.hold = os.environ.get("PDSERVE_TEST_HOLD_MOVES") == "1"  # a test hook: pushes wait for the worker's end
 
@@ -74,8 +80,10 @@ class Moves:
 
     def handle(self, msg: dict) -> None:
         op, rid = msg["op"], msg["rid"]
-        if op == "migrate":
-            self._ask(rid, msg.get("kv_dest"))
+        if op == "precopy":
+            self._precopy(rid, msg.get("kv_dest"))
+        elif op == "migrate":
+            self._ask(rid, msg.get("kv_dest"), int(msg.get("kv_skip") or 0))
         elif op == "release":
             if self.paused.pop(rid, None) is not None:
                 self.moved_out += 1
@@ -86,7 +94,8 @@ class Moves:
             if self._unpause(rid):
                 self.worker.emit(rid, "migrate_failed", message=msg["message"])
 
-    def _ask(self, rid: str, kv_dest) -> None:
+    def _movable(self, rid: str, kv_dest):
+        """The sequence ``rid`` where it can move, else None (``migrate_failed`` sent)."""
         live = self.worker.live.get(rid)
         seq = live.seq if live is not None else None
         why = ("no KV address to send to" if not _is_dest(kv_dest) else
@@ -94,17 +103,74 @@ class Moves:
                "moving already" if rid in self.asked or rid in self.paused else None)
         if why is None:
             why = unmovable(self.engine, self.transport)
-        if why is not None:
-            self.worker.emit(rid, "migrate_failed", message=why)
-            if seq is None or seq.finished:
-                self.worker.reply_to.pop(rid, None)
+        if why is None:
+            return seq
+        self.worker.emit(rid, "migrate_failed", message=why)
+        if seq is None or seq.finished:
+            self.worker.reply_to.pop(rid, None)
+        return None
+
+    def _ask(self, rid: str, kv_dest, skip: int) -> None:
+        seq = self._movable(rid, kv_dest)
+        if seq is not None:
+            self.engine.scheduler.remove(seq)
+            self.asked[rid] = (kv_dest, skip)
+
+    def _precopy(self, rid: str, kv_dest) -> None:
+        """(Engine thread) The full blocks' KV out of the pool now, sent ahead in the sender thread."""
+        seq = self._movable(rid, kv_dest)
+        if seq is None:
             return
-        self.engine.scheduler.remove(seq)
-        self.asked[rid] = kv_dest
+        tokens = seq.num_computed // self.engine.block_size * self.engine.block_size  # full blocks, written
+        if not isinstance(kv_dest, str) or tokens == 0:
+            return self.worker.emit(rid, "precopied", tokens=0)
+        try:
+            layout, kv, copied = self._copy_out(seq.block_table, 0, tokens, kv_dest)
+        except Exception as e:  # noqa: BLE001 - the move goes on without it
+            log.warning("copying the KV of %s out of the pool to send it ahead failed: %s", rid, e)
+            return self.worker.emit(rid, "precopied", tokens=0)
+        self.threads.submit(self._push_ahead, rid, kv_dest, layout, kv, copied)
+
+    def _copy_out(self, table: list[int], skip: int, tokens: int, kv_dest) -> tuple:
+        """``(layout, KV, copied event)`` of tokens ``[skip, tokens)`` of a sequence's blocks ``table``: into the
+        sender's own memory where it has room, else a piece a layer where it sends pieces, else pool copies."""
+        layout = layout_for(self.engine.kv_shape, tokens - skip, self.engine.kv_dtype, self.engine.kv_scales)
+        if self.sender is None:
+            self.sender = make_sender(self.transport, self.cfg)
+        whole = not isinstance(kv_dest, list)  # (a group's ranks each get a copy of their heads)
+        source = self.sender.alloc(layout, str(self.engine.device)) if whole else None  # sent from as it is
+        try:
+            kv = self.engine.pool.gather(table[skip // self.engine.block_size:], tokens - skip,
+                                         source.layers if source is not None else None)
+        except Exception:
+            if source is not None:
+                source.release()
+            raise
+        copied = _copied_event(kv)
+        if source is not None:
+            return layout, source, copied
+        if whole and getattr(self.sender, "sends_pieces", False):  # no room in its memory:
+            kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # a piece a layer, joined there in one copy
+        return layout, kv, copied
+
+    def _push_ahead(self, rid: str, kv_dest: str, layout, kv, copied) -> None:
+        """(Sender thread) The full blocks to the target as ``RID:pre``; ``precopied`` either way."""
+        try:
+            if copied is not None:
+                copied.synchronize()
+            phases = self.sender.send(kv_dest, rid + ":pre", layout, kv, {})
+        except Exception as e:  # noqa: BLE001 - the move goes on, sending everything at the pause
+            log.warning("sending the KV of %s ahead to %s failed: %s", rid, kv_dest, e)
+            return self.worker.emit(rid, "precopied", tokens=0)
+        finally:
+            if isinstance(kv, SourceKV):
+                kv.release()
+        self.sent_ahead += layout.num_tokens
+        self.worker.emit(rid, "precopied", tokens=layout.num_tokens, phases=phases.to_dict())
 
     def tick(self) -> None:
         """(Engine thread, before a step) Pause the asked sequences whose tokens are all known, and push their KV."""
-        for rid, kv_dest in list(self.asked.items()):
+        for rid, (kv_dest, skip) in list(self.asked.items()):
             live = self.worker.live.get(rid)
             if live is None or live.seq.finished:  # ended by its last token in flight: its done went out
                 del self.asked[rid]
@@ -113,37 +179,30 @@ class Moves:
             if seq.pending:
                 continue
             del self.asked[rid]
-            self._pause(rid, live, kv_dest)
+            self._pause(rid, live, kv_dest, skip)
 
-    def _pause(self, rid: str, live, kv_dest: str) -> None:
+    def _pause(self, rid: str, live, kv_dest: str, skip: int) -> None:
         seq = live.seq
         tokens = seq.num_tokens - 1
-        layout = layout_for(self.engine.kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
-        start, source = time.perf_counter(), None
+        bs = self.engine.block_size
+        skip = max(0, min(skip, (tokens - 1) // bs * bs))  # whole blocks sent ahead; at least one token goes now
+        start = time.perf_counter()
         try:
-            if self.sender is None:
-                self.sender = make_sender(self.transport, self.cfg)
-            whole = not isinstance(kv_dest, list)  # (a group's ranks each get a copy of their heads)
-            source = self.sender.alloc(layout, str(self.engine.device)) if whole else None  # sent from as it is
-            kv = self.engine.pool.gather(seq.block_table, tokens, source.layers if source is not None else None)
-            copied = _copied_event(kv)
-            if whole and source is None and getattr(self.sender, "sends_pieces", False):  # no room in its memory:
-                kv = PiecewiseKV(layout, [([k], [v]) for k, v in kv])  # a piece a layer, joined there in one copy
+            layout, kv, copied = self._copy_out(seq.block_table, skip, tokens, kv_dest)
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
-            if source is not None:
-                source.release()
             self.engine.scheduler.add_running(seq)
             return self.worker.emit(rid, "migrate_failed", message=f"KV copy failed: {e}")
         d2h_ms = (time.perf_counter() - start) * 1e3
-        log.info("paused %s to move it (%d tokens of KV copied out in %.1f ms)", rid, tokens, d2h_ms)
+        log.info("paused %s to move it (%d tokens of KV copied out in %.1f ms, %d sent ahead)", rid, tokens - skip,
+                 d2h_ms, skip)
         self.paused[rid] = seq
         resume = {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
-                  "emitted": seq.detok.emitted, "params": seq.params.to_dict()}
+                  "emitted": seq.detok.emitted, "params": seq.params.to_dict(), "kv_skip": skip}
         handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
-        self.worker.emit(rid, "paused", resume=resume, kv_tokens=tokens, kv_bytes=layout.total_nbytes,
+        self.worker.emit(rid, "paused", resume=resume, kv_tokens=tokens - skip, kv_bytes=layout.total_nbytes,
                          phases=handoff)  # its own KV's arrival here, which its done would have reported
-        self.threads.submit(self._push, rid, kv_dest, layout, source if source is not None else kv, d2h_ms, copied)
+        self.threads.submit(self._push, rid, kv_dest, layout, kv, d2h_ms, copied)
 
     def _push(self, rid: str, kv_dest: str, layout, kv, d2h_ms: float, copied=None) -> None:
         """(Sender thread) The KV to the target; ``moved`` with its phases, or back to the engine thread. Little
@@ -187,7 +246,8 @@ class Moves:
         self.paused.pop(rid, None)
 
     def info(self) -> dict:
-        return {"migrations_out": self.moved_out, "migrations_pausing": len(self.asked) + len(self.paused),
+        return {"migrations_out": self.moved_out, "migrations_sent_ahead_tokens": self.sent_ahead,
+                "migrations_pausing": len(self.asked) + len(self.paused),
                 "migrations_paused": len(self.paused)}
 
     def close(self) -> None:

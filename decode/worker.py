@@ -40,7 +40,7 @@ from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
-from . import holds, local, pp_kv
+from . import holds, local, pp_kv, precopy
 from .group_receive import GroupReceive
 from .migrate import OPS as MOVE_OPS, Moves
 from .report import report
@@ -107,6 +107,7 @@ class DecodeWorker(WorkerLoop):
         self.live: dict[str, Live] = {}
         self.landing: dict[str, list] = {}
         self.held: dict[str, tuple[list, float]] = {}
+        self.precopied: set[str] = set()  # rids whose hold is the blocks their move sent ahead (decode.precopy)
         self.kv_landed = self.kv_converted = 0
         self.local_prefills = 0  # prompts computed here (generate) by a decode worker of a disaggregated cluster
         self.grammars = Background(self.engine, self.inbox.put, lambda rid: rid in self.reply_to)
@@ -154,6 +155,8 @@ class DecodeWorker(WorkerLoop):
         if op == "decode" and not self.colocated:
             self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
             self._try_start(rid)
+        elif op == "_kv" and rid.endswith(precopy.SUFFIX):
+            precopy.arrived(self, rid)
         elif op == "_kv":
             rid = rid.split(":h")[0].split(":L")[0]  # a slice of a request's KV (tp_kv), a range of layers (pp_kv)
             if rid in self.waiting:
@@ -223,7 +226,7 @@ class DecodeWorker(WorkerLoop):
             return self.fail(rid, 400, "a pipelined decode worker with an FP8 KV cache takes KV by layer range, each "
                                        "stage with its scales (from a torch prefill worker), not whole")
         status = self.receiver.poll(rid)
-        if status in (TransferStatus.PENDING, TransferStatus.RECEIVING):
+        if status in (TransferStatus.PENDING, TransferStatus.RECEIVING) or not precopy.ready(self, rid, msg):
             return
         msg, _ = self.waiting.pop(rid)
         try:
@@ -317,6 +320,7 @@ class DecodeWorker(WorkerLoop):
         held = self.held.pop(rid, None)
         if held is not None:
             self.engine.release(held[0])
+        precopy.forget(self, rid)
         if self.receiver:
             self.receiver.abort(rid)
 
@@ -326,6 +330,7 @@ class DecodeWorker(WorkerLoop):
             if deadline < now and rid not in self.waiting:
                 del self.held[rid]
                 self.engine.release(table)
+                precopy.forget(self, rid)
         for rid, (_, deadline) in list(self.waiting.items()):
             if deadline < now:
                 msg = self.waiting.pop(rid)[0]

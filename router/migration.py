@@ -1,11 +1,16 @@
 """Moving a decoding request from one decode worker to another while it streams (the source's side:
 ``decode.migrate``).
 
-1. ``start``: ``migrate {rid, kv_dest}`` to the worker decoding the request (the source), with the target's KV
-   address.
+1. ``start``: ``precopy {rid, kv_dest}`` to the worker decoding the request (the source), with the target's KV
+   address: it sends the KV of the request's full blocks ahead while the request decodes on there, then says
+   ``precopied {tokens}`` (``decode.migrate``; the target holds them, ``decode.precopy``). Then ``migrate {rid,
+   kv_dest, kv_skip}``: the source pauses the request and sends only the KV after those tokens, so the pause lasts
+   the push of a block or two and the switch, whatever the context. (A tensor-parallel target, several addresses:
+   ``migrate`` at once, everything at the pause.)
 2. ``paused {resume}`` from the source: every token it has is out and it emits nothing more for the request; the
    router sends the target ``decode`` with that state (``earlier``: the output tokens before the last), as after a
-   prefill, while the source pushes the KV over the cluster's transport (``moved``, with its phases).
+   prefill (``precopied``: the tokens whose KV is held there already), while the source pushes the KV over the
+   cluster's transport (``moved``, with its phases).
 3. The target's first ``tokens`` or ``done``: ``release`` to the source (its blocks come back), and the request is
    the target's (its load, where an abort goes, whose silence the stall watchdog blames).
 
@@ -28,7 +33,7 @@ from .waits import DECODING
 from .workers import SOURCE
 
 log = logging.getLogger(__name__)
-OPS = ("paused", "moved", "migrate_failed")
+OPS = ("precopied", "paused", "moved", "migrate_failed")
 
 
 @dataclass
@@ -36,6 +41,8 @@ class Move:
     source: object  # WorkerClient
     target: object
     reason: str  # drain | rebalance | admin
+    kv_dest: object = None  # the target's KV address (one per rank of a group)
+    ahead: int = 0  # tokens whose KV the source sent ahead (precopied)
     paused_at: float | None = None
     kv_bytes: int = 0
     resume: dict | None = None  # the source's state at ``paused``
@@ -58,8 +65,8 @@ class Migrations:
         if not self.movable(run) or source is target or not kv_addr or target.info.get("kv_stages") \
                 or target in run.ignore:  # one that failed it once: its late errors must not pass for a new move's
             return False
-        run.move = Move(source, target, reason)
-        await source.send("migrate", rid=run.attempt_rid, kv_dest=kv_addr)
+        run.move = Move(source, target, reason, kv_addr)
+        await source.send("precopy" if isinstance(kv_addr, str) else "migrate", rid=run.attempt_rid, kv_dest=kv_addr)
         return True
 
     async def on_message(self, run, msg: dict) -> bool:
@@ -73,6 +80,12 @@ class Migrations:
             if op == "paused" and msg.get(SOURCE) is not None:
                 await msg[SOURCE].send("unpause", rid=run.attempt_rid)
             return op in OPS
+        if op == "precopied":
+            move.ahead = int(msg.get("tokens") or 0)
+            if isinstance(msg.get("phases"), dict):
+                self.metrics.observe_transfer(f"{run.timing.get('transport') or 'kv'}-migration", msg["phases"])
+            await move.source.send("migrate", rid=run.attempt_rid, kv_dest=move.kv_dest, kv_skip=move.ahead)
+            return True
         if op == "paused":
             move.paused_at, move.kv_bytes = time.monotonic(), int(msg.get("kv_bytes") or 0)
             if isinstance(msg.get("phases"), dict) and "kv" not in run.timing:  # the handoff to the first decode worker
@@ -82,7 +95,7 @@ class Migrations:
             r = move.resume = msg["resume"]
             await self.dispatch(move.target, run.involved, run.attempt_rid, "decode", first_token=r["first_token"],
                                 prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
-                                params=r["params"], kv_tp=1)
+                                params=r["params"], kv_tp=1, precopied=int(r.get("kv_skip") or 0))
             return True
         if op == "migrate_failed":
             await self._end(run, "failed", msg.get("message"))
@@ -106,7 +119,7 @@ class Migrations:
         self.metrics.migration_stall.observe(stall)
         run.timing.setdefault("migrations", []).append(
             {"from": move.source.address, "to": move.target.address, "reason": move.reason,
-             "stall_ms": round(stall * 1e3, 1), "kv_bytes": move.kv_bytes})
+             "stall_ms": round(stall * 1e3, 1), "kv_bytes": move.kv_bytes, "sent_ahead_tokens": move.ahead})
         await self._end(run, "recomputed" if move.recomputed else "moved")
 
     async def failed(self, run, failure) -> bool:

@@ -159,6 +159,10 @@ def test_a_drained_worker_hands_its_streams_over_mid_way_and_each_ends_as_undist
             assert all(json.loads(t) for s in got for t in s.texts.values())
         assert moved(cluster.url) > before
         check_drained(cluster.url, address)
+        source = next(w for w in decode_workers(cluster.url) if w["address"] == address)
+        assert source["migrations_sent_ahead_tokens"] > 0  # the full blocks went ahead of each pause
+        assert eventually(lambda: all(w["kv_blocks_free"] == w["kv_blocks"] and w["kv_reserved_bytes"] == 0
+                                      for w in decode_workers(cluster.url)), 30)  # nothing held anywhere
     finally:
         undrain(cluster.url, address)
 
