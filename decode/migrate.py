@@ -28,7 +28,10 @@ import torch
 
 from kvtransfer import PiecewiseKV, SourceKV, TransferError, make_sender
 from kvtransfer.convert import layout_for
-from prefill.tp_kv import push_whole
+from kvtransfer.phases import merge_ranks
+from prefill.tp_kv import GroupPushes, push_slices, push_whole
+
+from .tp_kv import PUSHED
 
 log = logging.getLogger(__name__)
 OPS = ("precopy", "migrate", "release", "unpause", "_moved")
@@ -45,8 +48,6 @@ def unmovable(engine, transport) -> str | None:
         return "this worker has no KV transport (colocated)"
     if not getattr(engine, "paged", True) or getattr(engine, "stage", None) is not None:
         return "moving sequences off an MLX engine or a pipeline is not supported yet"
-    if engine.group.size > 1:
-        return "moving sequences off a tensor-parallel decode group is not supported yet"
     return None
 
 
@@ -65,6 +66,7 @@ class Moves:
     def __init__(self, worker, transport: str, cfg):
         self.worker, self.transport, self.cfg = worker, transport, cfg
         self.sender = None
+        self.group_pushes = None  # a tensor-parallel group's: its followers' parts of a push (made at the first)
         self.threads = ThreadPoolExecutor(1, thread_name_prefix="kv-move")
         self.asked: dict[str, tuple] = {}  # rid -> (kv_dest: an address, or one per rank of a group; tokens sent
         # ahead), out of the steps, waiting for its tokens to be known
@@ -122,8 +124,8 @@ class Moves:
         if seq is None:
             return
         tokens = seq.num_computed // self.engine.block_size * self.engine.block_size  # full blocks, written
-        if not isinstance(kv_dest, str) or tokens == 0:
-            return self.worker.emit(rid, "precopied", tokens=0)
+        if not isinstance(kv_dest, str) or tokens == 0 or self.engine.group.size > 1:  # (a group's ranks each
+            return self.worker.emit(rid, "precopied", tokens=0)  # hold their heads: all of it goes at the pause)
         try:
             layout, kv, copied = self._copy_out(seq.block_table, 0, tokens, kv_dest)
         except Exception as e:  # noqa: BLE001 - the move goes on without it
@@ -186,6 +188,8 @@ class Moves:
         tokens = seq.num_tokens - 1
         bs = self.engine.block_size
         skip = max(0, min(skip, (tokens - 1) // bs * bs))  # whole blocks sent ahead; at least one token goes now
+        if self.engine.group.size > 1:
+            return self._pause_group(rid, live, kv_dest, tokens)
         start = time.perf_counter()
         try:
             layout, kv, copied = self._copy_out(seq.block_table, skip, tokens, kv_dest)
@@ -197,12 +201,49 @@ class Moves:
         log.info("paused %s to move it (%d tokens of KV copied out in %.1f ms, %d sent ahead)", rid, tokens - skip,
                  d2h_ms, skip)
         self.paused[rid] = seq
-        resume = {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
-                  "emitted": seq.detok.emitted, "params": seq.params.to_dict(), "kv_skip": skip}
+        resume = self._resume_state(seq, skip)
         handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
         self.worker.emit(rid, "paused", resume=resume, kv_tokens=tokens - skip, kv_bytes=layout.total_nbytes,
                          phases=handoff)  # its own KV's arrival here, which its done would have reported
         self.threads.submit(self._push, rid, kv_dest, layout, kv, d2h_ms, copied)
+
+    def _resume_state(self, seq, skip: int) -> dict:
+        return {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
+                "emitted": seq.detok.emitted, "params": seq.params.to_dict(), "kv_skip": skip,
+                "kv_tp": self.engine.group.size}
+
+    def _pause_group(self, rid: str, live, kv_dest, tokens: int) -> None:
+        """A tensor-parallel group's pause: every rank sends its heads straight from its pool (``kv_push`` on the
+        plan now, from the engine thread, which owns the plan; the pushes in the sender thread)."""
+        seq = live.seq
+        if self.sender is None:
+            self.sender = make_sender(self.transport, self.cfg)
+        if self.group_pushes is None:
+            self.group_pushes = GroupPushes(self.engine, kind=PUSHED)
+        dests = kv_dest if isinstance(kv_dest, list) else [kv_dest]
+        self.group_pushes.start(rid, dests, seq.block_table, tokens, False)
+        self.paused[rid] = seq
+        layout = layout_for(self.engine.model_kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
+        handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
+        self.worker.emit(rid, "paused", resume=self._resume_state(seq, 0), kv_tokens=tokens,
+                         kv_bytes=layout.total_nbytes, phases=handoff)
+        self.threads.submit(self._push_group, rid, dests, list(seq.block_table), tokens)
+
+    def _push_group(self, rid: str, dests: list, table: list, tokens: int) -> None:
+        """(Sender thread) Rank 0's heads, then the followers' reports; ``moved``, or back to the engine thread."""
+        if self.hold:
+            self.closed.wait()
+            return
+        timeout = self.cfg.timeout_s
+        try:
+            own = push_slices(self.engine, self.sender, rid, dests, table, tokens, None, timeout)
+            reports = self.group_pushes.wait(rid, timeout)
+        except Exception as e:  # noqa: BLE001 - whatever stops a push leaves the sequence on this group
+            log.warning("moving the KV of %s to %s failed: %s", rid, dests, e)
+            self.group_pushes.discard(rid, timeout)
+            self.worker.inbox.put({"op": "_moved", "rid": rid, "ok": False, "message": f"KV transfer failed: {e}"})
+            return
+        self.worker.emit(rid, "moved", phases=merge_ranks(own, reports).to_dict())
 
     def _push(self, rid: str, kv_dest: str, layout, kv, d2h_ms: float, copied=None) -> None:
         """(Sender thread) The KV to the target; ``moved`` with its phases, or back to the engine thread. Little

@@ -38,6 +38,7 @@ from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
 
 log = logging.getLogger(__name__)
+PUSHED = "pushed"  # the kind of a follower's report on its part of a moved sequence's KV
 
 
 def rank_of(engine) -> int:
@@ -132,12 +133,19 @@ class DecodeRankKV:
         self.receiver = make_receiver(name, cfg)
         self.receiver.start()
         self.threads = ThreadPoolExecutor(4, thread_name_prefix="kv-place")
+        self.pushes = None  # pushes of sequences moved off this group (decode.migrate), made at the first
         plan.report(kind="address", rank=rank_of(engine), address=self.receiver.address)
 
     def take_progress(self):
         return None
 
     def handle(self, msg: dict) -> None:
+        if msg["op"] in ("kv_push", "kv_cancel"):  # a sequence moving off this group: this rank's heads of it
+            if self.pushes is None:
+                from prefill.tp_kv import PrefillRankKV
+
+                self.pushes = PrefillRankKV(self.engine, self.plan, kind=PUSHED)
+            return self.pushes.handle(msg)
         if msg["op"] == "kv_adopt":
             self.threads.submit(self._adopt, msg)
         elif msg["op"] == "kv_abort":

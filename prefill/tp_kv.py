@@ -138,7 +138,8 @@ class GroupPushes:
     it never returns) is taken as stuck: ``on_stuck(rank)`` (the worker fails its requests and exits, and ``pdserve
     up`` restarts the group) rather than every later push waiting out its timeout behind it."""
 
-    def __init__(self, engine, on_stuck=None):
+    def __init__(self, engine, on_stuck=None, kind: str | None = None):
+        """``kind``: the followers' reports carry it (a decode group's plan has reports of other kinds too)."""
         self.on_stuck, self.silent = on_stuck, {}  # rank -> pushes in a row it did not report on
         self.plan, self.followers = engine.group.plan, engine.group.size - 1
         stages = getattr(getattr(engine, "stage", None), "stages", None)
@@ -146,7 +147,9 @@ class GroupPushes:
             self.plan, self.followers = stages.plan, len(stages.spans) - 1
         self.reports: dict[str, list] = {}
         self._cond = threading.Condition()
-        if self.plan is not None:
+        if self.plan is not None and kind is not None:
+            self.plan.by_kind[kind] = self._on_report
+        elif self.plan is not None:
             self.plan.on_report = self._on_report
 
     def start(self, rid: str, dests: list, table: list, tokens: int, stream: bool) -> None:
@@ -226,13 +229,14 @@ def push_group(worker, rid, dests, table, layout, computed) -> None:
 
 
 class PrefillRankKV:
-    """A follower rank's side: its own sender, pushes run on a thread pool, reports to rank 0."""
+    """A follower rank's side: its own sender, pushes run on a thread pool, reports to rank 0 (``kind`` in each
+    where given)."""
 
-    def __init__(self, engine, plan):
+    def __init__(self, engine, plan, kind: str | None = None):
         name, self.cfg = transport_spec.load(os.environ[transport_spec.ENV])
         if name == "nccl":  # this rank's GPU, not rank 0's
             self.cfg.options["device"] = str(engine.device)
-        self.engine, self.plan = engine, plan
+        self.engine, self.plan, self.kind = engine, plan, {"kind": kind} if kind else {}
         self.sender = make_sender(name, self.cfg)
         self.threads = ThreadPoolExecutor(4, thread_name_prefix="kv-send")
         self.pending: LayerProgress | None = None
@@ -256,6 +260,6 @@ class PrefillRankKV:
                                  progress, self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure ends the push with an error report
             log.warning("rank %d: KV push of %s failed: %s", rank, msg["rid"], e)
-            self.plan.report(rid=msg["rid"], rank=rank, ok=False, error=str(e))
+            self.plan.report(rid=msg["rid"], rank=rank, ok=False, error=str(e), **self.kind)
             return
-        self.plan.report(rid=msg["rid"], rank=rank, ok=True, phases=phases.to_dict())
+        self.plan.report(rid=msg["rid"], rank=rank, ok=True, phases=phases.to_dict(), **self.kind)

@@ -95,7 +95,8 @@ class Migrations:
             r = move.resume = msg["resume"]
             await self.dispatch(move.target, run.involved, run.attempt_rid, "decode", first_token=r["first_token"],
                                 prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
-                                params=r["params"], kv_tp=1, precopied=int(r.get("kv_skip") or 0))
+                                params=r["params"], kv_tp=int(r.get("kv_tp") or 1),
+                                precopied=int(r.get("kv_skip") or 0))
             return True
         if op == "migrate_failed":
             await self._end(run, "failed", msg.get("message"))
