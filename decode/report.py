@@ -6,6 +6,7 @@ from __future__ import annotations
 def report(w) -> dict:
     e = w.engine
     return {"role": w.role, "model": e.name, "engine": getattr(e, "kind", "torch"), "transport": w.transport,
+            "device": str(getattr(e, "device", "") or ""),
             "kv_addr": w.group_kv.kv_addr(w.receiver.address) if w.receiver else None,
             "kv_stages": w.group_kv.kv_stages(w.receiver.address) if w.receiver else None,
             "tp": 1 if getattr(e, "pipeline", None) else e.group.size, "pp": e.cfg.pp if hasattr(e, "cfg") else 1, "max_len": e.max_len,

@@ -104,6 +104,7 @@ class PrefillWorker(WorkerLoop):
 
     def info(self):
         return {"role": self.role, "model": self.engine.name, "engine": getattr(self.engine, "kind", "torch"),
+                "device": str(getattr(self.engine, "device", "") or ""),
                 "transport": self.transport, "max_len": self.engine.max_len,
                 "kv_registrations": getattr(self.sender, "registrations", 0), "queued": self.queued,
                 "pushing": self.pushing, "kv_held_bytes": self.held_bytes, "kv_in_place": self.kv_in_place,

@@ -20,7 +20,7 @@ from .limits import BodyLimit
 from .membership import Membership, worker_groups
 from .metrics import Metrics
 from .rebalance import Rebalancer
-from .routes import admin, errors, generation, status
+from .routes import admin, dashboard, errors, generation, status
 from .routes.state import RouterState, check_key
 from .service import Service
 from .warmup import PairWarmer
@@ -87,4 +87,5 @@ def create_app(cfg: RouterConfig, token: bytes | None = None, api_key: str | Non
     app.include_router(generation.routes)
     app.include_router(status.routes)
     app.include_router(admin.routes)
+    app.include_router(dashboard.routes)
     return app

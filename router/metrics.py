@@ -32,6 +32,8 @@ class Metrics:
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens", ["mode"],
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first, per request choice",
+                              ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency end to end", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.phase = Histogram("pdserve_kv_transfer_phase_seconds", "KV transfer time by phase", ["transport", "phase"],
                                buckets=PHASE_BUCKETS, registry=r)

@@ -11,6 +11,9 @@ python -m pip install -q --no-deps nixl nixl-cu12      # plain `nixl` would pull
 if ! command -v iperf3 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   timeout 180 apt-get install -y -q iperf3 >/dev/null 2>&1 || echo "iperf3 not installed; benchmarks fall back to a plain socket reference"
 fi
+if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then  # the dashboard test
+  timeout 300 apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || echo "chromium not installed; the browser test is skipped"
+fi
 # Two workers (pytest-xdist; a third was no faster on two cores: the suite is CPU-bound) for all but the tests marked
 # `serial` (bounds of about a second, or host-wide state such as network namespaces), which then run alone so that
 # no other test's load stretches their timings. PYTEST_WORKERS sets the count; 0 runs everything in one process.

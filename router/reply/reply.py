@@ -39,7 +39,7 @@ class Reply:
         self.with_ids = req.return_token_ids
         self.tools = getattr(req, "tool_mode", "none")  # with tools the text is read for calls before it goes out
         self.releases: dict[int, Release] = {}  # auto, streamed: text goes out unless it may be a call
-        self.choices, self.streams, self.firsts, self.t0 = [], [], [], 0.0
+        self.choices, self.streams, self.firsts, self.t0, self.t1 = [], [], [], 0.0, 0.0  # start, first tokens
 
     async def serve(self, payloads: list[dict]):
         self.st.service.check_model(self.req.model)
@@ -50,7 +50,8 @@ class Reply:
         self.metrics.in_flight.inc()
         self.t0 = time.perf_counter()
         await self._firsts()
-        self.metrics.ttft.labels(self.st.mode).observe(time.perf_counter() - self.t0)
+        self.t1 = time.perf_counter()
+        self.metrics.ttft.labels(self.st.mode).observe(self.t1 - self.t0)
         if self.req.stream:
             opts = self.req.stream_options
             include_usage = bool(opts and opts.include_usage)
@@ -193,6 +194,9 @@ class Reply:
         return out
 
     def _finished(self, choice: Choice) -> None:
-        self.metrics.e2e.labels(self.st.mode).observe(time.perf_counter() - self.t0)
+        now = time.perf_counter()
+        self.metrics.e2e.labels(self.st.mode).observe(now - self.t0)
+        if choice.completion_tokens > 1:
+            self.metrics.tpot.labels(self.st.mode).observe((now - self.t1) / (choice.completion_tokens - 1))
         self.metrics.tokens.inc(choice.completion_tokens)
         self.metrics.requests.labels(self.endpoint, "ok").inc()

@@ -12,7 +12,8 @@ from ..errors import ApiError
 from ..metrics import Metrics
 from ..service import Service
 
-OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
+OPEN_PATHS = ("/health", "/metrics", "/dashboard", "/dashboard/page.js")  # answered without the API key (the
+# dashboard's page and script hold no data; its state needs the key)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class RouterState:
     ready_since: float | None = None  # when /health first answered ok (``pdserve up``: the cluster has started)
     drains: object = None  # router.drain.Drains
     roles: object = None  # router.roles.Roles
+    window: object = None  # router.dashboard.snapshot.Window: the last minute's metric samples
 
     @property
     def mode(self) -> str:
