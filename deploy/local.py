@@ -1,14 +1,37 @@
 """A real ``pdserve up`` cluster as a child process, for tests and benchmarks."""
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-from deploy.up import free_port  # noqa: F401 (tests take it from here)
+from deploy.up import free_port, port_range  # noqa: F401 (tests take free_port from here)
+
+SLICE = 50  # ports a cluster draws from: its router's and its workers'
+_slices = itertools.count()
+
+
+def own_ports() -> tuple[int, int]:
+    """``(router port, end)``: a slice of this process's port range no other cluster it started recently draws from
+    (clusters started at once each pick their workers' ports in their own slice: two ``pdserve up`` picking ports
+    from one range at the same moment could take the same one before either bound it). The first port of the slice,
+    free now, is the router's."""
+    low, high = port_range()
+    count = max(1, (high - low) // SLICE)
+    for _ in range(count):
+        first = low + (next(_slices) % count) * SLICE
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", first))
+            except OSError:
+                continue
+        return first, first + SLICE
+    return free_port(), 0
 
 
 def children_of(pid: int) -> list[int]:
@@ -34,10 +57,12 @@ def alive(pid: int) -> bool:
 
 class Cluster:
     def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
-        self.port = free_port()
+        self.port, end = own_ports()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(self.port), "--threads", str(threads), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+        env = {**os.environ, **({"PDSERVE_PORT_RANGE": f"{self.port + 1}-{end}"} if end else {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
+                                     env=env)
         self.ready_timeout = ready_timeout
         self.banner = ""
 
