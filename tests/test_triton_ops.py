@@ -354,8 +354,7 @@ def test_tiny_engine_with_fp8_weights_and_kv_on_the_gpu():
         logits = []
         head = engine.model.logits
         engine.model.logits = lambda h: logits.append(head(h).float()) or logits[-1]
-        engine.runner.graphs.prompts = engine.runner.graphs.mixed = None  # the prompt's step eagerly, where the
-        # patched head sees it
+        engine.runner.graphs.prompts = engine.runner.graphs.mixed = None  # eager: the patched head sees the prompt
         generate_many(engine, [prompts[1]], [SamplingParams(max_tokens=1, temperature=0)])
         last[name] = logits[0][-1]
     finite = torch.isfinite(last["bf16"]) & torch.isfinite(last["fp8"])

@@ -59,7 +59,6 @@ class MixedGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.runs = self.replays = 0
-        self.size = top  # the bucket of the forward being run or captured
         if capture:
             with torch.cuda.device(device), torch.inference_mode():
                 self._capture_all(mempool)
