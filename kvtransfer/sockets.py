@@ -84,7 +84,8 @@ class SocketSender(KVSender):
                 sock.sendall(frames.meta_frame(frames.BEGIN, begin))
                 setup = (time.perf_counter() - t0) * 1e3 - phases.d2h - phases.serialize
                 overlap = self._send_body(sock, layout, payload, phases)
-                sender = {"d2h": phases.d2h, "serialize": phases.serialize, "overlap": overlap * 1e3, "setup": setup}
+                sender = {"d2h": phases.d2h, "serialize": phases.serialize, "wire": phases.wire,
+                          "overlap": overlap * 1e3, "setup": setup}
                 with phases.measure("wire"):
                     sock.sendall(frames.meta_frame(frames.END, sender))
                     status, length = frames.read_prefix(sock, frames.ACK)
@@ -347,8 +348,9 @@ class SocketReceiver(TableReceiver):
 
 def phases_from(sender: dict, elapsed_ms: float, nbytes: int) -> PhaseTimes:
     """Receiver-side record: the sender's own work after BEGIN is taken out of the elapsed time to leave
-    ``wire``, and its connection setup before BEGIN (checkout, handshake, header) is added to it."""
+    ``wire``, and its connection setup before BEGIN (checkout, handshake, header) is added to it. A receiver
+    that read BEGIN late sees less than the sender spent in its own send calls: that time is the floor."""
     def ms(key):
         value = sender.get(key, 0.0)
         return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e9 else 0.0
-    return PhaseTimes(d2h=ms("d2h"), serialize=ms("serialize"), wire=max(0.0, elapsed_ms - ms("overlap") + ms("setup")), bytes=nbytes)
+    return PhaseTimes(d2h=ms("d2h"), serialize=ms("serialize"), wire=max(ms("wire"), elapsed_ms - ms("overlap") + ms("setup")), bytes=nbytes)

@@ -9,6 +9,7 @@ import torch
 from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
 from kvtransfer import frames
 from kvtransfer.transports.tcp import parse_address
+from kvtransfer.sockets import phases_from
 from kvtransfer.tensors import layout_of, materialize
 
 
@@ -110,6 +111,15 @@ def test_phases_are_recorded(pair):
     assert p.wire > 0 and p.deserialize > 0 and p.d2h >= 0 and p.serialize > 0
     assert p.h2d == 0, "no host-to-device copy exists when decode runs on the CPU"
     assert p.total == pytest.approx(p.d2h + p.serialize + p.wire + p.deserialize + p.h2d)
+
+
+def test_a_late_reader_keeps_the_senders_wire_time():
+    """A receiver thread that reads BEGIN after the sender already pushed every byte sees less elapsed
+    time than the sender's own work; the time the sender spent in its send calls is the floor."""
+    sender = {"d2h": 0.1, "serialize": 1.8, "wire": 0.4, "overlap": 1.9, "setup": 0.0}
+    p = phases_from(sender, elapsed_ms=0.5, nbytes=10)
+    assert p.wire == pytest.approx(0.4)
+    assert phases_from(sender, elapsed_ms=5.0, nbytes=10).wire == pytest.approx(3.1)
 
 
 def test_layer_count_mismatch_is_refused(pair):
