@@ -5,7 +5,7 @@
 #   workload at a fixed Poisson rate, without and with --slo-tpot-ms: ITL p99 and stalls), mixedstep (what a step
 #   that decodes 32 rows and takes a 64-512-token prompt chunk costs against the decode step and the chunk alone:
 #   bench engine --mixed-chunks, the fixed cost of the bar).
-# Two GPUs: goodput (2 colocated replicas vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
+# Two GPUs: goodput (2 colocated replicas, plain and capped by the TPOT SLO, vs 1P1D vs 1P1D --disagg auto, mid/long/mixed workloads, TTFT <= 2 s,
 #   TPOT <= 10 ms), plan (pdserve plan --validate 2 from the profile measured here).
 OUT=${OUT:-bench/out/disagg}
 TAG=${TAG:-h100}
@@ -41,7 +41,8 @@ for step in $steps; do
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m pdserve bench goodput --up-args "$model --max-num-seqs 64" $slo \
         --workload ${WORKLOADS:-mid,long,mixed} --search ${START:-2} --probes ${PROBES:-5} --duration ${DURATION:-15} \
         --warmup-requests 10 --ttft-concurrency "" \
-        --config "2x-colocated=--colocated --decode 2 --gpus 2" --config "1p1d=--transport nccl" \
+        --config "2x-colocated=--colocated --decode 2 --gpus 2" \
+        --config "2x-colocated-capped=--colocated --decode 2 --gpus 2 --slo-tpot-ms 10" --config "1p1d=--transport nccl" \
         --config "1p1d-auto=--transport nccl --disagg auto --slo-tpot-ms 10" --out "$OUT/goodput-${NAME:-$TAG}" 2>&1 \
         | grep -v "^  requests" ;;
     plan)
