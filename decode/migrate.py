@@ -10,7 +10,10 @@ input), the detokenizer's position and the resolved sampling parameters (the see
 output count, penalties and ``min_tokens`` count the outputs, the grammar is replayed over them), and its KV, every
 token but the last (after the ``kv_skip`` tokens sent ahead; at least one token goes), goes to ``kv_dest`` over this
 worker's transport, in a thread. The target continues from the
-token after this worker's last, so the client sees neither a token twice nor a gap.
+token after this worker's last, so the client sees neither a token twice nor a gap. Where the KV is split (a
+tensor-parallel group or a pipeline here, or a pipeline there: ``kv_dest`` its ``{"stages": ...}``) every rank or
+stage sends its part from its own pool (``kv_push`` on the plan) and ``resume`` says how (``kv_tp``, ``kv_pp``);
+an MLX engine sets the sequence aside out of its batch and sends it whole.
 
 Until the router says ``release`` (the target streamed its first token) the sequence keeps its blocks here; on
 ``unpause`` (the target failed) it goes back into this worker's steps and decodes on. A KV push that fails
@@ -29,7 +32,7 @@ import torch
 from kvtransfer import PiecewiseKV, SourceKV, TransferError, make_sender
 from kvtransfer.convert import layout_for
 from kvtransfer.phases import merge_ranks
-from prefill.tp_kv import GroupPushes, push_slices, push_whole
+from prefill.tp_kv import GroupPushes, kv_spans, push_slices, push_whole
 
 from .tp_kv import PUSHED
 
@@ -38,7 +41,13 @@ OPS = ("precopy", "migrate", "release", "unpause", "_moved")
 
 
 def _is_dest(dest) -> bool:
-    """A decode worker's KV address, or a tensor-parallel group's (one per rank)."""
+    """A decode worker's KV address, a tensor-parallel group's (one per rank), or a pipeline's stages
+    (``{"stages": [[first, end, address], ...]}``)."""
+    if isinstance(dest, dict):
+        stages = dest.get("stages")
+        return isinstance(stages, list) and bool(stages) and all(
+            isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
+            for s in stages)
     return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))
 
 
@@ -46,8 +55,6 @@ def unmovable(engine, transport) -> str | None:
     """Why no sequence can move off this worker (None: they can)."""
     if transport is None:
         return "this worker has no KV transport (colocated)"
-    if not getattr(engine, "paged", True) or getattr(engine, "stage", None) is not None:
-        return "moving sequences off an MLX engine or a pipeline is not supported yet"
     return None
 
 
@@ -102,7 +109,9 @@ class Moves:
         seq = live.seq if live is not None else None
         why = ("no KV address to send to" if not _is_dest(kv_dest) else
                "not decoding here" if seq is None or seq.finished or not seq.output_ids else
-               "moving already" if rid in self.asked or rid in self.paused else None)
+               "moving already" if rid in self.asked or rid in self.paused else
+               "an MLX engine sends its KV whole, and the target is a pipeline" if isinstance(kv_dest, dict)
+               and not self.paged else None)
         if why is None:
             why = unmovable(self.engine, self.transport)
         if why is None:
@@ -115,7 +124,7 @@ class Moves:
     def _ask(self, rid: str, kv_dest, skip: int) -> None:
         seq = self._movable(rid, kv_dest)
         if seq is not None:
-            self.engine.scheduler.remove(seq)
+            self.engine.set_aside(seq)
             self.asked[rid] = (kv_dest, skip)
 
     def _precopy(self, rid: str, kv_dest) -> None:
@@ -124,26 +133,43 @@ class Moves:
         if seq is None:
             return
         tokens = seq.num_computed // self.engine.block_size * self.engine.block_size  # full blocks, written
-        if not isinstance(kv_dest, str) or tokens == 0 or self.engine.group.size > 1:  # (a group's ranks each
-            return self.worker.emit(rid, "precopied", tokens=0)  # hold their heads: all of it goes at the pause)
-        try:
-            layout, kv, copied = self._copy_out(seq.block_table, 0, tokens, kv_dest)
+        if not isinstance(kv_dest, str) or tokens == 0 or self._in_pieces(kv_dest) or not self.paged:
+            return self.worker.emit(rid, "precopied", tokens=0)  # (a group's ranks or a pipeline's stages each
+        try:  # hold their part, an MLX engine's batch every row: all of it goes at the pause)
+            layout, kv, copied = self._copy_out(seq, 0, tokens, kv_dest)
         except Exception as e:  # noqa: BLE001 - the move goes on without it
             log.warning("copying the KV of %s out of the pool to send it ahead failed: %s", rid, e)
             return self.worker.emit(rid, "precopied", tokens=0)
         self.threads.submit(self._push_ahead, rid, kv_dest, layout, kv, copied)
 
-    def _copy_out(self, table: list[int], skip: int, tokens: int, kv_dest) -> tuple:
-        """``(layout, KV, copied event)`` of tokens ``[skip, tokens)`` of a sequence's blocks ``table``: into the
-        sender's own memory where it has room, else a piece a layer where it sends pieces, else pool copies."""
+    @property
+    def paged(self) -> bool:
+        return getattr(self.engine, "paged", True)
+
+    def _holds_token(self, seq) -> bool:
+        """A token of ``seq`` not yet handed out (in a pipeline's flight, or landed outside a step by an MLX one)."""
+        holds = getattr(self.engine, "holds_token", None)
+        return holds is not None and holds(seq)
+
+    def _in_pieces(self, kv_dest) -> bool:
+        """Whether every rank or stage here sends its part of the KV from its own pool (a group or a pipeline here,
+        or a pipeline there, which takes layer ranges), rather than this process all of it."""
+        return self.paged and (self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None
+                               or isinstance(kv_dest, dict))
+
+    def _copy_out(self, seq, skip: int, tokens: int, kv_dest) -> tuple:
+        """``(layout, KV, copied event)`` of tokens ``[skip, tokens)`` of ``seq``: into the sender's own memory
+        where it has room, else a piece a layer where it sends pieces, else pool copies (an MLX engine's: arrays
+        of its own)."""
         layout = layout_for(self.engine.kv_shape, tokens - skip, self.engine.kv_dtype, self.engine.kv_scales)
         if self.sender is None:
             self.sender = make_sender(self.transport, self.cfg)
+        if not self.paged:
+            return layout, self.engine.kv_out(seq, skip, tokens), None
         whole = not isinstance(kv_dest, list)  # (a group's ranks each get a copy of their heads)
         source = self.sender.alloc(layout, str(self.engine.device)) if whole else None  # sent from as it is
         try:
-            kv = self.engine.pool.gather(table[skip // self.engine.block_size:], tokens - skip,
-                                         source.layers if source is not None else None)
+            kv = self.engine.kv_out(seq, skip, tokens, source.layers if source is not None else None)
         except Exception:
             if source is not None:
                 source.release()
@@ -178,7 +204,7 @@ class Moves:
                 del self.asked[rid]
                 continue
             seq = live.seq
-            if seq.pending:
+            if seq.pending or self._holds_token(seq):
                 continue
             del self.asked[rid]
             self._pause(rid, live, kv_dest, skip)
@@ -188,14 +214,14 @@ class Moves:
         tokens = seq.num_tokens - 1
         bs = self.engine.block_size
         skip = max(0, min(skip, (tokens - 1) // bs * bs))  # whole blocks sent ahead; at least one token goes now
-        if self.engine.group.size > 1:
+        if self._in_pieces(kv_dest):  # (an MLX group's rank 0 gathers every head)
             return self._pause_group(rid, live, kv_dest, tokens)
         start = time.perf_counter()
         try:
-            layout, kv, copied = self._copy_out(seq.block_table, skip, tokens, kv_dest)
+            layout, kv, copied = self._copy_out(seq, skip, tokens, kv_dest)
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
-            self.engine.scheduler.add_running(seq)
+            self.engine.take_back(seq)
             return self.worker.emit(rid, "migrate_failed", message=f"KV copy failed: {e}")
         d2h_ms = (time.perf_counter() - start) * 1e3
         log.info("paused %s to move it (%d tokens of KV copied out in %.1f ms, %d sent ahead)", rid, tokens - skip,
@@ -207,14 +233,19 @@ class Moves:
                          phases=handoff)  # its own KV's arrival here, which its done would have reported
         self.threads.submit(self._push, rid, kv_dest, layout, kv, d2h_ms, copied)
 
-    def _resume_state(self, seq, skip: int) -> dict:
+    def _resume_state(self, seq, skip: int, dests: list | None = None) -> dict:
+        """What the target needs to go on; ``dests`` where the KV goes in pieces: how they are split (``kv_tp``:
+        by this group's heads, ``kv_pp``: by this pipeline's stages, or by layer for a pipeline there)."""
+        split = {"kv_tp": self.engine.group.size if self.paged else 1}
+        if dests is not None:
+            split.update(kv_spans(self.engine, dests[0]))
         return {"prompt_ids": seq.prompt_ids, "earlier": seq.output_ids[:-1], "first_token": seq.output_ids[-1],
-                "emitted": seq.detok.emitted, "params": seq.params.to_dict(), "kv_skip": skip,
-                "kv_tp": self.engine.group.size}
+                "emitted": seq.detok.emitted, "params": seq.params.to_dict(), "kv_skip": skip, **split}
 
     def _pause_group(self, rid: str, live, kv_dest, tokens: int) -> None:
-        """A tensor-parallel group's pause: every rank sends its heads straight from its pool (``kv_push`` on the
-        plan now, from the engine thread, which owns the plan; the pushes in the sender thread)."""
+        """A pause whose KV goes in pieces: every rank (every stage) sends its heads (its layers) straight from its
+        pool, to each rank (each stage) of the target its part (``kv_push`` on the plan now, from the engine thread,
+        which owns the plan; the pushes in the sender thread)."""
         seq = live.seq
         if self.sender is None:
             self.sender = make_sender(self.transport, self.cfg)
@@ -225,7 +256,7 @@ class Moves:
         self.paused[rid] = seq
         layout = layout_for(self.engine.model_kv_shape, tokens, self.engine.kv_dtype, self.engine.kv_scales)
         handoff = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
-        self.worker.emit(rid, "paused", resume=self._resume_state(seq, 0), kv_tokens=tokens,
+        self.worker.emit(rid, "paused", resume=self._resume_state(seq, 0, dests), kv_tokens=tokens,
                          kv_bytes=layout.total_nbytes, phases=handoff)
         self.threads.submit(self._push_group, rid, dests, list(seq.block_table), tokens)
 
@@ -278,7 +309,7 @@ class Moves:
         seq = self.paused.pop(rid, None)
         if seq is None or seq.freed:
             return False
-        self.engine.scheduler.add_running(seq)
+        self.engine.take_back(seq)
         return True
 
     def drop(self, rid: str) -> None:

@@ -235,6 +235,21 @@ class Engine:
     def gather(self, seq: Sequence, into: list | None = None) -> list:
         return self.pool.gather(seq.block_table, len(seq.prompt_ids), into)
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Out of the steps with its KV kept, for a move (``take_back`` puts it back)."""
+        self.scheduler.remove(seq)
+
+    def take_back(self, seq: Sequence) -> None:
+        self.scheduler.add_running(seq)
+
+    def holds_token(self, seq: Sequence) -> bool:
+        """A token of ``seq`` still in a pipeline's flight (it lands, and is handed out, with a later step)."""
+        return self.stage is not None and id(seq) in getattr(self.stage, "busy", ())
+
+    def kv_out(self, seq: Sequence, start: int, end: int, into: list | None = None) -> list:
+        """The KV of tokens ``[start, end)`` of ``seq`` (``start`` on a block boundary), copied out of the pool."""
+        return self.pool.gather(seq.block_table[start // self.block_size:], end - start, into)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.inflight is not None or (self.stage is not None and self.stage.in_flight)

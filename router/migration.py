@@ -5,8 +5,9 @@
    address: it sends the KV of the request's full blocks ahead while the request decodes on there, then says
    ``precopied {tokens}`` (``decode.migrate``; the target holds them, ``decode.precopy``). Then ``migrate {rid,
    kv_dest, kv_skip}``: the source pauses the request and sends only the KV after those tokens, so the pause lasts
-   the push of a block or two and the switch, whatever the context. (A tensor-parallel target, several addresses:
-   ``migrate`` at once, everything at the pause.)
+   the push of a block or two and the switch, whatever the context. (A tensor-parallel target, several addresses,
+   a pipeline, its stages' layers and addresses, or an MLX one, which has no blocks to hold them in: ``migrate``
+   at once, everything at the pause.)
 2. ``paused {resume}`` from the source: every token it has is out and it emits nothing more for the request; the
    router sends the target ``decode`` with that state (``earlier``: the output tokens before the last), as after a
    prefill (``precopied``: the tokens whose KV is held there already), while the source pushes the KV over the
@@ -61,12 +62,14 @@ class Migrations:
 
     async def start(self, run, target, reason: str) -> bool:
         """Ask ``run``'s decode worker to move it to ``target``; False where it cannot start."""
-        source, kv_addr = run.where, target.info.get("kv_addr")
-        if not self.movable(run) or source is target or not kv_addr or target.info.get("kv_stages") \
+        source, stages = run.where, target.info.get("kv_stages")
+        kv_addr = {"stages": stages} if stages else target.info.get("kv_addr")  # a pipeline: each stage its layers
+        if not self.movable(run) or source is target or not kv_addr \
                 or target in run.ignore:  # one that failed it once: its late errors must not pass for a new move's
             return False
         run.move = Move(source, target, reason, kv_addr)
-        await source.send("precopy" if isinstance(kv_addr, str) else "migrate", rid=run.attempt_rid, kv_dest=kv_addr)
+        ahead = isinstance(kv_addr, str) and target.info.get("engine") != "mlx"  # (blocks to hold them in)
+        await source.send("precopy" if ahead else "migrate", rid=run.attempt_rid, kv_dest=kv_addr)
         return True
 
     async def on_message(self, run, msg: dict) -> bool:
@@ -96,7 +99,7 @@ class Migrations:
             await self.dispatch(move.target, run.involved, run.attempt_rid, "decode", first_token=r["first_token"],
                                 prompt_ids=r["prompt_ids"], earlier=r["earlier"], emitted=r["emitted"],
                                 params=r["params"], kv_tp=int(r.get("kv_tp") or 1),
-                                precopied=int(r.get("kv_skip") or 0))
+                                precopied=int(r.get("kv_skip") or 0), **({"kv_pp": r["kv_pp"]} if r.get("kv_pp") else {}))
             return True
         if op == "migrate_failed":
             await self._end(run, "failed", msg.get("message"))

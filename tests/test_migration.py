@@ -65,15 +65,16 @@ class Stream(threading.Thread):
             self.error = e
 
 
-def run_streams(url: str, bodies: list[dict], drain=None) -> tuple[list[Stream], object]:
-    """The streams at once, and what ``drain(url)`` returned, called once each stream has its first few tokens."""
+def run_streams(url: str, bodies: list[dict], drain=None, decoding=None) -> tuple[list[Stream], object]:
+    """The streams at once, and what ``drain(url)`` returned, called once each stream has its first few tokens (or
+    once ``decoding()`` says they decode)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     streams = [Stream(client, **b) for b in bodies]
     for s in streams:
         s.start()
     drained = None
     if drain is not None:
-        assert eventually(lambda: all(sum(s.tokens.values()) >= 4 for s in streams), 60)
+        assert eventually(decoding or (lambda: all(sum(s.tokens.values()) >= 4 for s in streams)), 60)
         drained = drain(url)
     for s in streams:
         s.join(180)
@@ -236,11 +237,11 @@ def test_drain_refuses_an_unknown_worker_and_the_last_of_its_role_unless_forced(
     assert eventually(lambda: health(cluster.url)["status"] == "ok", 10)
 
 
-@pytest.mark.parametrize("into", ["group", "single"])
-def test_a_stream_moves_between_a_single_rank_worker_and_a_tensor_parallel_group(model, into):
-    """KV of whole heads from a TP=1 decode worker into a TP=2 group (gloo ranks), each rank taking its heads; and
-    back: each rank of the group sends its heads from its pool (``kv_push`` on the plan), the single rank joins them.
-    The streams end as on the TP=1 worker alone, and the source's blocks all come back."""
+def test_streams_move_between_a_single_rank_worker_and_groups(model):
+    """KV of whole heads from a TP=1 decode worker into a TP=2 group (gloo ranks), each rank taking its heads, and into
+    a two-stage pipeline, each stage taking its layers; and back: each rank (stage) of the group sends its heads (its
+    layers) from its pool (``kv_push`` on the plan), the single rank joins them. Every move's streams end as on the
+    single worker alone, and each source's blocks all come back. (One fleet: the moves one after another.)"""
     from tests.fleet import Fleet
 
     name = model.rsplit("/", 1)[1]
@@ -249,25 +250,34 @@ def test_a_stream_moves_between_a_single_rank_worker_and_a_tensor_parallel_group
     with Fleet("--model", model) as fleet:
         fleet.worker("p", "prefill")
         fleet.worker("one", "decode")
-        fleet.worker("two", "decode", "--tp", "2")
+        fleet.worker("tp", "decode", "--tp", "2")
+        fleet.worker("pp", "decode", "--pp", "2")
         fleet.router()
         fleet.wait_healthy()
-        source, target = (fleet.addrs["one"], fleet.addrs["two"]) if into == "group" else \
-            (fleet.addrs["two"], fleet.addrs["one"])
-        assert pdserve(["drain", "--url", fleet.url, "--worker", fleet.addrs["two"]]) == 0  # both on the single rank
+        decoders = [fleet.addrs[n] for n in ("one", "tp", "pp")]
+
+        def only(address):  # every stream starts there
+            for other in decoders:
+                if other != address:
+                    assert pdserve(["drain", "--url", fleet.url, "--worker", other]) == 0
+            undrain(fleet.url, address)
+
+        only(fleet.addrs["one"])
         want, _ = run_streams(fleet.url, bodies)
-        undrain(fleet.url, fleet.addrs["two"])
-        assert pdserve(["drain", "--url", fleet.url, "--worker", target]) == 0  # both start on the source
+        for group in ("tp", "pp"):
+            for source, target in ((fleet.addrs["one"], fleet.addrs[group]), (fleet.addrs[group], fleet.addrs["one"])):
+                only(source)
+                before = moved(fleet.url)
 
-        def move(url):
-            undrain(url, target)
-            assert pdserve(["drain", "--url", url, "--worker", source]) == 0
-            return source
+                def move(url):
+                    undrain(url, target)
+                    assert pdserve(["drain", "--url", url, "--worker", source]) == 0
+                    return source
 
-        got, _ = run_streams(fleet.url, bodies, move)
-        assert [s.texts for s in got] == [s.texts for s in want]
-        assert moved(fleet.url) >= 1
-        check_drained(fleet.url, source)
+                got, _ = run_streams(fleet.url, bodies, move)
+                assert [s.texts for s in got] == [s.texts for s in want], (source, target)
+                assert moved(fleet.url) > before, (source, target)
+                check_drained(fleet.url, source)
 
 
 def test_a_rolling_restart_of_pdserve_up_ends_no_stream(model):

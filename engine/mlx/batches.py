@@ -79,12 +79,36 @@ class MlxBatches:
 
     def drop(self, seq) -> bool:
         """Take ``seq`` out of its micro-batch (landing what is in flight if it is); False if it is in none."""
-        if any(f.seq is seq if isinstance(f, Chunk) else seq in f.seqs for f in self.flights):
+        if self._in_flight(seq):
             self.drain()  # what it is in lands first (its prompt may finish and join a micro-batch)
             self.landed = [(s, t) for s, t in self.landed if s is not seq]
         batch = next((b for b in self.batches if seq in b.seqs), None)
         if batch is None:
             return False
+        self._remove(batch, seq)
+        return True
+
+    def take_out(self, seq) -> list | None:
+        """``seq`` out of its micro-batch with its KV: a cache a layer holding its rows alone (None if it is in
+        none). What it is in flight with lands first; a token so landed goes out with the next step."""
+        if self._in_flight(seq):
+            self.drain()
+        batch = next((b for b in self.batches if seq in b.seqs), None)
+        if batch is None:
+            return None
+        index = batch.seqs.index(seq)
+        caches = [cache.extract(index) for cache in batch.caches]
+        self._remove(batch, seq)
+        return caches
+
+    def holds_token(self, seq) -> bool:
+        """A token of ``seq`` landed outside a step and not yet handed out."""
+        return any(s is seq for s, _ in self.landed)
+
+    def _in_flight(self, seq) -> bool:
+        return any(f.seq is seq if isinstance(f, Chunk) else seq in f.seqs for f in self.flights)
+
+    def _remove(self, batch: MicroBatch, seq) -> None:
         keep = [i for i, s in enumerate(batch.seqs) if s is not seq]
         batch.seqs = [batch.seqs[i] for i in keep]
         if keep:
@@ -93,7 +117,6 @@ class MlxBatches:
                 cache.filter(index)
         else:
             batch.caches = None
-        return True
 
     def step(self, out) -> None:
         """Without a pipeline: a decode forward of the micro-batch, then a prompt chunk's. In one: launch the next

@@ -12,13 +12,16 @@ The KV leaves and enters in the canonical layout (per layer ``[tokens,
 kv_heads, head_dim]``): ``gather_prompt`` copies a prefilled sequence's KV
 out as MLX arrays (the transpose from MLX's ``[1, heads, tokens, dim]``),
 ``add_prefilled`` starts a sequence from received KV, torch or MLX
-(converted to the model's dtype when the sender's differs). No paged pool, so no landing in
-blocks and no prefix cache here.
+(converted to the model's dtype when the sender's differs). A decoding
+sequence that moves to another worker is set aside (its rows copied out of
+the batch into caches of its own), its KV then leaves as a prompt's does
+(``kv_out``), and it rejoins the batch if the move fails (``take_back``).
+No paged pool, so no landing in blocks and no prefix cache here.
 
 With ``--tp N`` the model is mlx-lm's sharded one and the other ranks replay
 this engine's operations (``parallel.mlx_group``; ``follow`` on their side):
 ``mlx_add``, ``mlx_prefilled`` (their heads of the KV), ``mlx_free``,
-``mlx_gather`` (an all-gather of the heads), and ``mlx_step``, inside which
+``mlx_gather`` (an all-gather of the heads), ``mlx_park``/``mlx_unpark``, and ``mlx_step``, inside which
 rank 0 sends ``mlx_chosen`` (its tokens, and which sequences finished) after
 each forward."""
 from __future__ import annotations
@@ -156,7 +159,7 @@ class MlxEngine:
             cache.keys, cache.values = (self._to_mx(t) for t in (k, v))
             cache.offset = int(k.shape[0])
             caches.append(cache)
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = caches[0].offset  # the prompt's tokens, and a moved sequence's outputs but its last
         self._join(seq, caches)
         mx.eval([c.keys for c in caches])
         return True
@@ -202,12 +205,16 @@ class MlxEngine:
             self.waiting.append(self._mirror(rid, msg["prompt_ids"]))
         elif op == "mlx_step":
             self.step()
-        elif op in ("mlx_free", "mlx_gather"):
+        elif op in ("mlx_free", "mlx_gather", "mlx_park", "mlx_unpark"):
             seq = self.mirrors.get(rid)
-            if seq is not None and op == "mlx_free":
+            if seq is None:
+                return
+            if op == "mlx_free":
                 self._drop(seq)
-            elif seq is not None:
-                self.gather_prompt(seq, msg["skip"])
+            elif op == "mlx_gather":
+                self._gather(seq, msg["skip"], msg.get("end") or len(seq.prompt_ids))
+            else:
+                (self._park if op == "mlx_park" else self._unpark)(seq)
         elif op == "mlx_prefilled":
             seq = self._mirror(rid, msg["prompt_ids"])
             seq.output_ids = list(msg["output_ids"])
@@ -324,6 +331,7 @@ class MlxEngine:
         return msg
 
     def free(self, seq: Sequence) -> None:
+        seq.freed = True
         self._tell("mlx_free", rid=seq.rid)
         self._drop(seq)
 
@@ -338,9 +346,41 @@ class MlxEngine:
         """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),
         evaluated; transports take them as they are (mlx) or as views of their memory."""
         self._tell("mlx_gather", rid=seq.rid, skip=skip_tokens)
-        mx, n = self.mx, len(seq.prompt_ids)
+        return self._gather(seq, skip_tokens, len(seq.prompt_ids))
+
+    def set_aside(self, seq: Sequence) -> None:
+        """Out of the decode batch with its KV kept (a move pauses it): its rows copied out into caches of its own,
+        as a prompt's are (``mlx_park`` on every rank; ``take_back`` puts it back)."""
+        self._tell("mlx_park", rid=seq.rid)
+        self._park(seq)
+
+    def take_back(self, seq: Sequence) -> None:
+        self._tell("mlx_unpark", rid=seq.rid)
+        self._unpark(seq)
+
+    def kv_out(self, seq: Sequence, start: int, end: int, into=None) -> list:
+        """The KV of tokens ``[start, end)`` of a sequence set aside, as ``gather_prompt`` gives a prompt's."""
+        self._tell("mlx_gather", rid=seq.rid, skip=start, end=end)
+        return self._gather(seq, start, end)
+
+    def holds_token(self, seq: Sequence) -> bool:
+        """A token of ``seq`` chosen but not yet handed out (landed outside a step, in a pipeline)."""
+        return self.micro.holds_token(seq)
+
+    def _park(self, seq: Sequence) -> None:
+        caches = self.micro.take_out(seq)
+        if caches is not None:
+            self.caches[seq.rid] = caches
+
+    def _unpark(self, seq: Sequence) -> None:
+        caches = self.caches.pop(seq.rid, None)
+        if caches is not None:
+            self._join(seq, caches)
+
+    def _gather(self, seq: Sequence, start: int, end: int) -> list:
+        mx = self.mx
         self.micro.drain()  # the gather below uses the ring
-        heads = [(c.keys[0, :, skip_tokens:n, :], c.values[0, :, skip_tokens:n, :]) for c in self.caches[seq.rid]]
+        heads = [(c.keys[0, :, start:end, :], c.values[0, :, start:end, :]) for c in self.caches[seq.rid]]
         if self.pipeline is not None:  # every rank's layers, in layer order
             heads = self.pipeline.gather(heads)
         elif self.group.size > 1:  # every rank's heads, in rank order
