@@ -32,7 +32,7 @@ import torch
 from kvtransfer import PiecewiseKV, SourceKV, TransferError, make_sender
 from kvtransfer.convert import layout_for
 from kvtransfer.phases import merge_ranks
-from prefill.tp_kv import GroupPushes, kv_spans, push_slices, push_whole
+from prefill.tp_kv import GroupPushes, kv_spans, push_slices, push_whole, stages_ok
 
 from .tp_kv import PUSHED
 
@@ -44,10 +44,7 @@ def _is_dest(dest) -> bool:
     """A decode worker's KV address, a tensor-parallel group's (one per rank), or a pipeline's stages
     (``{"stages": [[first, end, address], ...]}``)."""
     if isinstance(dest, dict):
-        stages = dest.get("stages")
-        return isinstance(stages, list) and bool(stages) and all(
-            isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
-            for s in stages)
+        return stages_ok(dest.get("stages"))
     return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))
 
 
@@ -146,11 +143,6 @@ class Moves:
     def paged(self) -> bool:
         return getattr(self.engine, "paged", True)
 
-    def _holds_token(self, seq) -> bool:
-        """A token of ``seq`` not yet handed out (in a pipeline's flight, or landed outside a step by an MLX one)."""
-        holds = getattr(self.engine, "holds_token", None)
-        return holds is not None and holds(seq)
-
     def _in_pieces(self, kv_dest) -> bool:
         """Whether every rank or stage here sends its part of the KV from its own pool (a group or a pipeline here,
         or a pipeline there, which takes layer ranges), rather than this process all of it."""
@@ -204,7 +196,7 @@ class Moves:
                 del self.asked[rid]
                 continue
             seq = live.seq
-            if seq.pending or self._holds_token(seq):
+            if seq.pending or self.engine.holds_token(seq):  # a token not yet handed out (in a pipeline's flight)
                 continue
             del self.asked[rid]
             self._pause(rid, live, kv_dest, skip)

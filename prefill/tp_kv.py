@@ -42,14 +42,18 @@ def kv_spans(engine, dest) -> dict:
     return {"kv_pp": [[0, engine.model_kv_shape[0]]]} if isinstance(dest, dict) else {}
 
 
+def stages_ok(stages) -> bool:
+    """A pipeline's ``kv_stages`` as it reports them: ``[[first, end, address], ...]``."""
+    return isinstance(stages, list) and bool(stages) and all(
+        isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
+        for s in stages)
+
+
 def layer_dest(msg: dict, engine):
     """Where a prompt's KV goes: the ``kv_dest`` of the message, or, when the decode worker is a pipeline
     (``kv_stages``) and this worker can send by layer range (a paged pool), ``{"stages": kv_stages}``."""
     stages = msg.get("kv_stages")
-    ok = isinstance(stages, list) and stages and all(
-        isinstance(s, list) and len(s) == 3 and type(s[0]) is int and type(s[1]) is int and isinstance(s[2], str)
-        for s in stages)
-    return {"stages": stages} if ok and getattr(engine, "paged", True) else msg.get("kv_dest")
+    return {"stages": stages} if stages_ok(stages) and getattr(engine, "paged", True) else msg.get("kv_dest")
 
 
 def targets(engine, dests: list) -> tuple[list, bool]:
