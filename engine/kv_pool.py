@@ -1,6 +1,7 @@
 """The paged KV pool: per layer one K and one V tensor ``[num_blocks,
-block_size, kv_heads, head_dim]``, allocated once at start-up from the KV
-budget. A sequence's KV in the canonical layout the transports carry
+block_size, kv_heads, head_dim]``, views of one ``stacked`` tensor (K0, V0,
+K1, ...) allocated once at start-up from the KV budget, so that a gather of
+every layer is one copy. A sequence's KV in the canonical layout the transports carry
 (per layer ``[tokens, kv_heads, head_dim]``) is its blocks' rows in order:
 ``pieces`` gives them as views (no copy) for transports that send or land
 bytes in place, ``gather``/``scatter`` copy to and from whole tensors (of a
@@ -23,12 +24,11 @@ class KVPool:
         ``scales``: per layer ``(k_scale, v_scale)`` of an FP8 pool (``quant.kv_fp8``; 1.0 when not given)."""
         shape = (num_blocks, block_size, kv_heads, head_dim)
         if memory is None:
-            self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+            self.stacked = torch.zeros((2 * num_layers, *shape), dtype=dtype, device=device)
         else:
-            n = num_blocks * block_size * kv_heads * head_dim * dtype.itemsize
-            views = [memory[i * n:(i + 1) * n].view(dtype).view(shape) for i in range(2 * num_layers)]
-            self.layers = list(zip(views[0::2], views[1::2]))
+            n = 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype.itemsize
+            self.stacked = memory[:n].view(dtype).view(2 * num_layers, *shape)
+        self.layers = list(zip(self.stacked[0::2], self.stacked[1::2]))
         self.block_size = block_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.scales = None
@@ -64,19 +64,21 @@ class KVPool:
     def gather(self, table: list[int], tokens: int, into: list | None = None, heads: tuple | None = None) -> list:
         """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given); ``heads``:
         only the pool's heads ``[first, end)``."""
-        out = []
-        slots = self._slots(table, tokens, self.layers[0][0].device)
+        slots = self._slots(table, tokens, self.stacked.device)
         h0, h1 = heads or (0, self.kv_heads)
-        for i, (kc, vc) in enumerate(self.layers):
-            k = kc.view(-1, self.kv_heads, self.head_dim)[slots, h0:h1]
-            v = vc.view(-1, self.kv_heads, self.head_dim)[slots, h0:h1]
-            if into is not None:
-                into[i][0].copy_(k)
-                into[i][1].copy_(v)
-                out.append(into[i])
-            else:
-                out.append((k, v))
-        return out
+        rows = self.stacked.view(len(self.stacked), -1, self.kv_heads, self.head_dim)[:, :, h0:h1]
+        every = rows[:, slots]  # every layer's K and V in one launch: a move's pause waits on this copy
+        whole = _consecutive(into, every.shape) if into is not None else None
+        if whole is not None:
+            whole.copy_(every)
+            return list(into)
+        pairs = list(zip(every[0::2], every[1::2]))
+        if into is None:
+            return pairs
+        for (dk, dv), (k, v) in zip(into, pairs, strict=True):
+            dk.copy_(k)
+            dv.copy_(v)
+        return list(into)
 
     def scatter(self, table: list[int], layers, heads: tuple | None = None, span: tuple | None = None) -> None:
         """Write canonical ``(k, v)`` layers (any device; any float dtype, cast, but FP8 into an FP8 pool only: its
@@ -94,6 +96,21 @@ class KVPool:
                     raise ValueError(f"{new.dtype} KV into a {cache.dtype} pool: convert it first")
                 kv_fp8.put(cache.view(-1, self.kv_heads, self.head_dim)[:, h0:h1], slots,
                            new.to(cache.device, cache.dtype))
+
+
+def _consecutive(into, shape) -> torch.Tensor | None:
+    """``into``'s ``(k, v)`` tensors as one ``shape`` tensor where they lie back to back in the canonical order
+    (as a transport's own memory hands them out), else None."""
+    first = into[0][0]
+    step = first.numel()
+    if len(into) * 2 != shape[0] or tuple(first.shape) != tuple(shape[1:]):
+        return None
+    for i, t in enumerate(t for pair in into for t in pair):
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape != first.shape
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != first.storage_offset() + i * step):
+            return None
+    return first.as_strided(shape, (step, *first.stride()), first.storage_offset())
 
 
 def free_memory(device: torch.device) -> int:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.blocks import BlockManager
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, _consecutive
 from kvtransfer import PiecewiseKV, PoolRows
 from kvtransfer.transports.nccl.ops import gather, scatter
 from kvtransfer.pieces import piece_tokens
@@ -104,3 +104,26 @@ def test_blocks_evicted_from_the_prefix_cache_come_back_as_runs():
     d = []
     blocks.grow(d, 40 * 16)
     assert runs(d) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [None, (1, 2)])
+def test_gather_equals_each_layers_rows_into_any_memory(dtype, heads):
+    """One copy of every layer into memory laid out back to back (a transport's own), a copy a tensor into any
+    other, and fresh tensors: each the rows of each layer's blocks, in order."""
+    pool = filled_pool(dtype)
+    h0, h1 = heads or (0, 2)
+    slots = [b * 4 + i for b in TABLE for i in range(4)][:TOKENS]
+    want = [(k.view(-1, 2, 8)[slots, h0:h1], v.view(-1, 2, 8)[slots, h0:h1]) for k, v in pool.layers]
+    region = torch.zeros(6 * TOKENS * (h1 - h0) * 8, dtype=dtype).view(6, TOKENS, h1 - h0, 8)
+    back_to_back = list(zip(region[0::2], region[1::2]))
+    apart = [(torch.zeros(TOKENS, h1 - h0, 8, dtype=dtype), torch.zeros(TOKENS, h1 - h0, 8, dtype=dtype))
+             for _ in range(3)]
+    shape = (6, TOKENS, h1 - h0, 8)
+    assert _consecutive(back_to_back, shape) is not None and _consecutive(apart, shape) is None  # one copy, or one each
+    for into in (back_to_back, apart, None):
+        got = pool.gather(TABLE, TOKENS, into, heads)
+        if into is not None:
+            assert all(g[0] is i[0] and g[1] is i[1] for g, i in zip(got, into))
+        pairs = zip(as_bytes(got), as_bytes(want), strict=True)
+        assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q))
