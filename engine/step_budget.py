@@ -8,8 +8,8 @@ scheduler caps the prompt tokens of such steps at ``tokens()``; steps with
 nothing to decode take the full ``max_batched_tokens``.
 
 The cap is either fixed (``step_prefill_tokens``) or learned from the
-steps themselves to keep them within ``slo_tpot_ms``: ``FIRST_CAP`` tokens
-until a mixed step was measured, then ``PROBE_CAP`` until one of a second
+steps themselves to keep them within ``slo_tpot_ms`` (the first mixed step,
+which runs cold, left out): ``FIRST_CAP`` tokens until a mixed step was measured, then ``PROBE_CAP`` until one of a second
 size was (a 7k-token prompt in 256-token chunks gave the second size only at
 its 28th step: on 4x H100 the first rate of a long-prompt sweep ran ~30 mixed
 steps of 35 ms per worker before the fit found that no cap serves best). A step that only
@@ -51,7 +51,10 @@ from dataclasses import dataclass
 
 ALPHA = 0.2  # weight of the newest decode-only step in its average
 FIRST_CAP = 256  # learned cap before mixed steps of two sizes were measured
-PROBE_CAP = 2048  # then this, for the second size the fit needs (a long prompt would give it only at its last chunk)
+PROBE_CAP = 768  # then this, for the second size the fit needs (a long prompt would give it only at its last chunk);
+# with its decode rows such a step stays within the mixed-step graphs (1,024 tokens): a probe beyond them ran
+# eagerly, and a line through both kinds of step put the fixed cost above a 10 ms SLO (2x H200, mixed workload,
+# 2026-11-28: fixed 11.8 ms, so no cap, where graph-replayed chunks pay ~5 ms)
 WINDOW = 64  # mixed steps the fit looks at
 RECENT_PROMPT_STEPS = 16  # steps with prompt tokens in ``prompt_ms_per_token`` (after the first, which ran cold)
 
@@ -140,6 +143,7 @@ class PrefillBudget:
         self.base_ms: float | None = None
         self.mixed: deque[tuple[int, float]] = deque(maxlen=WINDOW)
         self.fit: tuple[float, float] | None = None  # (fixed ms, ms per prompt token) of mixed steps
+        self.warm = False  # a mixed step was seen (the first is not learned from)
 
     @property
     def active(self) -> bool:
@@ -167,6 +171,9 @@ class PrefillBudget:
             return
         if not record.prompt_tokens:
             self.base_ms = _average(self.base_ms, record.ms)
+            return
+        if not self.warm:  # the first ran cold (a graph's first replay, the allocator growing): not the cost
+            self.warm = True
             return
         self.mixed.append((record.prompt_tokens, record.ms))
         self.fit = fit_line(self.mixed) or self.fit

@@ -167,12 +167,28 @@ def test_learning_measures_a_second_chunk_size_at_the_second_mixed_step():
     """A long prompt chunked at the first cap gives the fit its second size at once, not at its last chunk."""
     budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
     budget.observe(StepRecord(8, 0, 6.0))
+    budget.observe(StepRecord(8, 256, 200.0))  # the first mixed step runs cold: not learned from
     sizes = []
     for _ in range(3):
         n = budget.tokens()
         sizes.append(n)
         budget.observe(StepRecord(8, n, 34.0 + 0.03 * n))  # an eager chunk beside the decode graph (GPU-like)
-    assert sizes == [256, 2048, 8192]  # then no cap: no chunk keeps a mixed step within 10 ms
+    assert sizes == [256, 768, 8192]  # then no cap: no chunk keeps a mixed step within 10 ms
+
+
+def test_with_mixed_step_graphs_the_cap_is_learned_from_steps_the_graphs_replay():
+    """As on 2x H200 (Mistral-7B shape, 2026-11-28): a decode step 4.3 ms, a step of up to 1,024 tokens replayed
+    from a mixed-step graph 4.5 ms + 22 us a prompt token, a larger one eager at 11.8 ms + 29 us. The probes stay
+    within the graphs, so the fit is theirs and the cap keeps a mixed step within 10 ms."""
+    budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
+    taken = []
+    for _ in range(20):
+        budget.observe(StepRecord(12, 0, 4.3))
+        n = budget.tokens()
+        taken.append(n)
+        budget.observe(StepRecord(12, n, 4.5 + 0.022 * n if n + 12 <= 1024 else 11.8 + 0.029 * n))
+    assert max(taken) + 12 <= 1024
+    assert budget.tokens() == pytest.approx((10.0 - 4.5) / 0.022, abs=2)
 
 
 def test_where_any_step_with_a_prompt_chunk_breaks_the_slo_prompts_are_not_capped():
