@@ -307,9 +307,10 @@ def test_local_prefill_next_to_a_decoding_stream_keeps_to_the_step_cap(pair):
         enough.set()
         stream.join(120)
     assert got == complete(colocated.url, prompt).choices[0].text
-    assert eventually(lambda: decode_info(auto)["local_prefills"] >= 2, 5, 0.1)
+    # the worker's report (its pong) that follows the local prompt's steps: an earlier one can hold neither
+    assert eventually(lambda: decode_info(auto)["mixed_steps"] >= 1, 10, 0.1), decode_info(auto)
     decode = decode_info(auto)
-    assert decode["step_prefill_cap"] == 16
+    assert decode["local_prefills"] >= 2 and decode["step_prefill_cap"] == 16
     assert decode["mixed_steps"] >= 1 and 0 < decode["step_prompt_tokens_max"] <= 16
 
 
