@@ -8,6 +8,7 @@ import time
 import pytest
 
 from deploy.local import Cluster
+from tests.durations import heaviest_first
 
 # Ray reads its auth settings when first imported: fix the test session's token before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -21,6 +22,10 @@ _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw") and _worker[2:].isdigit() and "PDSERVE_PORT_RANGE" not in os.environ:
     _low = 20000 + 2000 * (int(_worker[2:]) % 6)
     os.environ["PDSERVE_PORT_RANGE"] = f"{_low}-{_low + 2000}"
+
+
+def pytest_collection_modifyitems(config, items):
+    heaviest_first(items)  # the longest modules first, so that none is left alone at the end (tests/durations.py)
 
 
 @pytest.hookimpl(hookwrapper=True)
