@@ -8,7 +8,8 @@
   output and total tok/s;
 * ``--mixed-chunks``: steps that decode ``--mixed-rows`` sequences and take a
   prompt chunk, against decode-only steps and the chunk alone, and the fixed
-  cost a mixed step pays (``bench.mixed_step``);
+  cost a mixed step pays (``bench.mixed_step``); with ``--mixed-context`` each
+  chunk comes after that many tokens of its prompt (a long prompt's later chunks);
 * ``--hf``: Hugging Face eager on the same weights, the same batch sizes
   (a padded-free batch of equal prompts, DynamicCache): the reference line.
 
@@ -42,6 +43,8 @@ def add_arguments(p):
     p.add_argument("--mixed-chunks", default="", help="also time steps that decode --mixed-rows sequences and take "
                    "a prompt chunk of each of these sizes, e.g. 64,128,256,512 (bench.mixed_step)")
     p.add_argument("--mixed-rows", type=int, default=32)
+    p.add_argument("--mixed-context", type=int, default=0, help="each timed chunk after this many tokens of its "
+                   "prompt (cached; a multiple of the block size): a long prompt's later chunks")
     p.add_argument("--mixed-repeats", type=int, default=5)
     p.add_argument("--hf", action="store_true", help="also time Hugging Face eager batched decode")
     p.add_argument("--decode-graphs", choices=["auto", "off", "cuda"], default="auto")
@@ -200,14 +203,14 @@ def mixed_steps(engine, args, rng) -> dict:
     from .mixed_step import measure
 
     chunks = [int(x) for x in args.mixed_chunks.split(",")]
-    steps = 5 * args.mixed_repeats * len(chunks) + 8
+    steps = (5 + 4 * bool(args.mixed_context)) * args.mixed_repeats * len(chunks) + 8  # (each context runs first)
     seqs = decoding(engine, args.mixed_rows, args.prompt_len, steps, rng)
 
     def one_token(prompt):
         return Sequence.create(f"m{rng.random()}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
                                engine.tokenizer, engine.max_len)
 
-    return measure(engine, seqs, chunks, args.mixed_repeats, rng, _vocab(engine), one_token, _sync)
+    return measure(engine, seqs, chunks, args.mixed_repeats, rng, _vocab(engine), one_token, _sync, args.mixed_context)
 
 
 def _range(text: str) -> tuple[int, int]:

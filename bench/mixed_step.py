@@ -1,7 +1,10 @@
 """What a step that decodes and also takes a prompt chunk costs (``pdserve bench engine --mixed-chunks 64,256``).
 
 ``rows`` sequences decode; for each chunk size ``n`` a fresh prompt of ``n`` tokens (nothing of it cached) is added
-``repeats`` times, and the engine steps until that prompt's first token (``max_tokens`` 1: it leaves at once). Every
+``repeats`` times, and the engine steps until that prompt's first token (``max_tokens`` 1: it leaves at once).
+With ``context`` (a multiple of the block size) each timed chunk comes after that many tokens of its prompt
+already computed (a prompt of the context alone runs first, untimed, and its blocks stay in the prefix cache):
+the shape of a long prompt's later chunks, whose attention reads every earlier chunk. Every
 step is timed from a drained device to a drained device (``Engine.step`` then a synchronize), so a decode-only step
 and a mixed one are timed alike and the step ahead (``engine.overlap``) hides nothing. Per size: the median
 decode-only step between them (``decode_ms``), the median mixed step (``mixed_ms``), and, once the decode rows are
@@ -25,9 +28,13 @@ def _timed_step(engine, sync) -> tuple[object, float]:
     return out, (time.perf_counter() - start) * 1e3
 
 
-def _one_prompt(engine, make_seq, n: int, rng, vocab: int, sync) -> list[tuple[int, int, float]]:
-    """Steps (decode rows, prompt tokens, ms) until a fresh ``n``-token prompt has its first token."""
-    seq = make_seq([rng.randrange(3, vocab) for _ in range(n)])
+def _one_prompt(engine, make_seq, n: int, rng, vocab: int, sync, context: int = 0) -> list[tuple[int, int, float]]:
+    """Steps (decode rows, prompt tokens, ms) until a fresh ``n``-token prompt, after ``context`` cached tokens of
+    its own, has its first token."""
+    prefix = [rng.randrange(3, vocab) for _ in range(context)]
+    if prefix:
+        _one_prompt(engine, lambda _: make_seq(prefix), 0, rng, vocab, sync)  # computed once; its blocks cached
+    seq = make_seq(prefix + [rng.randrange(3, vocab) for _ in range(n)])
     engine.add(seq)
     steps = []
     while not seq.output_ids:
@@ -38,7 +45,8 @@ def _one_prompt(engine, make_seq, n: int, rng, vocab: int, sync) -> list[tuple[i
     return steps
 
 
-def measure(engine, decoding_seqs: list, chunks: list[int], repeats: int, rng, vocab: int, make_seq, sync) -> dict:
+def measure(engine, decoding_seqs: list, chunks: list[int], repeats: int, rng, vocab: int, make_seq, sync,
+            context: int = 0) -> dict:
     """``decoding_seqs``: the ``rows`` sequences already decoding (their second token out); freed here after the
     mixed steps, before the chunks run alone. ``make_seq(prompt)``: a greedy sequence of one output token."""
     rows = len(decoding_seqs)
@@ -49,7 +57,7 @@ def measure(engine, decoding_seqs: list, chunks: list[int], repeats: int, rng, v
                 out, ms = _timed_step(engine, sync)
                 if out.decode_rows == rows and out.batch_tokens == rows:
                     by_size[n]["decode"].append(ms)
-            for d, p, ms in _one_prompt(engine, make_seq, n, rng, vocab, sync):
+            for d, p, ms in _one_prompt(engine, make_seq, n, rng, vocab, sync, context):
                 if d == rows and p == n:
                     by_size[n]["mixed"].append(ms)
     for s in decoding_seqs:
@@ -59,13 +67,13 @@ def measure(engine, decoding_seqs: list, chunks: list[int], repeats: int, rng, v
         engine.step()
     for n in chunks:
         for _ in range(repeats):
-            for d, p, ms in _one_prompt(engine, make_seq, n, rng, vocab, sync):
+            for d, p, ms in _one_prompt(engine, make_seq, n, rng, vocab, sync, context):
                 if d == 0 and p == n:
                     by_size[n]["alone"].append(ms)
-    return summarize(rows, by_size)
+    return summarize(rows, by_size, context)
 
 
-def summarize(rows: int, by_size: dict) -> dict:
+def summarize(rows: int, by_size: dict, context: int = 0) -> dict:
     sizes, points = [], []
     for n, t in by_size.items():
         if not (t["decode"] and t["mixed"] and t["alone"]):
@@ -77,13 +85,14 @@ def summarize(rows: int, by_size: dict) -> dict:
         points += [(n, ms) for ms in t["mixed"]]
     fit = fit_line(points)
     decode_ms = statistics.median(s["decode_ms"] for s in sizes)
-    return {"rows": rows, "sizes": sizes, "decode_ms": decode_ms,
+    return {"rows": rows, "context": context, "sizes": sizes, "decode_ms": decode_ms,
             "fixed_ms": fit[0] if fit else None, "ms_per_token": fit[1] if fit else None,
             "fixed_beyond_decode_ms": fit[0] - decode_ms if fit else None}
 
 
 def table(result: dict) -> str:
-    lines = [f"Mixed steps beside {result['rows']} decode rows (each step timed from a drained device):", "",
+    after = f", each chunk after {result['context']} tokens of its prompt" if result.get("context") else ""
+    lines = [f"Mixed steps beside {result['rows']} decode rows{after} (each step timed from a drained device):", "",
              "| prompt chunk | decode step ms | mixed step ms | chunk alone ms | mixed - decode - alone ms |",
              "|---|---|---|---|---|"]
     for s in result["sizes"]:

@@ -238,18 +238,21 @@ def test_kernel_sweep_shapes_are_one_tp_ranks():
     assert projection_shapes(llama70b, 16)["qkv"] == ((4 + 2) * 128, 8192, True, False)
 
 
-def test_bench_engine_times_mixed_steps_beside_decode_steps_and_the_chunk_alone(tmp_path):
+@pytest.mark.parametrize("context", [0, 32])
+def test_bench_engine_times_mixed_steps_beside_decode_steps_and_the_chunk_alone(tmp_path, context):
     """Each chunk size has decode-only, mixed and prompt-only steps of exactly its shape, and a fit over the mixed
-    ones (on the CPU the figures say little; the bench's GPU runs are in bench/RESULTS.md)."""
+    ones (on the CPU the figures say little; the bench's GPU runs are in bench/RESULTS.md). With a context, each
+    timed step computes only the chunk of a longer prompt: the context before it came from the prefix cache."""
     out = tmp_path / "engine"
     assert main(["bench", "engine", "--batches", "1", "--decode-steps", "4", "--requests", "2", "--input-len", "8:16",
                  "--output-len", "4:8", "--mixed-chunks", "16,64", "--mixed-rows", "3", "--mixed-repeats", "2",
-                 "--out", str(out)]) == 0
+                 "--mixed-context", str(context), "--out", str(out)]) == 0
     mixed = json.loads(out.with_suffix(".json").read_text())["mixed_steps"]
-    assert mixed["rows"] == 3 and [s["chunk"] for s in mixed["sizes"]] == [16, 64]
+    assert mixed["rows"] == 3 and mixed["context"] == context and [s["chunk"] for s in mixed["sizes"]] == [16, 64]
     assert all(s["steps"] == 2 and min(s["decode_ms"], s["mixed_ms"], s["prompt_ms"]) > 0 for s in mixed["sizes"])
     assert mixed["ms_per_token"] > 0 and mixed["fixed_beyond_decode_ms"] is not None
-    assert "Fit over the mixed steps" in out.with_suffix(".md").read_text()
+    report = out.with_suffix(".md").read_text()
+    assert "Fit over the mixed steps" in report and (f"after {context} tokens" in report) == bool(context)
 
 
 def test_mixed_step_summary_fits_the_line_and_the_cost_beyond_running_apart():
