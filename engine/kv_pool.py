@@ -67,17 +67,19 @@ class KVPool:
         slots = self._slots(table, tokens, self.stacked.device)
         h0, h1 = heads or (0, self.kv_heads)
         rows = self.stacked.view(len(self.stacked), -1, self.kv_heads, self.head_dim)[:, :, h0:h1]
-        every = rows[:, slots]  # every layer's K and V in one launch: a move's pause waits on this copy
-        whole = _consecutive(into, every.shape) if into is not None else None
-        if whole is not None:
-            whole.copy_(every)
-            return list(into)
-        pairs = list(zip(every[0::2], every[1::2]))
         if into is None:
-            return pairs
-        for (dk, dv), (k, v) in zip(into, pairs, strict=True):
-            dk.copy_(k)
-            dv.copy_(v)
+            every = rows[:, slots]  # every layer's K and V in one launch
+            return list(zip(every[0::2], every[1::2]))
+        whole = _consecutive(into, (len(rows), len(slots), h1 - h0, self.head_dim), self.dtype)
+        if whole is not None:  # one launch straight into the memory (a handoff or a move's pause waits on it)
+            torch.index_select(_raw(rows), 1, slots, out=_raw(whole))
+            return list(into)
+        for i, pair in enumerate(into):
+            for j, dest in enumerate(pair):
+                if dest.dtype == self.dtype and dest.is_contiguous():
+                    torch.index_select(_raw(rows[2 * i + j]), 0, slots, out=_raw(dest))
+                else:
+                    dest.copy_(rows[2 * i + j][slots])
         return list(into)
 
     def scatter(self, table: list[int], layers, heads: tuple | None = None, span: tuple | None = None) -> None:
@@ -98,12 +100,17 @@ class KVPool:
                            new.to(cache.device, cache.dtype))
 
 
-def _consecutive(into, shape) -> torch.Tensor | None:
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte values (FP8) as bytes, which every device's index_select takes; others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _consecutive(into, shape, dtype) -> torch.Tensor | None:
     """``into``'s ``(k, v)`` tensors as one ``shape`` tensor where they lie back to back in the canonical order
-    (as a transport's own memory hands them out), else None."""
+    (as a transport's own memory hands them out) and hold ``dtype``, else None."""
     first = into[0][0]
     step = first.numel()
-    if len(into) * 2 != shape[0] or tuple(first.shape) != tuple(shape[1:]):
+    if len(into) * 2 != shape[0] or tuple(first.shape) != tuple(shape[1:]) or first.dtype != dtype:
         return None
     for i, t in enumerate(t for pair in into for t in pair):
         if (not t.is_contiguous() or t.dtype != first.dtype or t.shape != first.shape

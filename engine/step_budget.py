@@ -9,7 +9,8 @@ nothing to decode take the full ``max_batched_tokens``.
 
 The cap is either fixed (``step_prefill_tokens``) or learned from the
 steps themselves to keep them within ``slo_tpot_ms`` (the first mixed step,
-which runs cold, left out): ``FIRST_CAP`` tokens until a mixed step was measured, then ``PROBE_CAP`` until one of a second
+which runs cold, left out): ``FIRST_CAP`` tokens until a mixed step was
+measured, then ``PROBE_CAP`` (within the mixed-step graphs) until one of a second
 size was (a 7k-token prompt in 256-token chunks gave the second size only at
 its 28th step: on 4x H100 the first rate of a long-prompt sweep ran ~30 mixed
 steps of 35 ms per worker before the fit found that no cap serves best). A step that only

@@ -120,7 +120,7 @@ def test_gather_equals_each_layers_rows_into_any_memory(dtype, heads):
     apart = [(torch.zeros(TOKENS, h1 - h0, 8, dtype=dtype), torch.zeros(TOKENS, h1 - h0, 8, dtype=dtype))
              for _ in range(3)]
     shape = (6, TOKENS, h1 - h0, 8)
-    assert _consecutive(back_to_back, shape) is not None and _consecutive(apart, shape) is None  # one copy, or one each
+    assert _consecutive(back_to_back, shape, dtype) is not None and _consecutive(apart, shape, dtype) is None
     for into in (back_to_back, apart, None):
         got = pool.gather(TABLE, TOKENS, into, heads)
         if into is not None:
