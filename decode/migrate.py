@@ -48,13 +48,6 @@ def _is_dest(dest) -> bool:
     return isinstance(dest, str) or (isinstance(dest, list) and bool(dest) and all(isinstance(d, str) for d in dest))
 
 
-def unmovable(engine, transport) -> str | None:
-    """Why no sequence can move off this worker (None: they can)."""
-    if transport is None:
-        return "this worker has no KV transport (colocated)"
-    return None
-
-
 def _copied_event(kv: list):
     """An event after the copy of ``kv`` out of the pool on a CUDA device (None elsewhere): the sender thread waits
     for it, so no stream of a transport reads the copy before the engine's stream wrote it."""
@@ -108,9 +101,8 @@ class Moves:
                "not decoding here" if seq is None or seq.finished or not seq.output_ids else
                "moving already" if rid in self.asked or rid in self.paused else
                "an MLX engine sends its KV whole, and the target is a pipeline" if isinstance(kv_dest, dict)
-               and not self.paged else None)
-        if why is None:
-            why = unmovable(self.engine, self.transport)
+               and not self.paged else
+               "this worker has no KV transport (colocated)" if self.transport is None else None)
         if why is None:
             return seq
         self.worker.emit(rid, "migrate_failed", message=why)

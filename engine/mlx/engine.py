@@ -212,7 +212,7 @@ class MlxEngine:
             if op == "mlx_free":
                 self._drop(seq)
             elif op == "mlx_gather":
-                self._gather(seq, msg["skip"], msg.get("end") or len(seq.prompt_ids))
+                self._gather(seq, msg["skip"], msg["end"])
             else:
                 (self._park if op == "mlx_park" else self._unpark)(seq)
         elif op == "mlx_prefilled":
@@ -345,8 +345,7 @@ class MlxEngine:
     def gather_prompt(self, seq: Sequence, skip_tokens: int = 0) -> list:
         """The prompt's KV after ``skip_tokens`` as MLX arrays in the canonical layout (one copy: the transpose),
         evaluated; transports take them as they are (mlx) or as views of their memory."""
-        self._tell("mlx_gather", rid=seq.rid, skip=skip_tokens)
-        return self._gather(seq, skip_tokens, len(seq.prompt_ids))
+        return self.kv_out(seq, skip_tokens, len(seq.prompt_ids))
 
     def set_aside(self, seq: Sequence) -> None:
         """Out of the decode batch with its KV kept (a move pauses it): its rows copied out into caches of its own,
