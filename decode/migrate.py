@@ -21,6 +21,7 @@ unpauses it here and tells the router ``migrate_failed``; so does a ``migrate`` 
 decoding here (unknown, still prefilling, finished)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -63,6 +64,7 @@ class Moves:
     def __init__(self, worker, transport: str, cfg):
         self.worker, self.transport, self.cfg = worker, transport, cfg
         self.sender = None
+        self.stream = None  # (CUDA) the stream a pause copies the KV out on, made at the first
         self.group_pushes = None  # a tensor-parallel group's: its followers' parts of a push (made at the first)
         self.threads = ThreadPoolExecutor(1, thread_name_prefix="kv-move")
         self.asked: dict[str, tuple] = {}  # rid -> (kv_dest: an address, or one per rank of a group; tokens sent
@@ -141,6 +143,17 @@ class Moves:
         return self.paged and (self.engine.group.size > 1 or getattr(self.engine, "stage", None) is not None
                                or isinstance(kv_dest, dict))
 
+    def _beside_steps(self):
+        """A pause's copy out on a CUDA stream of its own: the paused sequence's KV was all written by steps whose
+        tokens are known (done on the device), so its copy need not queue behind the step in flight on the
+        engine's stream (which holds other sequences only). Elsewhere the copy stays where it is."""
+        device = getattr(self.engine, "device", None)
+        if not self.paged or device is None or torch.device(device).type != "cuda":
+            return contextlib.nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=device)
+        return torch.cuda.stream(self.stream)
+
     def _copy_out(self, seq, skip: int, tokens: int, kv_dest) -> tuple:
         """``(layout, KV, copied event)`` of tokens ``[skip, tokens)`` of ``seq``: into the sender's own memory
         where it has room, else a piece a layer where it sends pieces, else pool copies (an MLX engine's: arrays
@@ -202,7 +215,8 @@ class Moves:
             return self._pause_group(rid, live, kv_dest, tokens)
         start = time.perf_counter()
         try:
-            layout, kv, copied = self._copy_out(seq, skip, tokens, kv_dest)
+            with self._beside_steps():
+                layout, kv, copied = self._copy_out(seq, skip, tokens, kv_dest)
         except Exception as e:  # noqa: BLE001 - the sequence decodes on here
             log.exception("copying the KV of %s out of the pool failed", rid)
             self.engine.take_back(seq)

@@ -37,7 +37,13 @@ class KVPool:
         self.flat = [(k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)) for k, v in self.layers]
 
     def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
-        return block_slots(torch.tensor(table, dtype=torch.long, device=device), self.block_size, tokens)
+        """The flat slots of the sequence's first ``tokens`` tokens, on ``device``. Made on the host and, for a GPU,
+        sent from pinned memory without blocking: a plain upload would wait for every step queued on the stream,
+        so a copy between steps (a move's pause) would wait out the step in flight."""
+        host = block_slots(torch.tensor(table, dtype=torch.long), self.block_size, tokens)
+        if torch.device(device).type != "cuda":
+            return host
+        return host.pin_memory().to(device, non_blocking=True)
 
     def spans(self, table: list[int], tokens: int) -> list[tuple[int, int]]:
         """Rows ``[start, end)`` of the flat pool (``flat``) holding the sequence's first ``tokens`` tokens, one
