@@ -127,3 +127,25 @@ def test_gather_equals_each_layers_rows_into_any_memory(dtype, heads):
             assert all(g[0] is i[0] and g[1] is i[1] for g, i in zip(got, into))
         pairs = zip(as_bytes(got), as_bytes(want), strict=True)
         assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gather_on_a_stream_of_its_own_waits_for_no_step_queued_on_the_engines():
+    """A move's pause copies the KV out beside the step in flight: neither the host nor the copy waits for it."""
+    pool = KVPool(3, 12, 4, 2, 8, torch.bfloat16, "cuda")
+    for k, v in pool.layers:
+        k.normal_(), v.normal_()
+    slots = [b * 4 + i for b in TABLE for i in range(4)][:TOKENS]
+    want = [(k.view(-1, 2, 8)[slots], v.view(-1, 2, 8)[slots]) for k, v in pool.layers]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(3_000_000_000)  # a long step queued on the engine's stream (about a second)
+    step = torch.cuda.Event()
+    step.record()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        got = pool.gather(TABLE, TOKENS)
+        copied = torch.cuda.Event()
+        copied.record()
+    assert not step.query(), "the gather waited for the queued step on the host"
+    copied.synchronize()
+    assert not step.query(), "the copy ran behind the queued step"
+    assert all(torch.equal(a, b) for p, q in zip(got, want) for a, b in zip(p, q))
