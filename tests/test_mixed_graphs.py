@@ -2,7 +2,7 @@
 bucket, attention through ``kernels.triton_mixed``): here its CPU form, the same padded forward without capture (the
 kernel in Triton's interpreter).
 The same tokens and logprobs (1e-4) as the one eager mixed forward, for fresh prompts and chunks after cached prefixes
-beside decode rows, with and without a sliding window; prompt logprobs and steps past the top bucket stay eager; the
+beside decode rows (their keys split where they are many), with and without a sliding window; prompt logprobs and steps past the top bucket stay eager; the
 padding writes nothing to the pool; on a GPU the captured pieces match the eager step."""
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 from tests.triton_env import needs_triton  # first: the interpreter where there is no GPU
 from engine import SamplingParams
 from engine.cuda_graphs.mixed import MixedGraphs
-from engine.kernels import paged
+from engine.kernels import paged, triton_mixed
 from engine.sequence import Sequence
 from tests.test_paged_engine import GREEDY, engine_for, write_family
 
@@ -79,6 +79,27 @@ def test_chunks_after_cached_prefixes_beside_decode_rows_match_the_eager_mixed_s
     engine = _engine(model, True, caching=True)
     _same(_arrivals(engine, waves, params), want)
     assert engine.cached_tokens > 0 and engine.runner.graphs.mixed.runs >= 3
+
+
+@cpu_form
+def test_chunks_and_rows_over_long_contexts_split_their_keys_and_match_the_eager_mixed_step(model, monkeypatch):
+    cut, merged = triton_mixed.cut, []
+
+    def spy(*args):
+        tiles, merges = cut(*args)
+        merged.append(len(merges))
+        return tiles, merges
+
+    monkeypatch.setattr(triton_mixed, "SPLIT_KEYS", 32)  # past two key tiles: split
+    monkeypatch.setattr(triton_mixed, "cut", spy)
+    history = list(range(3, 160))
+    waves = [[history], [history + [7, 8, 9, 11]], [history + [5, 6] * 12, list(range(100, 250))]]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    want = _arrivals(_engine(model, False, caching=True), waves, params)
+    engine = _engine(model, True, caching=True, most_tokens=128)
+    _same(_arrivals(engine, waves, params), want)
+    windowed = engine.model.spec.sliding_window
+    assert (max(merged) > 0) != bool(windowed)  # a window of 12 keys reads too few to split
 
 
 @cpu_form

@@ -23,7 +23,7 @@ for step in ${*:-drain long}; do
       declare -A cfg=([2p2d]="--prefill 2 --decode 2" [1p3d]="--prefill 1 --decode 3" [3p1d]="--prefill 3 --decode 1"
                       [mixed]="--prefill 0 --decode 0 --mixed 4" [auto]="--prefill 0 --decode 0 --mixed 4 --roles auto")
       names=${CONFIGS:-2p2d auto}; configs=()
-      for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nixl"); done
+      for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nccl"); done
       timeout 580 $PY -m pdserve bench goodput --up-args "$model" --slo-ttft-ms 2000 --slo-tpot-ms 15 \
         --workload shifting --rates "${RATES:-4}" --duration 150 --warmup-requests 10 --ttft-concurrency "" \
         "${configs[@]}" --out "$OUT/goodput-shifting-${names// /-}-$TAG" 2>&1 | grep -v "^  requests" | tail -12 ;;

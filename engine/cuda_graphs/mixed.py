@@ -11,7 +11,9 @@ holds, what it attends read from device buffers:
 * ids, positions and KV slots of the step's tokens in ``tokens`` (rows from the step's ``n`` on are padding: slot
   -1, ``rope_store`` writes nothing for them, no tile names them, the logits never read them);
 * each sequence's block table in ``tables``;
-* the tiles (sequence, first row, tokens, first position) in ``tiles``; unused tiles say -1;
+* the tiles (sequence, first row, tokens, first position, key range, scratch slot) in ``tiles``, and the merges of
+  split tiles (``triton_mixed.cut``: a tile over a long context is split over its keys) in ``merges``; unused
+  entries say -1;
 * the rows that sample (each sequence's last token) in ``last``.
 
 A step of ``n`` tokens replays the smallest bucket that holds them. The graphs share the decode graphs' memory pool.
@@ -48,13 +50,16 @@ class MixedGraphs:
         self.most_seqs = min(most_seqs, top)
         self.tokens = torch.zeros(3, top, dtype=torch.long, device=device)  # ids, positions, slots
         self.tables = torch.zeros(self.most_seqs, max_blocks, dtype=torch.int32, device=device)
-        self.tiles = torch.zeros(self._tiles(top), 4, dtype=torch.int32, device=device)
+        self.tiles = torch.zeros(self._tiles(top), 8, dtype=torch.int32, device=device)
+        self.merges = torch.zeros(self.kernels.most_merges(), 4, dtype=torch.int32, device=device)
         self.last = torch.zeros(self.most_seqs, dtype=torch.long, device=device)
         pinned = device.type == "cuda"
         self.staged = [(torch.zeros(3, top, dtype=torch.long, pin_memory=pinned),
                         torch.zeros(self.most_seqs, max_blocks, dtype=torch.int32, pin_memory=pinned),
-                        torch.zeros(self._tiles(top), 4, dtype=torch.int32, pin_memory=pinned),
-                        torch.zeros(self.most_seqs, dtype=torch.long, pin_memory=pinned)) for _ in range(2)]
+                        torch.zeros(self._tiles(top), 8, dtype=torch.int32, pin_memory=pinned),
+                        torch.zeros(self.most_seqs, dtype=torch.long, pin_memory=pinned),
+                        torch.zeros(self.kernels.most_merges(), 4, dtype=torch.int32, pin_memory=pinned))
+                       for _ in range(2)]
         self.window = model.spec.sliding_window or 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -76,7 +81,7 @@ class MixedGraphs:
         q = self.rope.rope_store(qkv, self.cos, self.sin, k_cache, v_cache, self.tokens[2, :size], module.heads,
                                  module.kv_heads, module.kv_scales)
         out = self.kernels.attend(q, k_cache, v_cache, self.tables, self.tiles[:self._tiles(size)], module.scale,
-                                  self.window, module.kv_scales)
+                                  self.window, module.kv_scales, merges=self.merges)
         return out.reshape(size, -1)
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -103,18 +108,20 @@ class MixedGraphs:
     def _stage(self, ids, positions, slots, tables, query_starts, starts, size) -> int:
         """The step's buffers (host lists) staged and copied to the device; the number of rows that sample."""
         self.runs += 1
-        tokens, blocks, tiles, last = self.staged[self.runs % 2]
+        tokens, blocks, tiles, last, merges = self.staged[self.runs % 2]
         n, fill = len(ids), size - len(ids)
         tokens[:, :size] = torch.tensor([ids + [0] * fill, positions + [0] * fill, slots + [-1] * fill])
-        cut = self.kernels.cut(query_starts, starts, self.per_tile)
+        cut, merged = self.kernels.cut(query_starts, starts, self.per_tile, self.window)
         count = self._tiles(size)
-        tiles[:count] = torch.tensor(cut + [(-1, 0, 0, 0)] * (count - len(cut)), dtype=torch.int32)
+        tiles[:count] = torch.tensor(cut + [self.kernels.NO_TILE] * (count - len(cut)), dtype=torch.int32)
+        merges[:] = torch.tensor(merged + [self.kernels.NO_MERGE] * (len(merges) - len(merged)), dtype=torch.int32)
         width = max(len(t) for t in tables)
         blocks[:len(tables), :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         rows = min(size, self.most_seqs)  # every index the bucket's logits read: the unused ones row 0, in range
         last[:rows] = torch.tensor([e - 1 for e in query_starts[1:]] + [0] * (rows - len(tables)))
         self.tokens[:, :size].copy_(tokens[:, :size], non_blocking=True)
         self.tiles[:count].copy_(tiles[:count], non_blocking=True)
+        self.merges.copy_(merges, non_blocking=True)
         self.tables[:len(tables), :width].copy_(blocks[:len(tables), :width], non_blocking=True)
         self.last[:rows].copy_(last[:rows], non_blocking=True)
         return len(tables)
