@@ -14,7 +14,9 @@ as both a prefill and a decode worker of the router, which sends a prompt
 whose decode worker would also be its prefill worker through ``generate``.
 
 One rank (``--tp 1``), a paged torch engine, and a transport whose sender and
-receiver can live in one process (not the fixed worlds of nccl and mlx)."""
+receiver can live in one process: any but mlx's fixed world (nccl's ends pair up
+as they meet, so a mixed worker sends to and receives from each peer over pairs
+of its own)."""
 from __future__ import annotations
 
 import logging
@@ -30,7 +32,7 @@ from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 
-FIXED_WORLDS = ("nccl", "mlx")
+FIXED_WORLDS = ("mlx",)
 
 
 class MixedWorker(DecodeWorker):

@@ -48,3 +48,23 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         assert 'pdserve_role_changes_total{role="prefill"} 1.0' in httpx.get(url + "/metrics", timeout=10).text
     finally:
         c.stop()
+
+
+def test_mixed_workers_prefill_for_each_other_and_move_streams_over_nccl(model):
+    """Mixed workers over nccl (gloo pairs on the CPU): each prefills prompts that decode on the other and receives
+    theirs (pairs of its own each way), and a role change moves its streams over nccl, texts as undisturbed."""
+    c = Cluster("--prefill", "0", "--decode", "0", "--mixed", "2", "--transport", "nccl", "--device", "cpu",
+                "--kv-option", "nccl_backend=gloo", "--model", model, "--policy", "round_robin").wait_ready()
+    try:
+        url, name = c.url, model.rsplit("/", 1)[1]
+        first, _ = (w["address"] for w in decode_workers(url))
+        bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
+                   "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
+        want, _ = run_streams(url, bodies)
+        assert all(w["prefilled_for_others"] > 0 for w in decode_workers(url)), decode_workers(url)
+        got, _ = run_streams(url, bodies, lambda u: role(u, first, "prefill").json())
+        assert [s.texts for s in got] == [s.texts for s in want]
+        assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
+        assert moved(url) > 0
+    finally:
+        c.stop()

@@ -6,8 +6,9 @@
 #          worker drained: errors, equal texts, the gap p99 against the undisturbed run's, each move's stall
 #   long   the same with ~8k-token contexts, 8 streams: the stall of moving an 8k context
 #   roles  4 GPUs, bench goodput --workload shifting (prompt-heavy and generation-heavy phases every 60 s) at RATES
-#          (default 4) for 150 s: CONFIGS (default "2p2d auto"; also 1p3d 3p1d mixed) side by side; one call of 10
-#          minutes holds about two of them, so run the fixed splits and auto in separate calls of the same machine
+#          (default 8,12,16) for 150 s each: CONFIGS (default "3p1d 2p2d auto"; also 1p3d mixed) side by side; a
+#          configuration takes ~3 minutes a rate, so give each its own call of one machine; all over nccl. At 4
+#          req/s 2P2D met the SLOs with its prefill GPUs 16% busy (2026-11-28): lower rates tell nothing apart
 OUT=${OUT:-bench/out/migrate}
 TAG=${TAG:-gpu}
 source "$(dirname "$0")/common.sh"
@@ -22,10 +23,10 @@ for step in ${*:-drain long}; do
     roles)
       declare -A cfg=([2p2d]="--prefill 2 --decode 2" [1p3d]="--prefill 1 --decode 3" [3p1d]="--prefill 3 --decode 1"
                       [mixed]="--prefill 0 --decode 0 --mixed 4" [auto]="--prefill 0 --decode 0 --mixed 4 --roles auto")
-      names=${CONFIGS:-2p2d auto}; configs=()
+      names=${CONFIGS:-3p1d 2p2d auto}; configs=()
       for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nccl"); done
       timeout 580 $PY -m pdserve bench goodput --up-args "$model" --slo-ttft-ms 2000 --slo-tpot-ms 15 \
-        --workload shifting --rates "${RATES:-4}" --duration 150 --warmup-requests 10 --ttft-concurrency "" \
+        --workload shifting --rates "${RATES:-8,12,16}" --duration 150 --warmup-requests 10 --ttft-concurrency "" \
         "${configs[@]}" --out "$OUT/goodput-shifting-${names// /-}-$TAG" 2>&1 | grep -v "^  requests" | tail -12 ;;
   esac
 done
