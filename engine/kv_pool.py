@@ -36,14 +36,14 @@ class KVPool:
             self.scales = [tuple(map(float, s)) for s in scales] if scales else [(1.0, 1.0)] * num_layers
         self.flat = [(k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)) for k, v in self.layers]
 
-    def _slots(self, table: list[int], tokens: int, device) -> torch.Tensor:
-        """The flat slots of the sequence's first ``tokens`` tokens, on ``device``. Made on the host and, for a GPU,
+    def _slots(self, table: list[int], tokens: int) -> torch.Tensor:
+        """The flat slots of the sequence's first ``tokens`` tokens, on the pool's device. Made on the host and, for a GPU,
         sent from pinned memory without blocking: a plain upload would wait for every step queued on the stream,
         so a copy between steps (a move's pause) would wait out the step in flight."""
         host = block_slots(torch.tensor(table, dtype=torch.long), self.block_size, tokens)
-        if torch.device(device).type != "cuda":
+        if self.stacked.device.type != "cuda":
             return host
-        return host.pin_memory().to(device, non_blocking=True)
+        return host.pin_memory().to(self.stacked.device, non_blocking=True)
 
     def spans(self, table: list[int], tokens: int) -> list[tuple[int, int]]:
         """Rows ``[start, end)`` of the flat pool (``flat``) holding the sequence's first ``tokens`` tokens, one
@@ -70,7 +70,7 @@ class KVPool:
     def gather(self, table: list[int], tokens: int, into: list | None = None, heads: tuple | None = None) -> list:
         """The sequence's KV as canonical ``(k, v)`` per layer (written into ``into`` when given); ``heads``:
         only the pool's heads ``[first, end)``."""
-        slots = self._slots(table, tokens, self.stacked.device)
+        slots = self._slots(table, tokens)
         h0, h1 = heads or (0, self.kv_heads)
         rows = self.stacked.view(len(self.stacked), -1, self.kv_heads, self.head_dim)[:, :, h0:h1]
         if into is None:
@@ -95,7 +95,7 @@ class KVPool:
         it = iter(layers)
         first = next(it)
         tokens = first[0].shape[0]
-        slots = self._slots(table, tokens, self.layers[0][0].device)
+        slots = self._slots(table, tokens)
         h0, h1 = heads or (0, self.kv_heads)
         l0, l1 = span or (0, len(self.layers))
         for (kc, vc), (k, v) in zip(self.layers[l0:l1], [first, *it], strict=True):

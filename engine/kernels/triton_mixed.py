@@ -75,7 +75,7 @@ def cut(query_starts: list[int], starts: list[int], per_tile: int, window: int =
             tiles.append((seq, first, n, p0, lo, hi, -1, 0))
             continue
         span = -(-(hi - lo) // (k * TILE)) * TILE
-        bounds = [b for b in range(lo, hi, span)]
+        bounds = list(range(lo, hi, span))
         for j, b in enumerate(bounds):
             tiles.append((seq, first, n, p0, b, min(b + span, hi), slot + j, 0))
         merges.append((first, n, slot, len(bounds)))
@@ -142,10 +142,17 @@ def _mixed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, parts_ptr
         tl.store(out_ptr + (row0 + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     else:  # a part of a split tile: its rows' output, max and sum into its slot
-        at = (part * tl.num_programs(1) + kvh) * (BLOCK_Q * GROUP_P) + r
+        at = _slot_rows(part, kvh, r, BLOCK_Q * GROUP_P)
         tl.store(parts_ptr + at[:, None].to(tl.int64) * BLOCK_D + d[None, :], out, mask=rmask[:, None])
         tl.store(ml_ptr + at * 2, m, mask=rmask)
         tl.store(ml_ptr + at * 2 + 1, l_sum, mask=rmask)
+
+
+@triton.jit
+def _slot_rows(slot, kvh, r, ROWS: tl.constexpr):
+    """Rows ``r`` of KV head ``kvh`` in scratch slot ``slot`` (parts and their max and sum: ``[slots, kv heads, ROWS]``;
+    the launch's second grid axis is the KV heads)."""
+    return (slot * tl.num_programs(1) + kvh) * ROWS + r
 
 
 @triton.jit(do_not_specialize=["stride_ot", "stride_oh"])
@@ -165,13 +172,13 @@ def _merge_kernel(parts_ptr, ml_ptr, out_ptr, merges_ptr, stride_ot, stride_oh, 
     rmask = (tok < n) & (g < GROUP)
     top = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     for i in range(count):
-        at = ((first + i) * tl.num_programs(1) + kvh) * (BLOCK_Q * GROUP_P) + r
+        at = _slot_rows(first + i, kvh, r, BLOCK_Q * GROUP_P)
         top = tl.maximum(top, tl.load(ml_ptr + at * 2, mask=rmask, other=float("-inf")))
     top = tl.where(top > float("-inf"), top, 0.0)
     total = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
     for i in range(count):
-        at = ((first + i) * tl.num_programs(1) + kvh) * (BLOCK_Q * GROUP_P) + r
+        at = _slot_rows(first + i, kvh, r, BLOCK_Q * GROUP_P)
         m = tl.load(ml_ptr + at * 2, mask=rmask, other=float("-inf"))
         weight = tl.load(ml_ptr + at * 2 + 1, mask=rmask, other=0.0) * tl.exp(m - top)
         part = tl.load(parts_ptr + at[:, None].to(tl.int64) * BLOCK_D + d[None, :], mask=rmask[:, None], other=0.0)
@@ -193,18 +200,18 @@ def attend(q, k_cache, v_cache, tables, tiles, scale: float, window: int = 0, sc
     upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)  # the interpreter has no bf16 dot
     fp8, ks, vs = _fp8(k_cache, scales)
     out = torch.zeros_like(q) if out is None else out
-    rows, block_d = block_q(heads, kv_heads) * triton.next_power_of_2(group), max(triton.next_power_of_2(dim), 16)
-    parts = torch.empty(PARTS * kv_heads * rows, block_d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(PARTS * kv_heads * rows, 2, dtype=torch.float32, device=q.device)
+    per, group_p, block_d = block_q(heads, kv_heads), triton.next_power_of_2(group), max(triton.next_power_of_2(dim), 16)
+    parts = torch.empty(PARTS * kv_heads * per * group_p, block_d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(PARTS * kv_heads * per * group_p, 2, dtype=torch.float32, device=q.device)
     _mixed_kernel[(tiles.shape[0], kv_heads)](
         q, k_cache, v_cache, out, tables, tiles, parts, ml, scale * ks, vs, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), tables.stride(0),
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q(heads, kv_heads), BLOCK_SIZE=block_size,
-        D=dim, BLOCK_D=max(triton.next_power_of_2(dim), 16), TILE=TILE, PRECISION="ieee" if upcast else "tf32",
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=per, BLOCK_SIZE=block_size,
+        D=dim, BLOCK_D=block_d, TILE=TILE, PRECISION="ieee" if upcast else "tf32",
         UPCAST=upcast, HALF=fp8, num_warps=4, num_stages=2)
     if merges is not None:
         _merge_kernel[(merges.shape[0], kv_heads)](
-            parts, ml, out, merges, out.stride(0), out.stride(1), GROUP=group, GROUP_P=triton.next_power_of_2(group),
-            BLOCK_Q=block_q(heads, kv_heads), D=dim, BLOCK_D=block_d, num_warps=4)
+            parts, ml, out, merges, out.stride(0), out.stride(1), GROUP=group, GROUP_P=group_p, BLOCK_Q=per, D=dim,
+            BLOCK_D=block_d, num_warps=4)
     return out
