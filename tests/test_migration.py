@@ -309,13 +309,16 @@ def test_a_rolling_restart_of_pdserve_up_ends_no_stream(model):
     cluster = Cluster("--decode", "2", "--model", model).wait_ready()
     try:
         want, _ = run_streams(cluster.url, bodies)
-        got, _ = run_streams(cluster.url, bodies, lambda url: os.kill(cluster.proc.pid, signal.SIGHUP))
-        assert [s.texts for s in got] == [s.texts for s in want]
 
-        def restarted():
+        def restarted(times):
             workers = [w for group in health(cluster.url)["workers"].values() for w in group]
-            return all(w.get("restarts") == 1 and w["healthy"] and w["drain"] == "serving" for w in workers)
-        assert eventually(restarted, 120)
+            return all(w.get("restarts") == times and w["healthy"] and w["drain"] == "serving" for w in workers)
+        for times in range(1, 4):  # again where every stream ended before its worker's drain (a busy machine)
+            got, _ = run_streams(cluster.url, bodies, lambda url: os.kill(cluster.proc.pid, signal.SIGHUP))
+            assert [s.texts for s in got] == [s.texts for s in want]
+            assert eventually(lambda: restarted(times), 120)  # noqa: B023 (called within the iteration)
+            if moved(cluster.url) >= 1:
+                break
         assert moved(cluster.url) >= 1
     finally:
         cluster.stop()
