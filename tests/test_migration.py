@@ -93,18 +93,28 @@ def drain_busiest(url: str, missed_ok: bool = False) -> str | None:
     return busiest["address"]
 
 
-def drained_mid_way(url: str, bodies: list[dict], attempts: int = 4) -> tuple[list, str]:
-    """``run_streams`` with the busiest decode worker drained, run again until the drain moved a stream: on a busy
-    machine the client can read the first tokens so late that every stream has ended (or, for a short answer, ends
-    before its move) when the drain arrives, and such a run tests no move. Every run's streams must still end."""
-    for _ in range(attempts):
+def until_moved(url: str, attempt, undo, attempts: int = 4):
+    """``attempt()`` (streams with a move asked mid-way) run again until a stream moved, ``undo(result)`` between
+    runs: on a busy machine the client can read the first tokens so late that every stream has ended (or, for a short
+    answer, ends before its move) when the move is asked, and such a run tests no move. Every run's streams must still
+    end (``run_streams`` checks). Returns the moving run's result and how many runs it took."""
+    for runs in range(1, attempts + 1):
         before = moved(url)
-        got, address = run_streams(url, bodies, lambda u: drain_busiest(u, missed_ok=True))
-        if address is not None and moved(url) > before:
-            return got, address
-        if address is not None:
-            undrain(url, address)
-    pytest.fail(f"in {attempts} runs the drain reached no decoding stream")
+        got = attempt()
+        if moved(url) > before:
+            return got, runs
+        undo(got)
+    pytest.fail(f"in {attempts} runs no stream moved")
+
+
+def drained_mid_way(url: str, bodies: list[dict], attempts: int = 4) -> tuple[list, str]:
+    """``run_streams`` with the busiest decode worker drained (``until_moved``)."""
+    def undo(got):
+        if got[1] is not None:
+            undrain(url, got[1])
+    result, _ = until_moved(url, lambda: run_streams(url, bodies, lambda u: drain_busiest(u, missed_ok=True)), undo,
+                            attempts)
+    return result
 
 
 def undrain(url: str, address: str) -> None:
@@ -284,16 +294,15 @@ def test_streams_move_between_a_single_rank_worker_and_groups(model):
         for group in ("tp", "pp"):
             for source, target in ((fleet.addrs["one"], fleet.addrs[group]), (fleet.addrs[group], fleet.addrs["one"])):
                 only(source)
-                before = moved(fleet.url)
 
                 def move(url):
                     undrain(url, target)
                     assert pdserve(["drain", "--url", url, "--worker", source]) == 0
                     return source
 
-                got, _ = run_streams(fleet.url, bodies, move)
+                (got, _), _ = until_moved(fleet.url, lambda: run_streams(fleet.url, bodies, move),
+                                          lambda _: only(source))
                 assert [s.texts for s in got] == [s.texts for s in want], (source, target)
-                assert moved(fleet.url) > before, (source, target)
                 check_drained(fleet.url, source)
 
 

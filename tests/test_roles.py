@@ -8,11 +8,18 @@ import httpx
 from deploy.local import Cluster
 from pdserve.cli import main as pdserve
 from tests.test_failures import eventually
-from tests.test_migration import TOKENS, decode_workers, health, model, moved, run_streams  # noqa: F401 (fixture)
+from tests.test_migration import TOKENS, decode_workers, health, model, run_streams, until_moved  # noqa: F401
 
 
 def role(url: str, worker: str, new: str, force: bool = False) -> httpx.Response:
     return httpx.post(url + "/admin/role", json={"worker": worker, "role": new, "force": force}, timeout=30)
+
+
+def back_to_mixed(url: str, worker: str) -> None:
+    """A run whose streams all ended before the role change moved none: the worker back in both picks."""
+    assert role(url, worker, "mixed").status_code == 200
+    assert eventually(lambda: all(w["drain"] == "serving" for w in health(url)["workers"]["decode"] + health(url)[
+        "workers"]["prefill"] if w["address"] == worker), 10)
 
 
 def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model):
@@ -32,10 +39,10 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
                    "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
         want, _ = run_streams(url, bodies)
-        got, _ = run_streams(url, bodies, lambda u: role(u, mixed, "prefill").json())
+        (got, _), runs = until_moved(url, lambda: run_streams(url, bodies, lambda u: role(u, mixed, "prefill").json()),
+                                     lambda _: back_to_mixed(url, mixed))
         assert [s.texts for s in got] == [s.texts for s in want]
         assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
-        assert moved(url) > 0
         mixed_decode = lambda: next(w for w in decode_workers(url) if w["address"] == mixed)  # noqa: E731
         assert eventually(lambda: mixed_decode()["drain"] == "drained" and mixed_decode()["active"] == 0, 30)
         assert pdserve(["role", "--url", url, "--worker", mixed, "--role", "decode"]) == 0
@@ -45,7 +52,7 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         assert [s.texts for s in again] == [s.texts for s in want[:2]]
         assert role(url, mixed, "mixed").json() == {"worker": mixed, "role": "mixed", "prefill_drain": "serving",
                                                     "decode_drain": "serving"}
-        assert 'pdserve_role_changes_total{role="prefill"} 1.0' in httpx.get(url + "/metrics", timeout=10).text
+        assert f'pdserve_role_changes_total{{role="prefill"}} {runs}.0' in httpx.get(url + "/metrics", timeout=10).text
     finally:
         c.stop()
 
@@ -63,9 +70,9 @@ def test_mixed_workers_prefill_for_each_other_and_move_streams_over_nccl(model):
         want, _ = run_streams(url, bodies)
         both = lambda: all(w["prefilled_for_others"] > 0 for w in decode_workers(url))  # noqa: E731 (reports lag)
         assert eventually(both, 30), decode_workers(url)
-        got, _ = run_streams(url, bodies, lambda u: role(u, first, "prefill").json())
+        (got, _), _ = until_moved(url, lambda: run_streams(url, bodies, lambda u: role(u, first, "prefill").json()),
+                                  lambda _: back_to_mixed(url, first))
         assert [s.texts for s in got] == [s.texts for s in want]
         assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
-        assert moved(url) > 0
     finally:
         c.stop()
