@@ -57,6 +57,19 @@ class KVAware:
         return LeastOutstanding.pick(self, [w for w, s in zip(workers, scores) if s >= best - 1e-9])
 
 
+def prompt_first(prefill_workers, decode_workers) -> set:
+    """The decode workers to leave out of a disaggregated request's decode pick while another has room: the twin
+    (a mixed worker is a client in both groups) of the one prefill worker with the fewest prompts in flight, where
+    one has strictly fewest. The prefill pick comes after the decode pick and cannot use the decode worker itself, so
+    without this the decode pick would choose where prompts go by accident: with two mixed workers, one slow at
+    prompts decodes for longer, the least loaded decode pick goes to the other, and every prompt to the slow one."""
+    loads = sorted(w.outstanding for w in prefill_workers)
+    if len(loads) < 2 or loads[0] == loads[1]:
+        return set()
+    least = next(w for w in prefill_workers if w.outstanding == loads[0])
+    return {d for d in decode_workers if d.address == least.address}
+
+
 POLICIES = {"round_robin": RoundRobin, "least_outstanding": LeastOutstanding, "kv_aware": KVAware}
 
 

@@ -21,7 +21,7 @@ from .admission import estimate_prompt_tokens
 from .disagg import Decision, DisaggPolicy
 from .errors import ApiError
 from .events import Delta, Finished
-from .policy import cached_blocks
+from .policy import cached_blocks, prompt_first
 from .prompts import PromptTokenizer
 from .migration import OPS as MOVE_OPS, Migrations
 from .retry import RequestRun, StreamError, WorkerFailure
@@ -43,8 +43,11 @@ def new_rid() -> str:
 class Service:
     def __init__(self, groups: dict, metrics, admission, first_timeout_s: float = 300.0, token_timeout_s: float = 60.0,
                  kv_aware: bool = False, tokenizer: str | None = None, retries: int = 2, retry_wait_s: float = 3.0,
-                 disagg: DisaggPolicy | None = None, stall_timeout_s: float = 30.0):
+                 disagg: DisaggPolicy | None = None, stall_timeout_s: float = 30.0, count_prompts: bool = False):
         self.disagg = disagg or DisaggPolicy()
+        # each prompt's uncached tokens counted (tokenized here) for the prefill workers' waits: what ``auto``
+        # decides on, and ``--roles auto`` reads as the pressure on prompts
+        self.count_prompts = count_prompts or self.disagg.mode == "auto"
         self.retries = retries
         self.retry_wait_s, self.pick_wait_s = retry_wait_s, max(PICK_WAIT_S, retry_wait_s)
         self.kv_aware = kv_aware
@@ -252,7 +255,8 @@ class Service:
         run.local = self.colocated
         role = "colocated" if self.colocated else "decode"
         t0 = time.perf_counter()
-        held = run.workers[role] = await self.admission.acquire(self.groups[role], rid, tokens, prompt, run.avoid)
+        avoid = run.avoid if self.colocated else run.avoid | self._prompt_first(run)
+        held = run.workers[role] = await self.admission.acquire(self.groups[role], rid, tokens, prompt, avoid)
         run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
         if self.colocated:
             return await self._generate_here(run, held, rid, involved)
@@ -275,6 +279,14 @@ class Service:
                              **stages, **payload)
         return prefill
 
+    def _prompt_first(self, run: RequestRun) -> set:
+        """Decode workers the decode pick leaves to others: the twin of the prefill worker the prompt goes to
+        (``router.policy.prompt_first``); none where prompts do not go to prefill workers."""
+        prefill = self.groups.get("prefill")
+        if prefill is None or self.disagg.mode == "never":
+            return set()
+        return prompt_first(prefill.healthy(run.avoid), self.groups["decode"].clients)
+
     async def _generate_here(self, run: RequestRun, worker, rid: str, involved: list):
         """The prompt (and, on a retry, the client's first token) computed on the worker that decodes it."""
         first = run.first
@@ -287,7 +299,7 @@ class Service:
         """Local or remote prefill (``router.disagg``); recorded in the timing (the response's ``pdserve``)."""
         if run.warm:
             return "remote"
-        if self.disagg.mode == "auto":
+        if self.count_prompts:
             keys = prompt if prompt is not None and prompt.ids is not None else await self._prompt(run.payload, True)
             total = len(keys.ids) if keys is not None and keys.ids is not None else estimate_prompt_tokens(run.payload)
             uncached = total - cached_blocks(decode, keys) * int(decode.info.get("kv_block_size") or 0)
