@@ -36,7 +36,7 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
     service = Service(groups, metrics, admission, cfg.first_timeout_s, cfg.token_timeout_s,
                       kv_aware=cfg.policy == "kv_aware", tokenizer=cfg.tokenizer or None, retries=cfg.retries,
                       retry_wait_s=cfg.retry_wait_s, disagg=cfg.disagg_policy(),
-                      stall_timeout_s=cfg.stall_timeout_s)
+                      stall_timeout_s=cfg.stall_timeout_s, count_prompts=cfg.roles == "auto")
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
     drains = Drains(service, groups)

@@ -76,3 +76,40 @@ def test_mixed_workers_prefill_for_each_other_and_move_streams_over_nccl(model):
         assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
     finally:
         c.stop()
+
+
+def test_roles_auto_moves_a_mixed_worker_to_prompts_under_a_burst_of_long_prompts():
+    """``pdserve up --mixed 3 --roles auto`` (``--disagg always``): a burst of long prompts with short answers keeps
+    the prefill workers' waits over ``--disagg-prefill-wait-ms`` (each prompt's tokens counted by the router) until
+    the controller makes a mixed worker ``prefill``; every request is answered."""
+    import asyncio
+
+    c = Cluster("--prefill", "0", "--decode", "0", "--mixed", "3", "--roles", "auto",
+                "--disagg-prefill-wait-ms", "200").wait_ready()
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as client:
+                async def one(i):
+                    body = {"model": "tiny-llama", "prompt": f"long prompt {i} " + "the quick brown fox " * 45,
+                            "max_tokens": 4, "temperature": 0}
+                    return (await client.post(c.url + "/v1/completions", json=body)).status_code
+                tasks = []
+                for i in range(600):
+                    tasks.append(asyncio.create_task(one(i)))
+                    await asyncio.sleep(0.005)
+                    if i % 100 == 99 and changes(c.url) > 0:
+                        break
+                return [await t for t in tasks]
+        codes = asyncio.run(burst())
+        assert codes == [200] * len(codes)
+        assert eventually(lambda: changes(c.url) > 0, 10), httpx.get(c.url + "/metrics", timeout=10).text
+        roles = {w["address"]: w["drain"] for w in health(c.url)["workers"]["decode"]}
+        assert sorted(roles.values()).count("serving") == 2, roles  # one left the decode picks
+    finally:
+        c.stop()
+
+
+def changes(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('pdserve_role_changes_total{role="prefill"}'))
