@@ -6,8 +6,10 @@
 #          worker drained: errors, equal texts, the gap p99 against the undisturbed run's, each move's stall
 #   long   the same with ~8k-token contexts, 8 streams: the stall of moving an 8k context
 #   roles  4 GPUs, bench goodput --workload shifting (prompt-heavy and generation-heavy phases every 60 s) at RATES
-#          (default 12,18,24) for 150 s each: CONFIGS (default "3p1d 2p2d auto"; also 1p3d mixed) side by side; a
-#          configuration takes ~3 minutes a rate, so give each its own call of one machine; all over nccl. At 4
+#          (default 12,18,24) for DURATION s each (default 150; 120 is one phase of each kind): CONFIGS (default
+#          "3p1d 2p2d auto"; also 1p3d mixed) side by side, every worker told the TPOT SLO (15 ms: the mixed
+#          workers' step cap, and the decoding pressure --roles auto reads); a configuration takes ~2.5-3 minutes a
+#          rate, so give each its own call of one machine; all over nccl. At 4
 #          req/s 2P2D met the SLOs with its prefill GPUs 16% busy (2026-11-28), and the planner on that day's H200
 #          profile puts 2P2D at ~24 req/s and 3P1D past 33 (plan-4gpu-shifting-2026-11-28-h200.md)
 OUT=${OUT:-bench/out/migrate}
@@ -25,9 +27,10 @@ for step in ${*:-drain long}; do
       declare -A cfg=([2p2d]="--prefill 2 --decode 2" [1p3d]="--prefill 1 --decode 3" [3p1d]="--prefill 3 --decode 1"
                       [mixed]="--prefill 0 --decode 0 --mixed 4" [auto]="--prefill 0 --decode 0 --mixed 4 --roles auto")
       names=${CONFIGS:-3p1d 2p2d auto}; configs=()
-      for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nccl"); done
+      for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nccl --slo-tpot-ms 15"); done
       timeout 580 $PY -m pdserve bench goodput --up-args "$model" --slo-ttft-ms 2000 --slo-tpot-ms 15 \
-        --workload shifting --rates "${RATES:-12,18,24}" --duration 150 --warmup-requests 10 --ttft-concurrency "" \
-        "${configs[@]}" --out "$OUT/goodput-shifting-${names// /-}-$TAG" 2>&1 | grep -v "^  requests" | tail -12 ;;
+        --workload shifting --rates "${RATES:-12,18,24}" --duration "${DURATION:-150}" --warmup-requests 10 --ttft-concurrency "" \
+        "${configs[@]}" --out "$OUT/goodput-shifting-${names// /-}-$TAG" 2>&1 | tee "$OUT/goodput-shifting-${names// /-}-$TAG.log" |
+        grep -v "^  requests" | grep -v "^\[" | tail -12; grep -h "roles auto:" "$OUT/goodput-shifting-${names// /-}-$TAG.log" | tail -20 ;;
   esac
 done
