@@ -11,10 +11,11 @@ One side pressed for ``HOLD`` passes in a row while the other is not: one mixed 
 (``decode`` -> ``mixed`` -> ``prefill`` for prompts, back for decoding; the gentlest step first: a worker that
 serves only the other side becomes mixed before a mixed one leaves that side), then nothing changes for
 ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither: no change. A change
-the roles refuse (it would leave a group with no worker) is skipped, and so is a step toward prompts that would leave
-one decode worker, a mixed one: a prompt may not go to the worker that decodes it (``--disagg auto`` aside), so that
-worker would stop prefilling and the step would take prompt capacity away (two mixed workers: one prefilling instead
-of both)."""
+the roles refuse (it would leave a group with no worker) is skipped. Under prompt pressure the steps go on to the
+split (``prefill`` workers and one decode worker), not to workers that both prefill and decode: on GPUs a mixed
+worker's prompt steps break the TPOT SLO of what it decodes (bench/RESULTS.md, roles under a shifting load). Under
+``--disagg always`` the last decode worker left, mixed, gets no prompts (a prompt may not go to the worker that
+decodes it): it serves as a decode worker."""
 from __future__ import annotations
 
 import asyncio
@@ -65,15 +66,6 @@ class RoleControl:
         prefill, decode = (self.groups[r].healthy() for r in ("prefill", "decode"))
         return {"prompts": prompts_pressed(prefill, self.policy), "decoding": any(pressed(w) for w in decode)}
 
-    def takes_prompts_away(self, change: tuple[str, str]) -> bool:
-        """After ``change``, one decode worker in the picks and it mixed (``disagg auto`` lets it prefill its own)."""
-        address, role = change
-        if role != "prefill" or self.policy.mode == "auto":
-            return False
-        left = [c for c in self.groups["decode"].healthy() if c.address != address]
-        prefill = {c.address for c in self.groups["prefill"].healthy()}
-        return len(left) == 1 and left[0].address in prefill
-
     async def step(self, now: float) -> tuple[str, str] | None:
         """One pass; the change made, if any."""
         hot = self.pressure()
@@ -83,7 +75,7 @@ class RoleControl:
             return None
         side = next((s for s, n in self.held.items() if n >= HOLD), None)
         change = pick(self.mixed(), side) if side else None
-        if change is None or self.takes_prompts_away(change):
+        if change is None:
             return None
         try:
             await self.roles.set(*change)

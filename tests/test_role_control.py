@@ -102,20 +102,3 @@ def test_both_sides_pressed_or_a_group_left_empty_changes_nothing():
             assert await control.step(10.0 + i) is None
         assert control.roles.current("m") == "mixed"
     asyncio.run(main())
-
-
-def test_a_step_toward_prompts_that_would_leave_one_mixed_decode_worker_is_not_taken():
-    """Two mixed workers under ``--disagg always``: the one left decoding could no longer prefill (a prompt may not go
-    to its own decode worker), so making the other ``prefill`` halves the prompt capacity; with a third worker, or
-    with ``--disagg auto`` (the last one prefills its own), the step is taken."""
-    async def main(mode, count):
-        pairs = [(Client(f"m{i}", "mixed"), Client(f"m{i}", "mixed")) for i in range(count)]
-        groups = {"prefill": Group("prefill", [a for a, _ in pairs]), "decode": Group("decode", [b for _, b in pairs])}
-        roles = Roles(Drains(SimpleNamespace(waits=SimpleNamespace(runs={})), groups), Metrics())
-        control = RoleControl(roles, groups, DisaggPolicy(mode=mode))
-        press_prompts(*(a for a, _ in pairs))
-        changes = [await control.step(float(i)) for i in range(HOLD + 1)]
-        return next((c for c in changes if c), None)
-    assert asyncio.run(main("always", 2)) is None
-    assert asyncio.run(main("always", 3)) == ("m0", "prefill")
-    assert asyncio.run(main("auto", 2)) == ("m0", "prefill")
