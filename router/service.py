@@ -101,9 +101,12 @@ class Service:
         if model not in known:
             raise ApiError(404, f"The model '{model}' does not exist; served: {sorted(known)}", param="model", code="model_not_found")
 
-    async def _pick(self, role, prompt=None, avoid=()):
-        group = self.groups.get(role)
-        ready = await group.wait_healthy(avoid, self.pick_wait_s) if group is not None else []
+    async def _pick(self, role, prompt=None, avoid=(), never=()):
+        """A worker of ``role`` in the picks, one in ``avoid`` only where no other is; never one in ``never``."""
+        group, ready = self.groups.get(role), []
+        if group is not None:
+            ready = [c for c in await group.wait_healthy(avoid, self.pick_wait_s) if c not in never]
+            ready = ready or [c for c in group.healthy() if c not in never]  # avoided ones before none
         if not ready:
             raise ApiError(503, f"no healthy {role} worker", headers={"Retry-After": "1"})
         return group.policy.pick(ready, prompt)
@@ -265,8 +268,9 @@ class Service:
             run.local = True
             decode.prompt_tokens_out[rid] = run.uncached  # the wait it adds to the next local prompt
             return await self._generate_here(run, decode, rid, involved)
+        # never the decode worker's own prefill side (a mixed worker): its KV would go to itself
         twins = {c for c in self.groups["prefill"].clients if c.address == decode.address}
-        prefill = run.workers["prefill"] = await self._pick("prefill", prompt, run.avoid | twins)
+        prefill = run.workers["prefill"] = await self._pick("prefill", prompt, run.avoid, never=twins)
         problem = pair_mismatch(prefill.info, decode.info)
         if problem:
             raise ApiError(500, f"prefill worker {prefill.address} cannot hand its KV to decode worker "
