@@ -7,15 +7,14 @@ Every ``PASS_S`` it reads the pressure on each side, as the router's other decis
   flight;
 - decoding: a decode worker in the picks is pressed as ``--rebalance`` sees it (90% of its KV blocks in use, KV
   waiting for blocks, or its decode step over the TPOT SLO it serves).
-One side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes one step toward it
-(``decode`` -> ``mixed`` -> ``prefill`` for prompts, back for decoding; the gentlest step first: a worker that
-serves only the other side becomes mixed before a mixed one leaves that side), then nothing changes for
-``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither: no change. A change
-the roles refuse (it would leave a group with no worker) is skipped. Under prompt pressure the steps go on to the
-split (``prefill`` workers and one decode worker), not to workers that both prefill and decode: on GPUs a mixed
-worker's prompt steps break the TPOT SLO of what it decodes (bench/RESULTS.md, roles under a shifting load). Under
-``--disagg always`` the last decode worker left, mixed, gets no prompts (a prompt may not go to the worker that
-decodes it): it serves as a decode worker."""
+One side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
+(``prefill`` for prompts, ``decode`` for decoding; a worker serving both sides before one serving the other), then
+nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or
+neither: no change. A change the roles refuse (it would leave a group with no worker) is skipped. The steps lead
+to a split of prefill and decode workers and never into ``mixed``: on GPUs a mixed worker's prompt steps break the
+TPOT SLO of what it decodes, and a controller that rested there lost to a fixed 3P1D (bench/RESULTS.md, roles
+under a shifting load). Under ``--disagg always`` the last decode worker, if mixed, gets no prompts (a prompt may
+not go to the worker that decodes it): it serves as a decode worker."""
 from __future__ import annotations
 
 import asyncio
@@ -29,16 +28,16 @@ log = logging.getLogger(__name__)
 PASS_S = 1.0
 HOLD = 3
 COOLDOWN_S = 10.0
-TOWARD = {"prompts": {"decode": "mixed", "mixed": "prefill"}, "decoding": {"prefill": "mixed", "mixed": "decode"}}
-GENTLE_FIRST = {"prompts": ("decode", "mixed"), "decoding": ("prefill", "mixed")}
+TOWARD = {"prompts": "prefill", "decoding": "decode"}
+FIRST = {"prompts": ("mixed", "decode"), "decoding": ("mixed", "prefill")}  # who changes first, toward each side
 
 
 def pick(roles: dict, side: str) -> tuple[str, str] | None:
-    """``(address, new role)``: one step toward ``side`` ("prompts" or "decoding") for one of the mixed workers
-    (``roles``: address -> its role now), the gentlest step first; None where none can step."""
-    for now in GENTLE_FIRST[side]:
+    """``(address, new role)``: one of the mixed workers (``roles``: address -> its role now) to the role serving
+    ``side`` ("prompts" or "decoding"), one serving both sides first; None where none can change."""
+    for now in FIRST[side]:
         for address in sorted(a for a, r in roles.items() if r == now):
-            return address, TOWARD[side][now]
+            return address, TOWARD[side]
     return None
 
 

@@ -1,7 +1,7 @@
 """``--roles auto`` (``router.role_control``) decides on the router's own view of the workers: a side pressed for
-``HOLD`` passes in a row while the other is not moves one mixed worker one step toward it (the gentlest step
-first), nothing changes while both or neither are pressed or during the cooldown, and a change that would leave a
-group with no worker is skipped. Real ``Drains`` and ``Roles`` over stand-ins for the router's worker clients."""
+``HOLD`` passes in a row while the other is not moves one mixed worker to the role serving it (one serving both
+sides first, none into ``mixed``), nothing changes while both or neither are pressed or during the cooldown, and
+a change that would leave a group with no worker is skipped. Real ``Drains`` and ``Roles`` over stand-ins for the router's worker clients."""
 from __future__ import annotations
 
 import asyncio
@@ -62,11 +62,12 @@ def press_decoding(*clients, on=True):
         c.info["kv_blocks_free"] = 5 if on else 90
 
 
-def test_the_gentlest_step_toward_the_pressed_side_first():
-    assert pick({"b": "mixed", "a": "decode"}, "prompts") == ("a", "mixed")
-    assert pick({"b": "mixed"}, "prompts") == ("b", "prefill")
+def test_a_worker_serving_both_sides_changes_first_and_none_becomes_mixed():
+    assert pick({"b": "mixed", "a": "decode"}, "prompts") == ("b", "prefill")
+    assert pick({"a": "decode"}, "prompts") == ("a", "prefill")
     assert pick({"c": "prefill"}, "prompts") is None
-    assert pick({"c": "prefill", "b": "mixed"}, "decoding") == ("c", "mixed")
+    assert pick({"c": "prefill", "b": "mixed"}, "decoding") == ("b", "decode")
+    assert pick({"c": "prefill"}, "decoding") == ("c", "decode")
 
 
 def test_sustained_one_sided_pressure_moves_a_mixed_worker_and_then_waits():
@@ -82,8 +83,8 @@ def test_sustained_one_sided_pressure_moves_a_mixed_worker_and_then_waits():
         press_prompts(p, mp, on=False)  # now decoding is pressed: nothing during the cooldown
         for i in range(HOLD + 1):
             assert await control.step(now + HOLD + 1 + i) is None
-        assert await control.step(now + HOLD + COOLDOWN_S + 1) == ("m", "mixed")
-        assert control.roles.current("m") == "mixed" and not md.draining
+        assert await control.step(now + HOLD + COOLDOWN_S + 1) == ("m", "decode")
+        assert control.roles.current("m") == "decode" and not md.draining and mp.draining
     asyncio.run(main())
 
 
