@@ -28,8 +28,8 @@ for step in ${*:-drain long}; do
                       [mixed]="--prefill 0 --decode 0 --mixed 4" [auto]="--prefill 0 --decode 0 --mixed 4 --roles auto")
       names=${CONFIGS:-3p1d 2p2d auto}; configs=()
       for c in $names; do configs+=(--config "$c=${cfg[$c]} --gpus 4 --transport nccl --slo-tpot-ms 15"); done
-      # 40 GiB pools as the goodput runs (bench/gpu/disagg.sh): under 8 GiB the KV reserved for prompts still
-      # queued for prefill filled the decode workers' pools, which --roles auto read as decoding pressure
+      # 40 GiB pools as the goodput runs (bench/gpu/disagg.sh): 8 GiB ones (~14 prompts of the prompt-heavy phase)
+      # passed 90% in use with light decode steps, which --roles auto read as decoding pressure
       timeout 580 $PY -m pdserve bench goodput --up-args "${model/--kv-budget 8G/--kv-budget 40G}" --slo-ttft-ms 2000 --slo-tpot-ms 15 \
         --workload shifting --rates "${RATES:-12,18,24}" --duration "${DURATION:-150}" --warmup-requests 10 --ttft-concurrency "" \
         "${configs[@]}" --out "$OUT/goodput-shifting-${names// /-}-$TAG" 2>&1 | tee "$OUT/goodput-shifting-${names// /-}-$TAG.log" |
