@@ -11,14 +11,22 @@ and its ``pdserve up`` command. ``--validate K`` then starts the best K with
 the prediction, and prints predicted vs measured."""
 from __future__ import annotations
 
+import functools
 import json
 import os
-
 import sys
 
-from .workload import WORKLOADS, lengths
+from .workload import SHIFT_S, WORKLOADS, lengths
 from .profile import Profile
 from .search import SLO, Horizon, candidates, predict_at, rank
+
+
+SHIFTING_TOP_RATE = 50  # req/s: the highest rate simulated for ``shifting`` (its horizon's requests)
+
+
+def shifting_at(count: int, rate: float, seed: int = 0) -> list[tuple[int, int]]:
+    """``shifting``'s lengths at ``rate``: each phase is ``SHIFT_S`` seconds of arrivals, as ``bench goodput`` sends."""
+    return lengths(count, "1", "1", seed, "shifting", rate=rate)
 
 
 def add_arguments(p):
@@ -30,7 +38,8 @@ def add_arguments(p):
     p.add_argument("--max-tokens", default="128:512", help="uniform: output tokens LO:HI")
     p.add_argument("--trace", default=None, help="JSONL rows of {prompt_tokens, output_tokens} instead")
     p.add_argument("--requests", type=int, default=300, help="distinct request lengths drawn from the workload")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals simulated per rate")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals simulated per rate (shifting: at least one phase of each kind)")
     p.add_argument("--max-requests", type=int, default=2000, help="at most this many simulated requests per rate")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)
@@ -126,6 +135,10 @@ def run(args, validate=None) -> int:
     try:
         profiles = load_profiles(args.profile)
         work = lengths(args.requests, args.prompt_len, args.max_tokens, args.seed, args.workload, args.trace)
+        if args.workload == "shifting" and not args.trace:  # phases of SHIFT_S seconds at each rate, both simulated
+            work = functools.partial(shifting_at, seed=args.seed)
+            args.duration = max(args.duration, 2 * SHIFT_S)
+            args.max_requests = max(args.max_requests, int(SHIFTING_TOP_RATE * args.duration))
     except (OSError, ValueError) as e:
         print(f"error: {e}")
         return 2

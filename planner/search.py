@@ -110,10 +110,13 @@ class Horizon:
     max_requests: int = 2000
 
 
-def workload_requests(lengths: list[tuple[int, int]], rate: float, seed: int,
-                      horizon: Horizon = Horizon()) -> list[SimRequest]:
+def workload_requests(lengths, rate: float, seed: int, horizon: Horizon = Horizon()) -> list[SimRequest]:
     """Poisson arrivals at ``rate`` of the lengths given (cycled): ``duration_s`` of them, at least all the lengths
-    once, at most ``max_requests``."""
+    once, at most ``max_requests``. ``lengths`` may be a function of (count, rate) giving them: a workload whose
+    phases are seconds of arrivals (``shifting``) has lengths that depend on the rate."""
+    if callable(lengths):
+        count = min(horizon.max_requests, max(1, int(rate * horizon.duration_s)))
+        lengths = lengths(count, rate)
     count = min(horizon.max_requests, max(len(lengths), int(rate * horizon.duration_s)))
     rng, t, out = random.Random(seed + 1), 0.0, []
     for i in range(count):

@@ -304,3 +304,20 @@ def test_prefill_workers_steps_under_load_scale_the_profiles_prompt_time(tmp_pat
     req = simulate(Layout(colocated=[Instance("c0", "colocated", prof)]), [SimRequest(0.0, 1588, 2)])[0]
     assert req.ttft_ms == pytest.approx(1.2 * alone)
     assert prefill_points([str(path)], "long") == []
+
+
+def test_the_shifting_workload_is_simulated_in_phases_of_seconds_at_every_rate():
+    """``bench goodput --workload shifting`` sends phases of ``SHIFT_S`` seconds of arrivals; the planner simulates the
+    same at each rate it tries (it cycled phases of 64 requests, seconds long at high rates, and so averaged the
+    prompt-heavy phase away)."""
+    from planner.cli import shifting_at
+    from planner.search import workload_requests
+    from planner.workload import SHIFT_S, SHIFTING
+
+    for rate in (4.0, 30.0):
+        reqs = workload_requests(shifting_at, rate, 0, Horizon(2 * SHIFT_S, 10_000))
+        assert len(reqs) == int(rate * 2 * SHIFT_S)
+        heavy = reqs[:int(rate * SHIFT_S)]
+        light = reqs[int(rate * SHIFT_S):]
+        assert all(SHIFTING[0][0][0] <= r.prompt <= SHIFTING[0][0][1] for r in heavy)
+        assert all(SHIFTING[1][0][0] <= r.prompt <= SHIFTING[1][0][1] for r in light)
