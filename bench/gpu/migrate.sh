@@ -9,9 +9,8 @@
 #          (default 12,18,24) for DURATION s each (default 150; 120 is one phase of each kind): CONFIGS (default
 #          "3p1d 2p2d auto"; also 1p3d mixed) side by side, every worker told the TPOT SLO (15 ms: the mixed
 #          workers' step cap, and the decoding pressure --roles auto reads); a configuration takes ~2.5-3 minutes a
-#          rate, so give each its own call of one machine; all over nccl. At 4
-#          req/s 2P2D met the SLOs with its prefill GPUs 16% busy (2026-11-28), and the planner on that day's H200
-#          profile puts 2P2D at ~24 req/s and 3P1D past 33 (plan-4gpu-shifting-2026-11-28-h200.md)
+#          rate, so give each its own call of one machine; all over nccl. On 4x H200 (2026-11-28) 3P1D held 16
+#          req/s (81% at 22) and the planner puts 2P2D below it (plan-4gpu-shifting-phases-2026-11-28-h200.md)
 OUT=${OUT:-bench/out/migrate}
 TAG=${TAG:-gpu}
 source "$(dirname "$0")/common.sh"
