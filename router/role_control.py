@@ -9,12 +9,12 @@ Every ``PASS_S`` it reads the pressure on each side, as the router's other decis
   waiting for blocks, or its decode step over the TPOT SLO it serves).
 One side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
 (``prefill`` for prompts, ``decode`` for decoding; a worker serving both sides before one serving the other), then
-nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or
-neither: no change. A change the roles refuse (it would leave a group with no worker) is skipped. The steps lead
-to a split of prefill and decode workers and never into ``mixed``: on GPUs a mixed worker's prompt steps break the
-TPOT SLO of what it decodes, and a controller that rested there lost to a fixed 3P1D (bench/RESULTS.md, roles
-under a shifting load). Under ``--disagg always`` the last decode worker, if mixed, gets no prompts (a prompt may
-not go to the worker that decodes it): it serves as a decode worker."""
+nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither:
+no change. A change the roles refuse (it would leave a group with no worker) is skipped, and the cooldown follows it
+as a change. The steps lead to a split of prefill and decode workers and never into ``mixed``: on GPUs a mixed
+worker's prompt steps break the TPOT SLO of what it decodes, and a controller that rested there lost to a fixed 3P1D
+(bench/RESULTS.md, roles under a shifting load). Under ``--disagg always`` the last decode worker, if mixed, gets no
+prompts (a prompt may not go to the worker that decodes it): it serves as a decode worker."""
 from __future__ import annotations
 
 import asyncio
@@ -78,10 +78,11 @@ class RoleControl:
             return None
         try:
             await self.roles.set(*change)
-        except ApiError as e:  # it would leave a group empty: not this change
+        except ApiError as e:  # it would leave a group empty: not this change, nor any for a cooldown
             log.info("roles auto: %s to %s not made: %s", *change, e.message)
-            return None
-        log.info("roles auto: %s pressed for %d passes: %s is now %s", side, self.held[side], *change)
+            change = None
+        else:
+            log.info("roles auto: %s pressed for %d passes: %s is now %s", side, self.held[side], *change)
         self.held = {s: 0 for s in self.held}
         self.quiet_until = now + COOLDOWN_S
         return change

@@ -88,7 +88,8 @@ def test_sustained_one_sided_pressure_moves_a_mixed_worker_and_then_waits():
     asyncio.run(main())
 
 
-def test_both_sides_pressed_or_a_group_left_empty_changes_nothing():
+def test_both_sides_pressed_or_a_group_left_empty_changes_nothing(caplog):
+    """A refused change is asked again only after the cooldown (it was asked, and logged, every pass)."""
     async def main():
         control, p, d, mp, md = cluster()
         press_prompts(p, mp)
@@ -99,7 +100,9 @@ def test_both_sides_pressed_or_a_group_left_empty_changes_nothing():
         d.healthy = False  # the mixed worker is the only decode worker in the picks: it may not leave decoding
         control.roles.drains.groups["decode"].clients[1].info["kv_blocks_free"] = 90
         press_prompts(p, mp)
-        for i in range(2 * HOLD):
+        for i in range(HOLD + int(COOLDOWN_S) - 1):  # the refusal at pass HOLD, none in the cooldown after it
             assert await control.step(10.0 + i) is None
         assert control.roles.current("m") == "mixed"
-    asyncio.run(main())
+    with caplog.at_level("INFO", logger="router.role_control"):
+        asyncio.run(main())
+    assert sum("not made" in r.getMessage() for r in caplog.records) == 1
