@@ -258,7 +258,8 @@ class Service:
         run.local = self.colocated
         role = "colocated" if self.colocated else "decode"
         t0 = time.perf_counter()
-        avoid = run.avoid if self.colocated else run.avoid | self._prompt_first(run)
+        prompts_to = None if self.colocated or self.disagg.mode == "never" else self.groups.get("prefill")
+        avoid = run.avoid | (prompt_first(prompts_to.healthy(run.avoid), self.groups[role].clients) if prompts_to else set())
         held = run.workers[role] = await self.admission.acquire(self.groups[role], rid, tokens, prompt, avoid)
         run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
         if self.colocated:
@@ -282,14 +283,6 @@ class Service:
         await self._dispatch(prefill, involved, rid, "prefill", kv_dest=decode.info.get("kv_addr"), kv_skip=skip,
                              **stages, **payload)
         return prefill
-
-    def _prompt_first(self, run: RequestRun) -> set:
-        """Decode workers the decode pick leaves to others: the twin of the prefill worker the prompt goes to
-        (``router.policy.prompt_first``); none where prompts do not go to prefill workers."""
-        prefill = self.groups.get("prefill")
-        if prefill is None or self.disagg.mode == "never":
-            return set()
-        return prompt_first(prefill.healthy(run.avoid), self.groups["decode"].clients)
 
     async def _generate_here(self, run: RequestRun, worker, rid: str, involved: list):
         """The prompt (and, on a retry, the client's first token) computed on the worker that decodes it."""
