@@ -8,7 +8,8 @@ import httpx
 from deploy.local import Cluster
 from pdserve.cli import main as pdserve
 from tests.test_failures import eventually
-from tests.test_migration import TOKENS, decode_workers, health, model, run_streams, until_moved  # noqa: F401
+from tests.test_migration import (TOKENS, decode_workers, health, model, run_streams, undrain,  # noqa: F401
+                                  until_moved)
 
 
 def role(url: str, worker: str, new: str, force: bool = False) -> httpx.Response:
@@ -39,8 +40,14 @@ def test_a_mixed_worker_changes_role_at_runtime_and_its_streams_move_away(model)
         bodies = [{"model": name, "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True},
                    "prompt": f"stream {i} of four: the quick brown fox"} for i in range(4)]
         want, _ = run_streams(url, bodies)
-        (got, _), runs = until_moved(url, lambda: run_streams(url, bodies, lambda u: role(u, mixed, "prefill").json()),
-                                     lambda _: back_to_mixed(url, mixed))
+        only_mixed_decodes = lambda: pdserve(["drain", "--url", url, "--worker", plain_decode]) == 0  # noqa: E731
+
+        def to_prefill(u):  # every stream decodes on the mixed worker (the decode pick may keep off it otherwise)
+            undrain(u, plain_decode)
+            return role(u, mixed, "prefill").json()
+        assert only_mixed_decodes()
+        (got, _), runs = until_moved(url, lambda: run_streams(url, bodies, to_prefill),
+                                     lambda _: (back_to_mixed(url, mixed), only_mixed_decodes()))
         assert [s.texts for s in got] == [s.texts for s in want]
         assert all(set(s.tokens.values()) == {TOKENS} for s in got), [s.tokens for s in got]
         mixed_decode = lambda: next(w for w in decode_workers(url) if w["address"] == mixed)  # noqa: E731
