@@ -7,7 +7,8 @@
 #   4p4d 6p2d and their -auto variants) and names the files (goodput-8gpu-...).
 # mistral: bench goodput, Mistral-7B shape, on the long and mixed workloads, one `pdserve up` per configuration
 #   (CONFIGS picks them: colocated colocated-capped 1p3d 2p2d 3p1d 1p3d-auto 2p2d-auto 3p1d-auto; -capped: steps
-#   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms.
+#   that decode take only the prompt tokens that keep them within the TPOT SLO), TTFT <= 2 s, TPOT <= 10 ms;
+#   rates from START, PROBES of them (bench goodput --search), or RATES (comma-separated, in order).
 # llama70b: 1P(TP=2) + 1D(TP=2) over nccl vs two colocated TP=2 replicas (plain and capped; CONFIGS70 picks: 1p1d
 #   colocated colocated-capped 1p1d-fp8kv colocated-fp8kv: an FP8 KV cache doubles the pools, which bound 70B on
 #   80 GB cards), Llama-3-70B shape
@@ -36,6 +37,7 @@ PROBES=${PROBES:-5}
 DURATION=${DURATION:-10}
 PROFILE=${PROFILE:-$OUT/engine-mistral7b-$TAG-profile.json}
 steps=${*:-mistral}
+rates="--search ${START:-6} --probes $PROBES"; [ -n "${RATES:-}" ] && rates="--rates $RATES"  # RATES: these, in order
 mistral="--model mistral-7b --load-format dummy --dtype bfloat16 --max-model-len 9216"
 llama="--model llama-3-70b --load-format dummy --dtype bfloat16 --max-model-len 8704"
 
@@ -69,7 +71,7 @@ for step in $steps; do
     mistral)
       args=(); for c in $CONFIGS; do args+=(--config "$(config "$c")"); done
       timeout ${GOODPUT_TIMEOUT:-1500} $PY -m pdserve bench goodput --up-args "$mistral --max-num-seqs 64" \
-        --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" --search ${START:-6} --probes $PROBES \
+        --slo-ttft-ms 2000 --slo-tpot-ms 10 --workload "$WORKLOADS" $rates \
         --duration $DURATION --warmup-requests 10 --min-timed ${MIN_TIMED:-20} --ttft-concurrency "" "${args[@]}" \
         --out "$OUT/goodput-${GPUS}gpu-mistral-${NAME:-$TAG}" 2>&1 | grep -v "^  requests" ;;
     llama70b)
