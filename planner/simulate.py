@@ -27,9 +27,9 @@ second tokens); ``decode`` instances decode and, with ``local_tokens``
 (``--disagg auto``), prefill short prompts themselves (unless the step
 taking one beside their decoding rows would break the TPOT SLO), and others when
 every prefill instance's backlog takes ``prefill_wait_ms`` or more and
-prefilling there gives the sooner first token (where its capped steps
-keep its TPOT SLO) or costs it less (its backlog, and the prompt's compute
-once for each of its decoding rows), as the router decides. Every choice is the
+longer than the prompt would cost the decode instance (its backlog, and
+the prompt's compute once for each of its decoding rows), as the router
+decides. Every choice is the
 least outstanding instance, as the router's default policy.
 
 Per request: TTFT (the first token leaves the instance that prefilled),
@@ -147,19 +147,6 @@ class Instance:
         decode_ms = self.decode_ms()
         return self._mixed_ms(decode_ms, min(prompt, self.cap(decode_ms))) > self.slo_tpot_ms
 
-    def first_token_ms(self, prompt: int) -> float | None:
-        """As ``router.disagg.local_first_token_ms``: where this instance serves a TPOT SLO with decoding rows and its
-        capped step keeps within it, when ``prompt`` prefilled here would have its first token (its backlog and the
-        prompt in capped steps); else None."""
-        if self.slo_tpot_ms is None or not self.decoding:
-            return None
-        decode_ms = self.decode_ms()
-        cap = self.cap(decode_ms)
-        step = self._mixed_ms(decode_ms, cap)
-        if step > self.slo_tpot_ms:
-            return None
-        return -(-(sum(r.left for r in self.queue) + prompt) // cap) * step
-
     def _mixed_ms(self, decode_ms: float, prompt_tokens: int) -> float:
         if prompt_tokens <= 0:
             return decode_ms
@@ -262,18 +249,14 @@ def _least(instances: list) -> Instance:
 
 def _prefill_here(layout: Layout, queue: int, req: SimRequest, dest: Instance) -> bool:
     """As ``router.disagg``: every prefill instance's backlog (prompt tokens not yet computed) takes at least
-    ``prefill_wait_ms``, and prefilling on ``dest`` gives the sooner first token (where its capped steps keep its
-    TPOT SLO) or costs less than that wait (its own backlog, and the prompt's compute once for each row decoding
-    there); with ``prefill_wait_ms`` 0, ``prefill_queue`` prompts or
+    ``prefill_wait_ms``, and that wait is longer than what prefilling on ``dest`` costs (its own backlog, and the
+    prompt's compute once for each row decoding there); with ``prefill_wait_ms`` 0, ``prefill_queue`` prompts or
     more in flight on each and fewer of its own on ``dest``."""
     if not layout.prefill_wait_ms:
         return queue >= layout.prefill_queue and len(dest.queue) < queue
     wait = min(p.profile.prefill_ms(sum(r.left for r in p.queue)) for p in layout.prefill)
     if wait < layout.prefill_wait_ms:
         return False
-    first = dest.first_token_ms(req.prompt)
-    if first is not None:  # its rows keep their TPOT SLO either way: the sooner first token
-        return first < wait + layout.prefill[0].profile.prefill_ms(req.prompt)
     per_token = dest.profile.prefill_ms_per_token()
     local = sum(r.left for r in dest.queue) * per_token + len(dest.decoding) * req.prompt * per_token
     return wait > local

@@ -23,30 +23,23 @@ pool can still serve later), ``auto`` decides per request, in this order:
   times that worker's prompt time a token (``prompt_ms_per_token`` of its
   ``step_times``: the median over its recent prompt steps, the first, cold
   one left out) is at least ``prefill_wait_ms``: the wait a prompt sent
-  there now would have before its own prefill. The decode worker's cost:
-  - where it serves a TPOT SLO and the step of its capped chunk (its fit)
-    is within it, its rows keep their SLO either way, and what is weighed
-    is the prompt's first token: there, its local prompts and this one in
-    chunks of its cap, a step each; remote, the wait plus the prompt at the
-    prefill worker's time a token (the cost below, with 1 prefill and 3
-    decode workers on 4x H200, sent 6-8k prompts to a prefill queue
-    seconds long: TTFT p90 3.4 s at 18 req/s while the decode workers'
-    TPOT p90 was 8.1 ms);
-  - else what prefilling there adds to everyone's time: its own local
-    prompts' wait, plus the prompt's compute once for each sequence
-    decoding there (every one of them waits for it): ``local_wait + rows x
-    tokens x ms_per_token``, and, where the worker's fit of its mixed steps
-    is known, what each of the prompt's chunks pays beyond a decode step
-    (``fixed - base``) once for each row. A closed loop of clients is
-    fastest when the sum of these waits is least, so a decode worker with
-    few rows takes prompts from a short prefill queue while one decoding 28
-    rows leaves a 512-token prompt (16 ms there, 450 row-ms) to a prefill
-    queue shorter than that (a rule by queue alone sent 75% of such prompts
-    local at 32 streams and cost a third of the throughput).
-  Until a worker has run two prompt steps (and with ``prefill_wait_ms`` 0)
-  busy is a count: ``prefill_queue`` prompts or more in flight, and then
-  local only while the decode worker has fewer prompts of its own to
-  prefill.
+  there now would have before its own prefill. The decode worker's cost is
+  what prefilling there adds to everyone's time: its own local prompts'
+  wait, plus the prompt's compute once for each sequence decoding there
+  (every one of them waits for it): ``local_wait + rows x tokens x
+  ms_per_token``, and, where the worker's fit of its mixed steps is known,
+  what each of the prompt's chunks pays beyond a decode step (``fixed -
+  base``) once for each row. A closed loop of clients is fastest when the sum of
+  these waits is least, so a decode worker with few rows takes prompts
+  from a short prefill queue while one decoding 28 rows leaves a 512-token
+  prompt (16 ms there, 450 row-ms) to a prefill queue shorter than that
+  (a rule by queue alone sent 75% of such prompts local at 32 streams and
+  cost a third of the throughput; weighing only the first token where a
+  worker's capped steps should keep its rows' SLO lost on 4x H200: the
+  capped steps ran over it, bench/RESULTS.md). Until a worker has run two prompt steps
+  (and with ``prefill_wait_ms`` 0) busy is a count: ``prefill_queue``
+  prompts or more in flight, and then local only while the decode worker
+  has fewer prompts of its own to prefill.
 - otherwise remote (``long``).
 
 Local prefill on a decode worker runs in chunks under that worker's
@@ -109,11 +102,6 @@ class DisaggPolicy:
         wait = min(w.prefill_wait_ms() for w in prefill_workers)
         if wait < self.prefill_wait_ms:
             return Decision("remote", remote, wait)
-        first = local_first_token_ms(uncached_tokens, decode_worker)
-        if first is not None:  # its rows keep their TPOT SLO whatever it takes: the sooner first token wins
-            remote_first = wait + uncached_tokens * min(per_token)
-            where, why = ("local", "prefill_busy") if first < remote_first else ("remote", "decode_busy")
-            return Decision(where, why, wait, first)
         local = self.local_cost_ms(uncached_tokens, decode_worker, min(per_token))
         if wait > local:
             return Decision("local", "prefill_busy", wait, local)
@@ -154,22 +142,6 @@ def mixed_step_ms(tokens: int, worker) -> float | None:
     if base is None or prompt_per_token is None:
         return None
     return base + prompt_per_token * chunk
-
-
-def local_first_token_ms(tokens: int, worker) -> float | None:
-    """When a prompt of ``tokens`` prefilled on ``worker`` would have its first token, where the worker keeps the
-    steps of its decoding rows within their TPOT SLO (a fitted mixed step of its capped chunk within the SLO):
-    its local prompts ahead and this one, in chunks of its cap, a step each. None where it does not (no SLO, no
-    rows, no fit yet, or chunks that break the SLO anyway): then a local prompt is a cost to its rows."""
-    info = worker.info
-    slo, cap = info.get("slo_tpot_ms"), info.get("step_prefill_cap")
-    if not slo or not cap or not decoding_rows(worker) or info.get("mixed_step_fixed_ms") is None:
-        return None
-    queued = sum(worker.prompt_tokens_out.values()) + tokens
-    step = mixed_step_ms(queued, worker)
-    if step is None or step > slo:
-        return None
-    return -(-queued // cap) * step
 
 
 def _breaks_tpot(tokens: int, worker) -> bool:

@@ -76,10 +76,9 @@ def test_a_busy_prefill_queue_goes_local_only_where_the_decode_workers_cost_is_l
     assert d.local_ms == pytest.approx(expected[2], abs=0.1)
 
 
-def serving(rows=8, slo=10.0, fixed=None, per_token=None, base=None, prompt_per_token=None, cap=None, ahead=0):
-    """A decode worker with ``rows`` decoding, serving a TPOT SLO, with its step times as its info reports them;
-    ``ahead``: prompt tokens of its own in flight (besides its rows)."""
-    w = worker(rows + bool(ahead), local_tokens=[ahead] if ahead else ())
+def serving(rows=8, slo=10.0, fixed=None, per_token=None, base=None, prompt_per_token=None, cap=None):
+    """A decode worker with ``rows`` decoding, serving a TPOT SLO, with its step times as its info reports them."""
+    w = worker(rows)
     w.info.update(slo_tpot_ms=slo, mixed_step_fixed_ms=fixed, step_ms_per_prompt_token=per_token, step_base_ms=base,
                   step_prefill_cap=cap)
     if prompt_per_token is not None:
@@ -114,27 +113,6 @@ def test_the_local_cost_counts_each_chunks_fixed_cost_once_for_every_decoding_ro
     assert DisaggPolicy.local_cost_ms(1024, decode, 0.05) == pytest.approx(10 * (1024 * 0.02 + 4 * 6.0))
     decode.info.update(mixed_step_fixed_ms=None)  # no fit: the compute alone
     assert DisaggPolicy.local_cost_ms(1024, decode, 0.05) == pytest.approx(10 * 1024 * 0.02)
-
-
-@pytest.mark.parametrize("decode,expected", [
-    # chunks of 100 at 9 ms: 60 steps, 540 ms, against 600 + 6,000 x 0.03 = 780 ms remote
-    (serving(rows=28, fixed=6.0, per_token=0.03, base=5.0, cap=100), ("local", "prefill_busy", 540.0)),
-    # 10,000 tokens of its own ahead: 160 steps, 1,440 ms
-    (serving(rows=28, fixed=6.0, per_token=0.03, base=5.0, cap=100, ahead=10_000),
-     ("remote", "decode_busy", 1440.0)),
-    # a capped step of 12 ms breaks the 10 ms SLO: the rows' cost, 28 x 6,000 x 0.03 (+ 60 x 1 ms)
-    (serving(rows=28, fixed=9.0, per_token=0.03, base=5.0, cap=100), ("remote", "decode_busy", 28 * (180 + 240))),
-    # no fit yet: the rows' cost
-    (serving(rows=28, base=5.0, cap=100), ("remote", "decode_busy", 28 * 180.0)),
-])
-def test_where_the_decode_worker_keeps_its_tpot_slo_a_busy_queue_is_weighed_by_the_first_token(decode, expected):
-    """With its chunks capped within the SLO, a long prompt's cost there is its own wait for a first token, not
-    its rows' (the rows-times-tokens cost sent every 6-8k prompt to a prefill queue seconds long)."""
-    prefill = [worker(6, wait_ms=600.0, per_token=0.03)]
-    decode.info.setdefault("step_times", {"prompt_ms_per_token": 0.03})
-    d = DisaggPolicy("auto", local_tokens=256, prefill_wait_ms=500).decide(6000, prefill, decode)
-    assert (d.where, d.reason) == expected[:2]
-    assert d.local_ms == pytest.approx(expected[2], abs=0.1)
 
 
 def test_a_prefill_workers_wait_is_its_tokens_in_flight_at_its_own_time_a_token():

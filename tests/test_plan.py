@@ -282,21 +282,6 @@ def test_auto_goes_local_when_the_prefill_backlog_takes_long_not_when_it_holds_m
     assert sum(r.local for r in reqs) == local and all(r.finish is not None for r in reqs)
 
 
-@pytest.mark.parametrize("slo,local", [(None, []), (10.0, [4, 5])])
-def test_auto_weighs_first_tokens_where_capped_steps_keep_the_decode_rows_within_their_slo(slo, local):
-    """16 rows decoding on 1P1D auto, then eight 6,000-token prompts at once: from the fifth the prefill backlog
-    takes 600 ms. Without a TPOT SLO a local prompt costs 16 rows its 150 ms each: remote. With one, its capped
-    chunks keep the rows within it, and it goes local while its first token comes sooner there."""
-    p = profile(0.025)
-    split = Layout(prefill=[Instance("p0", "prefill", p)], decode=[Instance("d0", "decode", p, slo_tpot_ms=slo)],
-                   link_gb_s=10.0, local_tokens=64, prefill_wait_ms=500)
-    reqs = simulate(split, [SimRequest(0.0, 50, 600) for _ in range(16)] +
-                    [SimRequest(300.0 + i, 6000, 8) for i in range(8)])
-    assert [i for i, r in enumerate(reqs[16:]) if r.local] == local
-    assert max(r.ttft_ms for r in reqs[16:]) < (1000 if slo else 1500)
-    assert max(r.tpot_ms for r in reqs[:16]) < 7.0
-
-
 def test_prefill_workers_steps_under_load_scale_the_profiles_prompt_time(tmp_path):
     """A prefill worker's prompt steps 1.2x the profile's of as many tokens (1P1D at 32 streams on 2x H100: 30 us a
     token against the engine's 25) set ``prefill_scale``; a rate with too few steps does not count."""
