@@ -92,7 +92,7 @@ def test_a_stream_drained_off_an_mlx_decode_worker_ends_as_undisturbed(tmp_path)
     MLX's CPU backend keeps a core busy a decoding worker, and with both cores so taken the client here stalls.)"""
     from deploy.local import Cluster
     from tests.checkpoints import SLOW, write_checkpoint
-    from tests.test_migration import check_drained, decode_workers, drain_busiest, moved, run_streams
+    from tests.moves import check_drained, decode_workers, drain_busiest, moved, run_streams
 
     model = write_checkpoint(tmp_path, SLOW)
     c = Cluster("--decode", "2", "--model", model, "--decode-engine", "mlx").wait_ready()

@@ -7,9 +7,8 @@ import httpx
 
 from deploy.local import Cluster
 from pdserve.cli import main as pdserve
+from tests.moves import TOKENS, decode_workers, health, model, run_streams, undrain, until_moved  # noqa: F401
 from tests.test_failures import eventually
-from tests.test_migration import (TOKENS, decode_workers, health, model, run_streams, undrain,  # noqa: F401
-                                  until_moved)
 
 
 def role(url: str, worker: str, new: str, force: bool = False) -> httpx.Response:
