@@ -7,7 +7,10 @@ Every ``PASS_S`` it reads the pressure on each side, as the router's other decis
   flight;
 - decoding: a decode worker in the picks is pressed as ``--rebalance`` sees it (90% of its KV blocks in use, KV
   waiting for blocks, or its decode step over the TPOT SLO it serves).
-One side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
+First, each worker still serving both sides is settled, one a pass, with no hold or cooldown: to the side pressed
+alone, else to the side fewer workers serve alone (decode on a tie): a mixed worker's prompt steps break the TPOT SLO
+of what it decodes, and waiting for pressure left 4x H200 with mixed workers for the first 64 s of a 120 s run.
+Then, one side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
 (``prefill`` for prompts, ``decode`` for decoding; a worker serving both sides before one serving the other), then
 nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither:
 no change. A change the roles refuse (it would leave a group with no worker) is skipped, and the cooldown follows it
@@ -65,9 +68,24 @@ class RoleControl:
         prefill, decode = (self.groups[r].healthy() for r in ("prefill", "decode"))
         return {"prompts": prompts_pressed(prefill, self.policy), "decoding": any(pressed(w) for w in decode)}
 
+    def unsettled(self, hot: dict) -> tuple[str, str] | None:
+        """``(address, role)`` for the first worker still serving both sides: the side pressed alone, else the side
+        fewer workers serve alone (decode on a tie); None when none serves both."""
+        roles = self.mixed()
+        both = sorted(a for a, r in roles.items() if r == "mixed")
+        if not both:
+            return None
+        if hot["prompts"] != hot["decoding"]:
+            return both[0], TOWARD["prompts" if hot["prompts"] else "decoding"]
+        alone = {role: sum(1 for c in self.groups[role].healthy() if roles.get(c.address, role) == role)
+                 for role in ("prefill", "decode")}
+        return both[0], "prefill" if alone["prefill"] < alone["decode"] else "decode"
+
     async def step(self, now: float) -> tuple[str, str] | None:
         """One pass; the change made, if any."""
         hot = self.pressure()
+        if now >= self.quiet_until and (settle := self.unsettled(hot)) is not None:
+            return await self.change(settle, now, "settled", cooldown=False)
         for side in self.held:
             self.held[side] = self.held[side] + 1 if hot[side] and not any(hot[o] for o in hot if o != side) else 0
         if now < self.quiet_until:
@@ -76,15 +94,21 @@ class RoleControl:
         change = pick(self.mixed(), side) if side else None
         if change is None:
             return None
+        return await self.change(change, now, f"{side} pressed for {self.held[side]} passes")
+
+    async def change(self, change: tuple[str, str], now: float, why: str, cooldown: bool = True):
+        """Makes ``change``; the change made, or None where the roles refused it (it would leave a group empty: not
+        this change, nor any for a cooldown)."""
         try:
             await self.roles.set(*change)
-        except ApiError as e:  # it would leave a group empty: not this change, nor any for a cooldown
+        except ApiError as e:
             log.info("roles auto: %s to %s not made: %s", *change, e.message)
-            change = None
+            change, cooldown = None, True
         else:
-            log.info("roles auto: %s pressed for %d passes: %s is now %s", side, self.held[side], *change)
+            log.info("roles auto: %s: %s is now %s", why, *change)
         self.held = {s: 0 for s in self.held}
-        self.quiet_until = now + COOLDOWN_S
+        if cooldown:
+            self.quiet_until = now + COOLDOWN_S
         return change
 
     async def run(self) -> None:

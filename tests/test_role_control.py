@@ -1,4 +1,5 @@
-"""``--roles auto`` (``router.role_control``) decides on the router's own view of the workers: a side pressed for
+"""``--roles auto`` (``router.role_control``) decides on the router's own view of the workers: a worker serving both
+sides is settled to one at once; then a side pressed for
 ``HOLD`` passes in a row while the other is not moves one mixed worker to the role serving it (one serving both
 sides first, none into ``mixed``), nothing changes while both or neither are pressed or during the cooldown, and
 a change that would leave a group with no worker is skipped. Real ``Drains`` and ``Roles`` over stand-ins for the router's worker clients."""
@@ -70,9 +71,26 @@ def test_a_worker_serving_both_sides_changes_first_and_none_becomes_mixed():
     assert pick({"c": "prefill"}, "decoding") == ("c", "decode")
 
 
+def test_a_worker_serving_both_sides_is_settled_at_once_toward_the_side_pressed_or_the_fewer():
+    """No hold and no cooldown: each worker serving both sides goes, a pass each, to the side pressed alone, else to
+    the side fewer workers serve alone (decode on a tie), and the pressure rules take over from there."""
+    async def main():
+        control, p, d, mp, md = cluster()
+        assert await control.step(0.0) == ("m", "decode")  # one prefill, one decode worker: a tie
+        control, p, d, mp, md = cluster()
+        p.healthy = False  # no worker serves prompts alone
+        assert await control.step(0.0) == ("m", "prefill")
+        control, p, d, mp, md = cluster()
+        press_prompts(p, mp)
+        assert await control.step(0.0) == ("m", "prefill")
+        assert await control.step(1.0) is None and control.quiet_until == 0.0  # settled; pressure needs HOLD passes
+    asyncio.run(main())
+
+
 def test_sustained_one_sided_pressure_moves_a_mixed_worker_and_then_waits():
     async def main():
         control, p, d, mp, md = cluster()
+        assert await control.step(50.0) == ("m", "decode")  # settled first
         press_prompts(p, mp)
         now = 100.0
         for i in range(HOLD - 1):
@@ -94,7 +112,8 @@ def test_both_sides_pressed_or_a_group_left_empty_changes_nothing(caplog):
         control, p, d, mp, md = cluster()
         press_prompts(p, mp)
         press_decoding(d, md)
-        for i in range(2 * HOLD):
+        assert await control.step(0.0) == ("m", "decode")  # settled: both pressed, a tie of one worker a side
+        for i in range(1, 2 * HOLD):
             assert await control.step(float(i)) is None
         press_prompts(p, mp, on=False)
         d.healthy = False  # the mixed worker is the only decode worker in the picks: it may not leave decoding
@@ -102,7 +121,7 @@ def test_both_sides_pressed_or_a_group_left_empty_changes_nothing(caplog):
         press_prompts(p, mp)
         for i in range(HOLD + int(COOLDOWN_S) - 1):  # the refusal at pass HOLD, none in the cooldown after it
             assert await control.step(10.0 + i) is None
-        assert control.roles.current("m") == "mixed"
+        assert control.roles.current("m") == "decode"
     with caplog.at_level("INFO", logger="router.role_control"):
         asyncio.run(main())
     assert sum("not made" in r.getMessage() for r in caplog.records) == 1

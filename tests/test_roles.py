@@ -87,12 +87,16 @@ def test_mixed_workers_prefill_for_each_other_and_move_streams_over_nccl(model):
 def test_roles_auto_moves_a_mixed_worker_to_prompts_under_a_burst_of_long_prompts():
     """``pdserve up --mixed 3 --roles auto`` (``--disagg always``): a burst of long prompts with short answers keeps
     the prefill workers' waits over ``--disagg-prefill-wait-ms`` (each prompt's tokens counted by the router) until
-    the controller makes a mixed worker ``prefill``; every request is answered."""
+    the controller makes a worker ``prefill``; every request is answered. The controller first settles the three
+    mixed workers, a pass each: decode, prefill, decode."""
     import asyncio
 
     c = Cluster("--prefill", "0", "--decode", "0", "--mixed", "3", "--roles", "auto",
                 "--disagg-prefill-wait-ms", "200").wait_ready()
     try:
+        assert eventually(lambda: serving(c.url) == {"prefill": 1, "decode": 2}, 30), health(c.url)["workers"]
+        settled = changes(c.url)
+        assert settled == 1
         async def burst():
             async with httpx.AsyncClient(timeout=300) as client:
                 async def one(i):
@@ -103,16 +107,21 @@ def test_roles_auto_moves_a_mixed_worker_to_prompts_under_a_burst_of_long_prompt
                 for i in range(600):
                     tasks.append(asyncio.create_task(one(i)))
                     await asyncio.sleep(0.005)
-                    if i % 100 == 99 and changes(c.url) > 0:
+                    if i % 100 == 99 and changes(c.url) > settled:
                         break
                 return [await t for t in tasks]
         codes = asyncio.run(burst())
         assert codes == [200] * len(codes)
-        assert eventually(lambda: changes(c.url) > 0, 10), httpx.get(c.url + "/metrics", timeout=10).text
-        roles = {w["address"]: w["drain"] for w in health(c.url)["workers"]["decode"]}
-        assert 1 <= list(roles.values()).count("serving") <= 2, roles  # one (or two) left the decode picks
+        assert eventually(lambda: changes(c.url) > settled, 10), httpx.get(c.url + "/metrics", timeout=10).text
+        assert serving(c.url) == {"prefill": 2, "decode": 1}, health(c.url)["workers"]  # a decode worker moved
     finally:
         c.stop()
+
+
+def serving(url: str) -> dict:
+    """How many workers serve each side (are in its picks, not drained from it)."""
+    groups = health(url)["workers"]
+    return {role: sum(w["drain"] == "serving" for w in groups[role]) for role in ("prefill", "decode")}
 
 
 def changes(url: str) -> float:
