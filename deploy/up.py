@@ -205,6 +205,9 @@ def plan(args) -> list[list[str]]:
         router += ["--rebalance"]
     if getattr(args, "roles", "fixed") == "auto":
         router += ["--roles", "auto"]
+    if getattr(args, "roles_profile", None):
+        router += ["--roles-profile", os.path.abspath(args.roles_profile), "--slo-ttft-ms", str(args.slo_ttft_ms),
+                   "--slo-tpot-ms", str(args.slo_tpot_ms)]
     for role, addrs in roles.items():
         for a in addrs:
             router += [f"--{role}", a]
@@ -305,6 +308,9 @@ def up(args) -> int:
         port_range()
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "roles_profile", None) and (args.roles != "auto" or not args.slo_tpot_ms):
+        print("pdserve up: --roles-profile needs --roles auto and --slo-tpot-ms", file=sys.stderr)
         return 2
     if args.port == 0:
         args.port = free_port(args.host)

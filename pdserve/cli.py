@@ -14,10 +14,21 @@ from deploy.units import byte_size
 
 REBALANCE_HELP = ("move decoding requests off a decode worker short of KV blocks or over its TPOT SLO onto one with "
                   "room, while they stream (router.rebalance)")
-ROLES_HELP = ("fixed (default) or auto: mixed workers (--mixed) step between decode, mixed and prefill as prompts or "
-              "decoding stay pressed (router.role_control)")
+ROLES_HELP = ("fixed (default) or auto: mixed workers (--mixed) settle to prefill or decode and then change roles as "
+              "prompts or decoding stay pressed, or toward the split --roles-profile's model serves best "
+              "(router.role_control)")
 STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
               "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
+
+def _add_roles_plan(p, ttft_default) -> None:
+    p.add_argument("--roles-profile", default=None, help="--roles auto: an engine profile (pdserve bench engine "
+                   "--profile) on which the planner's model picks, from the last minute's traffic, the split of the "
+                   "mixed workers that keeps most requests within --slo-ttft-ms and --slo-tpot-ms (router.role_plan)")
+    p.add_argument("--slo-ttft-ms", type=float, default=ttft_default, help="--roles-profile: the TTFT SLO (default "
+                   "2000)")
+    if ttft_default is None:  # the router's own (pdserve up's --slo-tpot-ms also caps its workers' steps)
+        p.add_argument("--slo-tpot-ms", type=float, default=None, help="--roles-profile: the TPOT SLO")
+
 
 def kv_option(text: str) -> tuple[str, object]:
     """``KEY=VALUE``; the value becomes a bool, an int (sizes like 2G too) or stays a string."""
@@ -147,6 +158,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
     r.add_argument("--rebalance", action="store_true", default=None, help=REBALANCE_HELP)
     r.add_argument("--roles", choices=("fixed", "auto"), default=None, help=ROLES_HELP)
+    _add_roles_plan(r, None)
     _add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
@@ -193,6 +205,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
     u.add_argument("--rebalance", action="store_true", help="router: " + REBALANCE_HELP)
     u.add_argument("--roles", choices=("fixed", "auto"), default="fixed", help="router: " + ROLES_HELP)
+    _add_roles_plan(u, 2000.0)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")

@@ -15,6 +15,7 @@ from .admission import Admission
 from .config import RouterConfig
 from .drain import Drains
 from .role_control import RoleControl
+from .role_plan import RolePlan
 from .roles import Roles
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
@@ -54,7 +55,7 @@ def lifespan_of(st: RouterState, membership: Membership):
         if st.cfg.rebalance:
             tasks.append(asyncio.create_task(Rebalancer(st.service, st.groups).run()))
         if st.cfg.roles == "auto":
-            tasks.append(asyncio.create_task(RoleControl(st.roles, st.groups, st.cfg.disagg_policy()).run()))
+            tasks.append(asyncio.create_task(RoleControl(st.roles, st.groups, st.cfg.disagg_policy(), plan_of(st)).run()))
         if st.cfg.workers_file:
             tasks.append(asyncio.create_task(membership.watch(ctx)))
         yield
@@ -65,6 +66,15 @@ def lifespan_of(st: RouterState, membership: Membership):
                 client.close()
         ctx.term()
     return lifespan
+
+
+def plan_of(st: RouterState) -> RolePlan | None:
+    """``--roles-profile``'s plan, over the router's traffic and SLOs (None without a profile)."""
+    cfg = st.cfg
+    if not cfg.roles_profile:
+        return None
+    local = cfg.disagg_local_tokens if cfg.disagg == "auto" else None
+    return RolePlan(cfg.roles_profile, st.traffic, cfg.slo_ttft_ms, cfg.slo_tpot_ms, local)
 
 
 async def tick(st: RouterState) -> None:

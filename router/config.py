@@ -23,6 +23,9 @@ class RouterConfig:
     stall_timeout_s: float = 30.0  # a request with no word from its worker for this long fails (0: never; router.waits)
     rebalance: bool = False  # move decoding requests off pressed decode workers (router.rebalance)
     roles: str = "fixed"  # fixed | auto: mixed workers' roles follow the load (router.role_control)
+    roles_profile: str = ""  # auto: an engine profile; the split the planner's model serves best (router.role_plan)
+    slo_ttft_ms: float = 2000.0  # the SLOs the role plan scores splits against
+    slo_tpot_ms: float = 0.0
     heartbeat_s: float = 0.25
     stale_after_s: float = 1.0  # no pong for this long: out of the picks
     dead_after_s: float = 3.0  # no pong for this long: the requests it owns fail (and are retried)
@@ -56,6 +59,8 @@ class RouterConfig:
         self.disagg_policy()  # raises if invalid
         if self.roles not in ("fixed", "auto"):
             raise ValueError(f"roles {self.roles!r} not in ('fixed', 'auto')")
+        if self.roles_profile and (self.roles != "auto" or self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0):
+            raise ValueError("roles_profile needs roles auto and positive slo_ttft_ms and slo_tpot_ms")
         if self.warm_pairs not in WARM_MODES:
             raise ValueError(f"warm_pairs {self.warm_pairs!r} not in {WARM_MODES}")
         if self.colocated and (self.prefill or self.decode):

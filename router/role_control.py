@@ -10,7 +10,9 @@ Every ``PASS_S`` it reads the pressure on each side, as the router's other decis
 First, each worker still serving both sides is settled, one a pass, with no hold or cooldown: to the side pressed
 alone, else to the side fewer workers serve alone (decode on a tie): a mixed worker's prompt steps break the TPOT SLO
 of what it decodes, and waiting for pressure left 4x H200 with mixed workers for the first 64 s of a 120 s run.
-Then, one side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
+Then, with a plan (``--roles-profile``, ``router.role_plan``: the split the planner's model serves best for the
+last minute's traffic), one worker a cooldown moves toward the plan's goal while it has one. Without, or while the
+plan has no goal: one side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
 (``prefill`` for prompts, ``decode`` for decoding; a worker serving both sides before one serving the other), then
 nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither:
 no change. A change the roles refuse (it would leave a group with no worker) is skipped, and the cooldown follows it
@@ -54,8 +56,8 @@ def prompts_pressed(prefill_workers: list, policy) -> bool:
 
 
 class RoleControl:
-    def __init__(self, roles, groups: dict, policy):
-        self.roles, self.groups, self.policy = roles, groups, policy
+    def __init__(self, roles, groups: dict, policy, plan=None):
+        self.roles, self.groups, self.policy, self.plan = roles, groups, policy, plan  # plan: router.role_plan
         self.held = {"prompts": 0, "decoding": 0}
         self.quiet_until = 0.0
 
@@ -86,6 +88,8 @@ class RoleControl:
         hot = self.pressure()
         if now >= self.quiet_until and (settle := self.unsettled(hot)) is not None:
             return await self.change(settle, now, "settled", cooldown=False)
+        if self.plan is not None and (planned := await self.toward_plan(now)) is not None:
+            return planned or None
         for side in self.held:
             self.held[side] = self.held[side] + 1 if hot[side] and not any(hot[o] for o in hot if o != side) else 0
         if now < self.quiet_until:
@@ -95,6 +99,22 @@ class RoleControl:
         if change is None:
             return None
         return await self.change(change, now, f"{side} pressed for {self.held[side]} passes")
+
+    async def toward_plan(self, now: float):
+        """With a plan that has a goal: the change toward it made this pass, or ``()`` for none (the goal reached,
+        or the cooldown); None where the plan has no goal (the pressure rules decide)."""
+        roles = self.mixed()
+        fixed = tuple(sum(1 for c in self.groups[r].healthy() if c.address not in roles) for r in ("prefill", "decode"))
+        current = sum(1 for r in roles.values() if r == "prefill")
+        target = await self.plan.decide(now, fixed, len(roles), current)
+        if target is None:
+            return None
+        self.held = {s: 0 for s in self.held}
+        side = "prompts" if target > current else "decoding"
+        change = pick(roles, side) if target != current and now >= self.quiet_until else None
+        if change is None:
+            return ()
+        return await self.change(change, now, f"the plan's goal, {target} of {len(roles)} prefilling") or ()
 
     async def change(self, change: tuple[str, str], now: float, why: str, cooldown: bool = True):
         """Makes ``change``; the change made, or None where the roles refused it (it would leave a group empty: not
@@ -114,9 +134,13 @@ class RoleControl:
     async def run(self) -> None:
         if "prefill" not in self.groups or "decode" not in self.groups:
             return
-        while True:
-            await asyncio.sleep(PASS_S)
-            try:
-                await self.step(time.monotonic())
-            except Exception:  # noqa: BLE001 - a pass that fails changes nothing
-                log.exception("roles auto: a pass failed")
+        try:
+            while True:
+                await asyncio.sleep(PASS_S)
+                try:
+                    await self.step(time.monotonic())
+                except Exception:  # noqa: BLE001 - a pass that fails changes nothing
+                    log.exception("roles auto: a pass failed")
+        finally:
+            if self.plan is not None:
+                self.plan.close()

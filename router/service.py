@@ -296,12 +296,12 @@ class Service:
         """Local or remote prefill (``router.disagg``); recorded in the timing (the response's ``pdserve``)."""
         if run.warm:
             return "remote"
-        if self.count_prompts:
+        uncached = 0
+        if self.count_prompts:  # the uncached tokens also go to the response (and to ``router.traffic``)
             keys = prompt if prompt is not None and prompt.ids is not None else await self._prompt(run.payload, True)
             total = len(keys.ids) if keys is not None and keys.ids is not None else estimate_prompt_tokens(run.payload)
             uncached = total - cached_blocks(decode, keys) * int(decode.info.get("kv_block_size") or 0)
-        else:
-            uncached = 0
+            run.timing["uncached_tokens"] = uncached
         run.uncached = uncached
         healthy = self.groups["prefill"].healthy(run.avoid) if self.groups.get("prefill") else []
         others = [p for p in healthy if p.address != decode.address]  # a mixed worker is in both groups

@@ -46,7 +46,7 @@ class Reply:
         rid, per_prompt = self.rid, self.req.choices_per_prompt
         self.choices = [Choice(i, prompt_index=i // per_prompt) for i in range(len(payloads))]
         rids = [rid] if len(payloads) == 1 else [f"{rid}.{i}" for i in range(len(payloads))]
-        self.streams = [self.st.service.generate(p, r) for p, r in zip(payloads, rids)]
+        self.streams = [self.st.traffic.watch(self.st.service.generate(p, r)) for p, r in zip(payloads, rids)]
         self.metrics.in_flight.inc()
         self.t0 = time.perf_counter()
         await self._firsts()
