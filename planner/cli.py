@@ -63,6 +63,8 @@ def add_arguments(p):
                    "the measured reports' serving steps of this workload (``calibrate``) before predicting")
     p.add_argument("--kv-read-gb-s", type=float, default=None, help="decode steps read K/V at this rate per GPU "
                    "(GB/s) at least (the profile's own steps alone otherwise)")
+    p.add_argument("--save-profile", default=None, help="write the profile as calibrated (with --calibrate or "
+                   "--kv-read-gb-s): what `pdserve up --roles auto --roles-profile` then plans on")
     p.add_argument("--out", default="bench/out/plan")
     kinds = p.add_subparsers(dest="plan_kind")
     from . import placement_cli
@@ -146,6 +148,11 @@ def run(args, validate=None) -> int:
     if isinstance(calibration, str):
         print(f"error: {calibration}")
         return 2
+    if args.save_profile:
+        if len(profiles) != 1:
+            print("error: --save-profile writes one profile; give one (a single TP degree)")
+            return 2
+        next(iter(profiles.values())).save(args.save_profile)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_stall_ms, args.attainment)
     cands = candidates(args.gpus, profiles, slo, tuple(float(w) for w in args.prefill_waits.split(",")))
     if not cands:

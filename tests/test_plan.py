@@ -259,11 +259,13 @@ def test_calibration_fits_the_read_rate_that_explains_serving_steps(tmp_path):
     prof.save(str(tmp_path / "p.json"))
     run = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
                           "2", "--workload", "mixed", "--requests", "60", "--measured", path, "--calibrate",
-                          "--duration", "5", "--max-requests", "60", "--out", str(tmp_path / "plan")],
+                          "--duration", "5", "--max-requests", "60", "--out", str(tmp_path / "plan"),
+                          "--save-profile", str(tmp_path / "calibrated.json")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "read K/V at 2,000 GB/s" in run.stdout
     assert json.loads((tmp_path / "plan.json").read_text())["calibration"]["kv_read_gb_s"] == pytest.approx(rate)
+    assert Profile.load(str(tmp_path / "calibrated.json")).kv_read_gb_s == pytest.approx(rate)  # --roles-profile's
     flat = goodput_report(tmp_path / "f.json", "mixed", {"4x-colocated": [(4, 512, 1.0)], "2P2D": []})
     bad = subprocess.run([sys.executable, "-m", "pdserve", "plan", "--profile", str(tmp_path / "p.json"), "--gpus",
                           "4", "--measured", flat, "--calibrate"], capture_output=True, text=True, timeout=300)
