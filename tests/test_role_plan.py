@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from deploy.local import Cluster
@@ -19,7 +18,7 @@ from router.traffic import Traffic
 from tests.moves import health
 from tests.test_failures import eventually
 from tests.test_role_control import cluster
-from tests.test_roles import serving
+from tests.test_roles import long_prompts, serving
 
 
 def profile(prefill_ms_per_token: float) -> Profile:
@@ -167,20 +166,8 @@ def test_pdserve_up_with_a_profile_moves_a_mixed_worker_to_prefill_under_long_pr
     try:
         assert eventually(lambda: serving(c.url) == {"prefill": 1, "decode": 2}, 30), health(c.url)["workers"]
 
-        async def paced():
-            async with httpx.AsyncClient(timeout=120) as client:
-                async def one(i):
-                    body = {"model": "tiny-llama", "prompt": f"long prompt {i:03d} " + "the quick brown fox " * 45,
-                            "max_tokens": 4, "temperature": 0}
-                    return (await client.post(c.url + "/v1/completions", json=body)).status_code
-                tasks = []
-                for i in range(int(4 * (DECIDE_S * (AGREE + 2)))):  # 4 a second for as long as AGREE + 2 decisions
-                    tasks.append(asyncio.create_task(one(i)))
-                    await asyncio.sleep(0.25)
-                    if i % 8 == 7 and await asyncio.to_thread(serving, c.url) == {"prefill": 2, "decode": 1}:
-                        break
-                return [await t for t in tasks]
-        codes = asyncio.run(paced())
+        two = {"prefill": 2, "decode": 1}  # 4 a second for as long as AGREE + 2 decisions at most
+        codes = asyncio.run(long_prompts(c.url, int(4 * DECIDE_S * (AGREE + 2)), 0.25, lambda: serving(c.url) == two))
         assert codes == [200] * len(codes)
         assert serving(c.url) == {"prefill": 2, "decode": 1}, health(c.url)["workers"]
     finally:

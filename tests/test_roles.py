@@ -3,6 +3,8 @@ decode picks and its streams move away as undisturbed, leaves the prefill picks,
 refused with 4xx."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from deploy.local import Cluster
@@ -89,33 +91,35 @@ def test_roles_auto_moves_a_mixed_worker_to_prompts_under_a_burst_of_long_prompt
     the prefill workers' waits over ``--disagg-prefill-wait-ms`` (each prompt's tokens counted by the router) until
     the controller makes a worker ``prefill``; every request is answered. The controller first settles the three
     mixed workers, a pass each: decode, prefill, decode."""
-    import asyncio
-
     c = Cluster("--prefill", "0", "--decode", "0", "--mixed", "3", "--roles", "auto",
                 "--disagg-prefill-wait-ms", "200").wait_ready()
     try:
         assert eventually(lambda: serving(c.url) == {"prefill": 1, "decode": 2}, 30), health(c.url)["workers"]
         settled = changes(c.url)
         assert settled == 1
-        async def burst():
-            async with httpx.AsyncClient(timeout=300) as client:
-                async def one(i):
-                    body = {"model": "tiny-llama", "prompt": f"long prompt {i} " + "the quick brown fox " * 45,
-                            "max_tokens": 4, "temperature": 0}
-                    return (await client.post(c.url + "/v1/completions", json=body)).status_code
-                tasks = []
-                for i in range(600):
-                    tasks.append(asyncio.create_task(one(i)))
-                    await asyncio.sleep(0.005)
-                    if i % 100 == 99 and changes(c.url) > settled:
-                        break
-                return [await t for t in tasks]
-        codes = asyncio.run(burst())
+        codes = asyncio.run(long_prompts(c.url, 600, 0.005, lambda: changes(c.url) > settled, every=100))
         assert codes == [200] * len(codes)
         assert eventually(lambda: changes(c.url) > settled, 10), httpx.get(c.url + "/metrics", timeout=10).text
         assert serving(c.url) == {"prefill": 2, "decode": 1}, health(c.url)["workers"]  # a decode worker moved
     finally:
         c.stop()
+
+
+async def long_prompts(url: str, count: int, gap_s: float, done, every: int = 8) -> list[int]:
+    """Up to ``count`` ~920-token prompts with 4-token answers, one every ``gap_s``, until ``done()`` (asked every
+    ``every`` of them); the status codes once every one has been answered."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(i):
+            body = {"model": "tiny-llama", "prompt": f"long prompt {i:03d} " + "the quick brown fox " * 45,
+                    "max_tokens": 4, "temperature": 0}
+            return (await client.post(url + "/v1/completions", json=body)).status_code
+        tasks = []
+        for i in range(count):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(gap_s)
+            if i % every == every - 1 and await asyncio.to_thread(done):
+                break
+        return [await t for t in tasks]
 
 
 def serving(url: str) -> dict:
