@@ -74,7 +74,7 @@ def plan_of(st: RouterState) -> RolePlan | None:
     if not cfg.roles_profile:
         return None
     local = cfg.disagg_local_tokens if cfg.disagg == "auto" else None
-    return RolePlan(cfg.roles_profile, st.traffic, cfg.slo_ttft_ms, cfg.slo_tpot_ms, local)
+    return RolePlan(cfg.roles_profile, st.traffic, cfg.slo_ttft_ms, cfg.slo_tpot_ms, local, st.metrics)
 
 
 async def tick(st: RouterState) -> None:

@@ -60,9 +60,9 @@ def _score(path: str, *args) -> dict[int, float]:  # in the planning process
 
 class RolePlan:
     def __init__(self, profile_path: str, traffic, slo_ttft_ms: float, slo_tpot_ms: float,
-                 local_tokens: int | None = None):
+                 local_tokens: int | None = None, metrics=None):
         Profile.load(profile_path)  # a bad file fails the router's start, not a pass
-        self.path, self.traffic, self.local_tokens = profile_path, traffic, local_tokens
+        self.path, self.traffic, self.local_tokens, self.metrics = profile_path, traffic, local_tokens, metrics
         self.slo = SLO(slo_ttft_ms, slo_tpot_ms)
         self.pool: ProcessPoolExecutor | None = None
         self.next_at, self.last, self.agreed = 0.0, None, 0
@@ -76,19 +76,34 @@ class RolePlan:
         self.next_at = now + DECIDE_S
         lengths = self.traffic.lengths()
         if len(lengths) < MIN_ENDED or mixed == 0:
-            self.last, self.agreed = None, 0
-            return None
+            return self._no_goal()
         if self.pool is None:
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         args = (self.path, fixed, mixed, self.traffic.rate(), lengths, self.slo, self.local_tokens)
-        self.scored = await asyncio.get_running_loop().run_in_executor(self.pool, _score, *args)
+        try:
+            self.scored = await asyncio.get_running_loop().run_in_executor(self.pool, _score, *args)
+        except Exception as e:  # noqa: BLE001 - the planning process died (or the simulation failed): a new one next
+            log.warning("roles plan: no decision (%s: %s); the pressure rules decide until the next", type(e).__name__, e)
+            self.close()
+            self.pool = None
+            return self._no_goal()
         target = goal(self.scored, current)
         self.agreed = self.agreed + 1 if target == self.last else 1
         self.last = target
+        if self.metrics is not None:
+            for k, share in self.scored.items():
+                self.metrics.plan_within_slo.labels(str(k)).set(share)
+            self.metrics.plan_goal.set(target if self.agreed >= AGREE else -1)
         log.info("roles plan: %.1f req/s, %d requests: %s; goal %d of %d mixed prefilling (%d agreeing)",
                  self.traffic.rate(), len(lengths), {k: round(v, 3) for k, v in self.scored.items()}, target,
                  mixed, self.agreed)
         return target if self.agreed >= AGREE else None
+
+    def _no_goal(self) -> None:
+        self.last, self.agreed = None, 0
+        if self.metrics is not None:
+            self.metrics.plan_goal.set(-1)
+        return None
 
     def close(self) -> None:
         if self.pool is not None:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import generate_latest
 
 from deploy.local import Cluster
 from planner.profile import Profile
 from planner.search import SLO
 from router.events import Delta, Finished
 from router.role_control import COOLDOWN_S
-from router.role_plan import AGREE, DECIDE_S, RolePlan, goal, scores
+from router.metrics import Metrics
+from router.role_plan import AGREE, DECIDE_S, MIN_ENDED, RolePlan, goal, scores
 from router.traffic import Traffic
 from tests.moves import health
 from tests.test_failures import eventually
@@ -86,7 +88,7 @@ def test_a_goal_counts_once_two_decisions_in_a_row_name_it(tmp_path):
     profile(0.05).save(path)
     clock = Clock()
     traffic = Traffic(clock=clock)
-    plan = RolePlan(path, traffic, 2000.0, 30.0)
+    plan = RolePlan(path, traffic, 2000.0, 30.0, metrics=Metrics())
 
     async def main():
         assert await plan.decide(0.0, (0, 0), 4, 1) is None  # no ended requests yet
@@ -102,6 +104,28 @@ def test_a_goal_counts_once_two_decisions_in_a_row_name_it(tmp_path):
     finally:
         plan.close()
     assert got[:-1] == [None] * (AGREE - 1) and got[-1] >= 2, (got, plan.scored)
+    text = generate_latest(plan.metrics.registry).decode()
+    assert f"pdserve_roles_plan_goal {float(got[-1])}" in text and 'pdserve_roles_plan_within_slo{prefilling="1"}' in text
+
+
+def test_a_planning_process_that_fails_gives_no_goal_and_the_next_decision_starts_another(tmp_path):
+    path = tmp_path / "p.json"
+    profile(0.05).save(str(path))
+    traffic = Traffic()
+    for _ in range(MIN_ENDED):
+        traffic.arrived()
+        traffic.finished(3000, 16)
+    plan = RolePlan(str(path), traffic, 2000.0, 30.0)
+
+    async def main():
+        path.unlink()  # the planning process cannot read it
+        assert await plan.decide(0.0, (0, 0), 4, 1) is None and plan.pool is None
+        profile(0.05).save(str(path))
+        assert await plan.decide(DECIDE_S, (0, 0), 4, 1) is None and plan.pool is not None and plan.scored
+    try:
+        asyncio.run(main())
+    finally:
+        plan.close()
 
 
 def test_bad_profiles_and_missing_slos_are_refused(tmp_path):
