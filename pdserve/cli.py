@@ -6,29 +6,12 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
-import re
 import signal
 import sys
 
 from deploy.units import byte_size
 
-REBALANCE_HELP = ("move decoding requests off a decode worker short of KV blocks or over its TPOT SLO onto one with "
-                  "room, while they stream (router.rebalance)")
-ROLES_HELP = ("fixed (default) or auto: mixed workers (--mixed) settle to prefill or decode and then change roles as "
-              "prompts or decoding stay pressed, or toward the split --roles-profile's model serves best "
-              "(router.role_control)")
-STALL_HELP = ("seconds a request may go without a word from its worker (no token, no progress) before it fails "
-              "with an error saying where it stood, and runs again elsewhere if nothing reached its client; 0: never")
-
-def _add_roles_plan(p, ttft_default) -> None:
-    p.add_argument("--roles-profile", default=None, help="--roles auto: an engine profile (pdserve bench engine "
-                   "--profile) on which the planner's model picks, from the last minute's traffic, the split of the "
-                   "mixed workers that keeps most requests within --slo-ttft-ms and --slo-tpot-ms (router.role_plan)")
-    p.add_argument("--slo-ttft-ms", type=float, default=ttft_default, help="--roles-profile: the TTFT SLO (default "
-                   "2000)")
-    if ttft_default is None:  # the router's own (pdserve up's --slo-tpot-ms also caps its workers' steps)
-        p.add_argument("--slo-tpot-ms", type=float, default=None, help="--roles-profile: the TPOT SLO")
-
+from .router_options import REBALANCE_HELP, ROLES_HELP, STALL_HELP, add_disagg, add_roles_plan
 
 def kv_option(text: str) -> tuple[str, object]:
     """``KEY=VALUE``; the value becomes a bool, an int (sizes like 2G too) or stays a string."""
@@ -110,24 +93,6 @@ def _add_worker(p: argparse.ArgumentParser):
     _add_engine(p)
 
 
-def _add_disagg(p: argparse.ArgumentParser, default):
-    p.add_argument("--disagg", choices=["always", "never", "auto"], default=default,
-                   help="where prompts are prefilled: always on prefill workers (default), never (on the decode "
-                        "worker), auto (per request, from the uncached prompt length and the queues)")
-    p.add_argument("--disagg-local-tokens", type=int, default=None if default is None else 512,
-                   help="auto: uncached prompts of at most this many tokens are prefilled on the decode worker")
-    p.add_argument("--disagg-prefill-queue", type=int, default=None,
-                   help="auto: prompts in flight on every prefill worker that make them busy, until the workers "
-                        "report prompt step times (default 4)")
-    p.add_argument("--disagg-prefill-wait-ms", type=float, default=None,
-                   help="auto: every prefill worker is busy when a prompt sent there would wait this long behind "
-                        "the uncached prompt tokens in flight, at the worker's measured time a token (default 500; "
-                        "0: count prompts only)")
-    p.add_argument("--warm-pairs", choices=["auto", "always", "never"], default=None,
-                   help="a short request through each prefill -> decode pair before /health says ready (auto: pairs "
-                        "over the nccl transport, whose first transfer forms an NCCL communicator)")
-
-
 def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """``with_bench=False``: the benchmarks' own options left out (their modules import torch, which the router and
     ``up`` never need)."""
@@ -158,8 +123,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--stall-timeout", type=float, default=None, help=STALL_HELP + " (default 30)")
     r.add_argument("--rebalance", action="store_true", default=None, help=REBALANCE_HELP)
     r.add_argument("--roles", choices=("fixed", "auto"), default=None, help=ROLES_HELP)
-    _add_roles_plan(r, None)
-    _add_disagg(r, None)
+    add_roles_plan(r, None)
+    add_disagg(r, None)
     r.add_argument("--max-queue", type=int, default=None, help="requests that may wait for KV memory (then 429)")
     r.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait (then 503)")
     r.add_argument("--workers-file", default=None, help="JSON {prefill: [...], decode: [...]} of worker addresses, "
@@ -194,7 +159,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     u.add_argument("--kv-weight", type=float, default=0.5, help="kv_aware: weight of load against cached prefix")
     u.add_argument("--ready-timeout", type=float, default=180.0)
     u.add_argument("--kv-budget", type=byte_size, default=0, help="per decode worker KV memory budget, e.g. 4G")
-    _add_disagg(u, "always")
+    add_disagg(u, "always")
     u.add_argument("--max-queue", type=int, default=256, help="router: requests that may wait for KV memory")
     u.add_argument("--max-restarts", type=int, default=10, help="restarts of a dead worker before it is left down")
     u.add_argument("--retries", type=int, default=2, help="router: times a request that failed before decode "
@@ -205,7 +170,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     u.add_argument("--stall-timeout", type=float, default=30.0, help="router: " + STALL_HELP)
     u.add_argument("--rebalance", action="store_true", help="router: " + REBALANCE_HELP)
     u.add_argument("--roles", choices=("fixed", "auto"), default="fixed", help="router: " + ROLES_HELP)
-    _add_roles_plan(u, 2000.0)
+    add_roles_plan(u, 2000.0)
     u.add_argument("--pp-nodes", default=None, help="name:memGB[:speed],...: the nodes a pipeline's stages stand "
                    "for; `pdserve plan placement` picks --pp and --pp-layers so that each holds its weights and the KV "
                    "of --max-model-len x --max-num-seqs tokens (the stages run on this machine)")
@@ -255,7 +220,7 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     dr.add_argument("--host", default=None, help="router bind address (default: its node's address)")
     dr.add_argument("--port", type=int, default=8000)
     dr.add_argument("--policy", default="least_outstanding")
-    _add_disagg(dr, "always")
+    add_disagg(dr, "always")
     dr.add_argument("--pp-spread", action="store_true", help="each pipeline stage (--pp) on a node of its own (with "
                     "--gpus-per-worker GPUs), placed by Ray; default: a worker's stages on one node")
     dr.add_argument("--max-restarts", type=int, default=10)
