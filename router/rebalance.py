@@ -4,7 +4,7 @@ break the TPOT SLO it serves, onto one with room (``router.migration``, reason `
 Every ``PASS_S`` it looks at the decode workers in the picks, as their heartbeats describe them: the share of their
 KV blocks in use (``kv_blocks``, ``kv_blocks_free``) and, where they serve a TPOT SLO (``--slo-tpot-ms``), their
 recent decode step (``step_base_ms``). A worker is pressed when its blocks are ``HIGH`` or more in use, or KV waits
-there for blocks, or its decode step is over its SLO; a worker has room when its blocks are at most ``LOW`` in use
+there for blocks, or its decode step is over its SLO while it decodes; a worker has room when its blocks are at most ``LOW`` in use
 and its step (where known) is under ``ROOM_OF_SLO`` of the SLO. Each pressed worker gives one request a pass to the
 roomiest worker: the one with the shortest prompt (the cheapest to move, as Llumnix picks), not moving already. A
 worker that just gave one waits ``COOLDOWN_S`` (its heartbeat must show the move first), so moves do not overshoot
@@ -30,17 +30,22 @@ def used(worker) -> float | None:
     return 1.0 - free / blocks
 
 
-def pressed(worker) -> bool:
-    info, share = worker.info, used(worker)
+def step_over(worker, share_of_slo: float = 1.0) -> bool:
+    """Its recent decode step is over ``share_of_slo`` of the TPOT SLO it serves, while it decodes something (an idle
+    worker's last step, from its warm-up say, is no load: on 2 cores four workers' warm-up steps read 160-250 ms)."""
+    info = worker.info
     slo, step = info.get("slo_tpot_ms"), info.get("step_base_ms")
-    return (share is not None and share >= HIGH) or bool(info.get("waiting")) or \
-        bool(slo and step and step > slo)
+    return bool(slo and step and info.get("active") and step > share_of_slo * slo)
+
+
+def pressed(worker) -> bool:
+    share = used(worker)
+    return (share is not None and share >= HIGH) or bool(worker.info.get("waiting")) or step_over(worker)
 
 
 def roomy(worker) -> bool:
-    info, share = worker.info, used(worker)
-    slo, step = info.get("slo_tpot_ms"), info.get("step_base_ms")
-    return share is not None and share <= LOW and not (slo and step and step > ROOM_OF_SLO * slo)
+    share = used(worker)
+    return share is not None and share <= LOW and not step_over(worker, ROOM_OF_SLO)
 
 
 def plan(workers: list, runs: list, movable, cooling: dict, now: float) -> list[tuple]:

@@ -250,11 +250,11 @@ def test_a_move_the_target_refuses_leaves_the_stream_decoding_where_it_was(model
 def test_rebalancing_moves_the_shortest_request_off_a_pressed_worker_to_the_roomiest():
     from types import SimpleNamespace
 
-    from router.rebalance import plan
+    from router.rebalance import plan, pressed, roomy
 
-    def worker(address, free, blocks=100, waiting=0, step=None, slo=None):
+    def worker(address, free, blocks=100, waiting=0, step=None, slo=None, active=1):
         return SimpleNamespace(address=address, info={"kv_blocks": blocks, "kv_blocks_free": free, "waiting": waiting,
-                                                     "step_base_ms": step, "slo_tpot_ms": slo})
+                                                     "step_base_ms": step, "slo_tpot_ms": slo, "active": active})
 
     def run(where, prompt, moving=False):
         return SimpleNamespace(where=where, first={"prompt_tokens": prompt}, moving=moving)
@@ -269,6 +269,8 @@ def test_rebalancing_moves_the_shortest_request_off_a_pressed_worker_to_the_room
     assert plan([full, worker("warm", 20)], runs, movable, {}, 0.0) == []  # no worker with room
     waiting = worker("waiting", 50, waiting=1)
     assert plan([waiting, empty], [run(waiting, 7)], movable, {}, 0.0)[0][1] is empty
+    idle = worker("idle", 90, step=250, slo=10, active=0)  # a slow step long ago: neither pressed nor short of room
+    assert not pressed(idle) and roomy(idle)
 
 
 def test_a_stream_moves_from_an_fp8_kv_cache_to_a_full_precision_one(model):
