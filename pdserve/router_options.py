@@ -15,7 +15,7 @@ STALL_HELP = ("seconds a request may go without a word from its worker (no token
 
 def add_roles_plan(p, ttft_default) -> None:
     p.add_argument("--roles-profile", default=None, help="--roles auto: an engine profile (pdserve bench engine "
-                   "--profile) on which the planner's model picks, from the last minute's traffic, the split of the "
+                   "--profile) on which the planner's model picks, from the last 20 s of traffic, the split of the "
                    "mixed workers that keeps most requests within --slo-ttft-ms and --slo-tpot-ms (router.role_plan)")
     p.add_argument("--slo-ttft-ms", type=float, default=ttft_default, help="--roles-profile: the TTFT SLO (default "
                    "2000)")

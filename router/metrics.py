@@ -62,7 +62,7 @@ class Metrics:
         self.role_changes = Counter("pdserve_role_changes", "Mixed workers' roles changed at runtime, by the new role",
                                     ["role"], registry=r)
         self.plan_within_slo = Gauge("pdserve_roles_plan_within_slo", "--roles-profile: the share of the last "
-                                     "minute's traffic the planner's model puts within the SLOs, by how many mixed "
+                                     "20 s of traffic the planner's model puts within the SLOs, by how many mixed "
                                      "workers prefill", ["prefilling"], registry=r)
         self.plan_goal = Gauge("pdserve_roles_plan_goal", "--roles-profile: the mixed workers prefilling that the "
                                "plan aims at (-1: no goal yet)", registry=r)

@@ -11,7 +11,7 @@ First, each worker still serving both sides is settled, one a pass, with no hold
 alone, else to the side fewer workers serve alone (decode on a tie): a mixed worker's prompt steps break the TPOT SLO
 of what it decodes, and waiting for pressure left 4x H200 with mixed workers for the first 64 s of a 120 s run.
 Then, with a plan (``--roles-profile``, ``router.role_plan``: the split the planner's model serves best for the
-last minute's traffic), one worker a cooldown moves toward the plan's goal while it has one. Without, or while the
+last 20 s of traffic), one worker a cooldown moves toward the plan's goal while it has one. Without, or while the
 plan has no goal: one side pressed for ``HOLD`` passes in a row while the other is not: one mixed worker takes its role toward it
 (``prefill`` for prompts, ``decode`` for decoding; a worker serving both sides before one serving the other), then
 nothing changes for ``COOLDOWN_S`` (the next heartbeats must show the change first). Both sides pressed, or neither:

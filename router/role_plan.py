@@ -1,7 +1,7 @@
 """``--roles auto --roles-profile PATH``: the split the planner's model serves best for the recent traffic.
 
 Every ``DECIDE_S`` the router hands the planner's simulation (``planner.simulate``, in a process of its own: it is
-CPU work the router's loop must not wait on) the traffic of the last minute (``router.traffic``): the arrival rate
+CPU work the router's loop must not wait on) the traffic of the last 20 s (``router.traffic``): the arrival rate
 and, of the requests that ended, their prompt (uncached) and output tokens, at least ``MIN_ENDED`` of them. For every
 split of the mixed workers (``k`` of them prefill, the rest decode, beside the workers started with a role) it
 simulates ``HORIZON_S`` of Poisson arrivals at that rate with those lengths on the profile (``pdserve bench engine
@@ -21,7 +21,7 @@ from planner.search import SLO, Horizon, attainment, workload_requests
 from planner.simulate import Instance, Layout, simulate
 
 log = logging.getLogger(__name__)
-DECIDE_S = 10.0
+DECIDE_S = 5.0  # with the 20 s window of router.traffic (bench.lab.roles_window)
 HORIZON_S = 30.0
 MAX_REQUESTS = 900
 MIN_ENDED = 20

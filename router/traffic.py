@@ -10,7 +10,8 @@ from collections import deque
 
 from .events import Finished
 
-WINDOW_S = 60.0
+WINDOW_S = 20.0  # a replay of the shifting workload (bench.lab.roles_window) switched splits 25-30 s after each
+# phase change with 20 s and a decision every 5 s, 60-70 s after (the phase over) with 60 s and every 10 s
 
 
 class Traffic:

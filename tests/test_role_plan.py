@@ -196,3 +196,11 @@ def test_pdserve_up_with_a_profile_moves_a_mixed_worker_to_prefill_under_long_pr
         assert serving(c.url) == {"prefill": 2, "decode": 1}, health(c.url)["workers"]
     finally:
         c.stop()
+
+
+def test_the_window_replay_follows_a_shifting_load_on_the_model():
+    """``bench.lab.roles_window`` (how the window and cadence were chosen): on a profile where prompts are dear, the
+    prompt-heavy first phase takes the split to 3 of 4 prefilling."""
+    from bench.lab.roles_window import replay
+    changes = replay(profile(0.05), 20.0, 5.0, 8.0, (200, 400), SLO(2000.0, 15.0), phases=2)
+    assert changes[0] == (0.0, 2) and (3 in [k for _, k in changes]), changes

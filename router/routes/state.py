@@ -29,7 +29,7 @@ class RouterState:
     drains: object = None  # router.drain.Drains
     roles: object = None  # router.roles.Roles
     window: object = None  # router.dashboard.snapshot.Window: the last minute's metric samples
-    traffic: object = field(default_factory=Traffic)  # router.traffic.Traffic: the last minute's requests
+    traffic: object = field(default_factory=Traffic)  # router.traffic.Traffic: the last 20 s of requests
 
     @property
     def mode(self) -> str:
