@@ -72,16 +72,20 @@ class RoleControl:
 
     def unsettled(self, hot: dict) -> tuple[str, str] | None:
         """``(address, role)`` for the first worker still serving both sides: the side pressed alone, else the side
-        fewer workers serve alone (decode on a tie); None when none serves both."""
+        fewer workers serve alone (decode on a tie); None when none serves both, or while the side it would leave has
+        no other worker in the picks (workers still starting: the change would be refused)."""
         roles = self.mixed()
         both = sorted(a for a, r in roles.items() if r == "mixed")
         if not both:
             return None
+        healthy = {role: [c.address for c in self.groups[role].healthy()] for role in ("prefill", "decode")}
         if hot["prompts"] != hot["decoding"]:
-            return both[0], TOWARD["prompts" if hot["prompts"] else "decoding"]
-        alone = {role: sum(1 for c in self.groups[role].healthy() if roles.get(c.address, role) == role)
-                 for role in ("prefill", "decode")}
-        return both[0], "prefill" if alone["prefill"] < alone["decode"] else "decode"
+            role = TOWARD["prompts" if hot["prompts"] else "decoding"]
+        else:
+            alone = {r: sum(1 for a in healthy[r] if roles.get(a, r) == r) for r in healthy}
+            role = "prefill" if alone["prefill"] < alone["decode"] else "decode"
+        left = "decode" if role == "prefill" else "prefill"
+        return (both[0], role) if any(a != both[0] for a in healthy[left]) else None
 
     async def step(self, now: float) -> tuple[str, str] | None:
         """One pass; the change made, if any."""

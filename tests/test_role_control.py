@@ -81,6 +81,11 @@ def test_a_worker_serving_both_sides_is_settled_at_once_toward_the_side_pressed_
         p.healthy = False  # no worker serves prompts alone
         assert await control.step(0.0) == ("m", "prefill")
         control, p, d, mp, md = cluster()
+        d.healthy = p.healthy = False  # still starting: m is each side's only worker, nothing is asked of it yet
+        assert await control.step(0.0) is None and control.quiet_until == 0.0
+        d.healthy = True
+        assert await control.step(1.0) == ("m", "prefill")
+        control, p, d, mp, md = cluster()
         press_prompts(p, mp)
         assert await control.step(0.0) == ("m", "prefill")
         assert await control.step(1.0) is None and control.quiet_until == 0.0  # settled; pressure needs HOLD passes
