@@ -16,6 +16,7 @@ from .config import RouterConfig
 from .drain import Drains
 from .role_control import RoleControl
 from .role_plan import RolePlan
+from .traffic import Traffic
 from .roles import Roles
 from .limits import BodyLimit
 from .membership import Membership, worker_groups
@@ -41,7 +42,8 @@ def make_state(cfg: RouterConfig, inboxes: dict, token: bytes | None, api_key: s
     service.inboxes = inboxes
     service.warmer = PairWarmer(service, groups, cfg.warm_pairs)
     drains = Drains(service, groups)
-    return RouterState(cfg, service, metrics, admission, groups, api_key, drains=drains, roles=Roles(drains, metrics))
+    return RouterState(cfg, service, metrics, admission, groups, api_key, drains=drains, roles=Roles(drains, metrics),
+                       traffic=Traffic() if cfg.roles_profile else None)
 
 
 def lifespan_of(st: RouterState, membership: Membership):

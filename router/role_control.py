@@ -92,8 +92,13 @@ class RoleControl:
         hot = self.pressure()
         if now >= self.quiet_until and (settle := self.unsettled(hot)) is not None:
             return await self.change(settle, now, "settled", cooldown=False)
-        if self.plan is not None and (planned := await self.toward_plan(now)) is not None:
-            return planned or None
+        if self.plan is not None:
+            roles = self.mixed()
+            current = sum(1 for r in roles.values() if r == "prefill")
+            target = await self.plan.decide(now, self.fixed(roles), len(roles), current)
+            if target is not None:  # the plan decides while it has a goal, not the pressure
+                self.held = {s: 0 for s in self.held}
+                return await self.toward(target, current, roles, now)
         for side in self.held:
             self.held[side] = self.held[side] + 1 if hot[side] and not any(hot[o] for o in hot if o != side) else 0
         if now < self.quiet_until:
@@ -104,21 +109,16 @@ class RoleControl:
             return None
         return await self.change(change, now, f"{side} pressed for {self.held[side]} passes")
 
-    async def toward_plan(self, now: float):
-        """With a plan that has a goal: the change toward it made this pass, or ``()`` for none (the goal reached,
-        or the cooldown); None where the plan has no goal (the pressure rules decide)."""
-        roles = self.mixed()
-        fixed = tuple(sum(1 for c in self.groups[r].healthy() if c.address not in roles) for r in ("prefill", "decode"))
-        current = sum(1 for r in roles.values() if r == "prefill")
-        target = await self.plan.decide(now, fixed, len(roles), current)
-        if target is None:
+    def fixed(self, roles: dict) -> tuple[int, int]:
+        """The workers in the prefill and in the decode picks that were started with their role (not in ``roles``)."""
+        return tuple(sum(1 for c in self.groups[r].healthy() if c.address not in roles) for r in ("prefill", "decode"))
+
+    async def toward(self, target: int, current: int, roles: dict, now: float) -> tuple[str, str] | None:
+        """One mixed worker a step toward ``target`` of them prefilling (none at the goal or in the cooldown)."""
+        if target == current or now < self.quiet_until:
             return None
-        self.held = {s: 0 for s in self.held}
-        side = "prompts" if target > current else "decoding"
-        change = pick(roles, side) if target != current and now >= self.quiet_until else None
-        if change is None:
-            return ()
-        return await self.change(change, now, f"the plan's goal, {target} of {len(roles)} prefilling") or ()
+        change = pick(roles, "prompts" if target > current else "decoding")
+        return await self.change(change, now, f"the plan's goal, {target} of {len(roles)} prefilling") if change else None
 
     async def change(self, change: tuple[str, str], now: float, why: str, cooldown: bool = True):
         """Makes ``change``; the change made, or None where the roles refused it (it would leave a group empty: not

@@ -17,8 +17,8 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 from planner.profile import Profile
-from planner.search import SLO, Horizon, attainment, workload_requests
-from planner.simulate import Instance, Layout, simulate
+from planner.search import SLO, Candidate, Horizon, attainment, workload_requests
+from planner.simulate import simulate
 
 log = logging.getLogger(__name__)
 DECIDE_S = 5.0  # with the 20 s window of router.traffic (bench.lab.roles_window)
@@ -27,6 +27,7 @@ MAX_REQUESTS = 900
 MIN_ENDED = 20
 MARGIN = 0.05
 AGREE = 2
+LINK_GB_S = 50.0  # the simulated KV link between workers (the planner's default; the router does not measure it)
 
 
 def scores(profile: Profile, fixed: tuple[int, int], mixed: int, rate: float, lengths: list, slo: SLO,
@@ -38,11 +39,10 @@ def scores(profile: Profile, fixed: tuple[int, int], mixed: int, rate: float, le
         prefill, decode = fixed[0] + k, fixed[1] + mixed - k
         if not prefill or not decode:
             continue
-        layout = Layout(prefill=[Instance(f"p{i}", "prefill", profile) for i in range(prefill)],
-                        decode=[Instance(f"d{i}", "decode", profile, slo.tpot_ms) for i in range(decode)],
-                        local_tokens=local_tokens)
+        split = Candidate(f"{prefill}P{decode}D", "split", prefill=prefill, decode=decode, slo_tpot_ms=slo.tpot_ms,
+                          disagg="always" if local_tokens is None else "auto")
         requests = workload_requests(lengths, rate, seed, Horizon(HORIZON_S, MAX_REQUESTS))
-        out[k] = attainment(simulate(layout, requests), slo)
+        out[k] = attainment(simulate(split.layout({1: profile}, LINK_GB_S, local_tokens), requests), slo)
     return out
 
 
@@ -79,7 +79,8 @@ class RolePlan:
             return self._no_goal()
         if self.pool is None:
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        args = (self.path, fixed, mixed, self.traffic.rate(), lengths, self.slo, self.local_tokens)
+        rate = self.traffic.rate()
+        args = (self.path, fixed, mixed, rate, lengths, self.slo, self.local_tokens)
         try:
             self.scored = await asyncio.get_running_loop().run_in_executor(self.pool, _score, *args)
         except Exception as e:  # noqa: BLE001 - the planning process died (or the simulation failed): a new one next
@@ -95,7 +96,7 @@ class RolePlan:
                 self.metrics.plan_within_slo.labels(str(k)).set(share)
             self.metrics.plan_goal.set(target if self.agreed >= AGREE else -1)
         log.info("roles plan: %.1f req/s, %d requests: %s; goal %d of %d mixed prefilling (%d agreeing)",
-                 self.traffic.rate(), len(lengths), {k: round(v, 3) for k, v in self.scored.items()}, target,
+                 rate, len(lengths), {k: round(v, 3) for k, v in self.scored.items()}, target,
                  mixed, self.agreed)
         return target if self.agreed >= AGREE else None
 

@@ -52,9 +52,10 @@ def replay(profile: Profile, window_s: float, decide_s: float, rate: float, answ
             clock.now, kind, lengths = todo.pop(0)
             traffic.arrived() if kind == "a" else traffic.finished(*lengths)
         clock.now = now
-        if len(traffic.lengths()) < MIN_ENDED:
+        lengths = traffic.lengths()
+        if len(lengths) < MIN_ENDED:
             continue
-        target = goal(scores(profile, (0, 0), mixed, traffic.rate(), traffic.lengths(), slo), current)
+        target = goal(scores(profile, (0, 0), mixed, traffic.rate(), lengths, slo), current)
         agreed, last = (agreed + 1 if target == last else 1), target
         if agreed >= AGREE and target != current:
             current += 1 if target > current else -1

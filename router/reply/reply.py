@@ -46,7 +46,9 @@ class Reply:
         rid, per_prompt = self.rid, self.req.choices_per_prompt
         self.choices = [Choice(i, prompt_index=i // per_prompt) for i in range(len(payloads))]
         rids = [rid] if len(payloads) == 1 else [f"{rid}.{i}" for i in range(len(payloads))]
-        self.streams = [self.st.traffic.watch(self.st.service.generate(p, r)) for p, r in zip(payloads, rids)]
+        self.streams = [self.st.service.generate(p, r) for p, r in zip(payloads, rids)]
+        if self.st.traffic is not None:  # --roles-profile: the plan reads the requests' lengths
+            self.streams = [self.st.traffic.watch(s) for s in self.streams]
         self.metrics.in_flight.inc()
         self.t0 = time.perf_counter()
         await self._firsts()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -11,7 +11,6 @@ from ..config import RouterConfig
 from ..errors import ApiError
 from ..metrics import Metrics
 from ..service import Service
-from ..traffic import Traffic
 
 OPEN_PATHS = ("/health", "/metrics", "/dashboard", "/dashboard/page.js")  # answered without the API key (the
 # dashboard's page and script hold no data; its state needs the key)
@@ -29,7 +28,7 @@ class RouterState:
     drains: object = None  # router.drain.Drains
     roles: object = None  # router.roles.Roles
     window: object = None  # router.dashboard.snapshot.Window: the last minute's metric samples
-    traffic: object = field(default_factory=Traffic)  # router.traffic.Traffic: the last 20 s of requests
+    traffic: object = None  # router.traffic.Traffic: the last 20 s of requests, kept for --roles-profile only
 
     @property
     def mode(self) -> str:
