@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from control.ports import free_port
+
 from .nccl_blocks import (in_pool, kv, land_in_blocks, mid_abort_received, mid_abort_sent, receive_pieces, same,
                           send_pieces)
 
@@ -59,12 +61,6 @@ def in_flight():
 
 def in_flight_shape(i, j):
     return (2, 4, 64 + i + 8 * j, 32)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sync(device):

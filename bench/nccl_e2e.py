@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--transport", default="nccl")
     ap.add_argument("--up-arg", action="append", default=[], help="extra argument for pdserve up (repeatable)")
     args = ap.parse_args()
-    from deploy.up import free_port
+    from control.ports import free_port
     from engine import EngineConfig, SamplingParams
     from engine.generate import generate
     from engine.engine import Engine

@@ -75,7 +75,7 @@ def measure(names, layout, reps, warmup, link):
     if "mlx" in names:
         import tempfile
 
-        from deploy.up import free_port
+        from control.ports import free_port
 
         fd, hostfile = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as f:
@@ -124,7 +124,7 @@ class Iperf:
     """iperf3 moving the same number of bytes over the same link, one run per repetition."""
 
     def __init__(self, link, nbytes: int):
-        from deploy.up import free_port
+        from control.ports import free_port
 
         self.link, self.nbytes = link, nbytes
         self.port = free_port() if link.name == "loopback" else 5201

@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.request
 
-from deploy.up import free_port, port_range  # noqa: F401 (tests take free_port from here)
+from control.ports import free_port, port_range  # noqa: F401 (tests take free_port from here)
 
 SLICE = 50  # ports a cluster draws from: its router's and its workers'
 _slices = itertools.count()

@@ -13,9 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,42 +21,10 @@ import time
 import urllib.error
 import urllib.request
 
+from control.ports import HANDED_OUT, free_port, port_range
 from deploy.progress import bar
 from deploy.rolling import restart_all
 from deploy.supervise import Child, Supervisor
-
-
-HANDED_OUT: set[int] = set()  # ports this process named already (their children may not have bound them yet)
-
-
-def port_range() -> tuple[int, int]:
-    """Where ``free_port`` draws from: ``PDSERVE_PORT_RANGE`` ("LOW-HIGH"), else 20000-32000. Clusters started at
-    once on one host (a test suite on several workers) each get a range of their own, so that none takes a port
-    another has picked but not yet bound."""
-    low, _, high = os.environ.get("PDSERVE_PORT_RANGE", "20000-32000").partition("-")
-    if not (low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65535):
-        raise ValueError(f"PDSERVE_PORT_RANGE must be LOW-HIGH within 1024-65535: {low}-{high}")
-    return int(low), int(high)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now, below Linux's ephemeral range (32768+), so no outgoing connection of another
-    process takes it before the child that gets it binds it; never one this process handed out before."""
-    low, high = port_range()
-    for _ in range(200):
-        port = random.randrange(low, high)
-        if port in HANDED_OUT:
-            continue
-        HANDED_OUT.add(port)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_args(args) -> list[str]:

@@ -80,7 +80,7 @@ def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
     import time
     import urllib.request
 
-    from deploy.up import free_port
+    from control.ports import free_port
 
     port, absent = free_port(), free_port()  # a colocated worker that is not there: the router serves its 503s
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--port", str(port),
@@ -129,7 +129,7 @@ def test_up_passes_the_disagg_settings_to_its_router():
 
 def test_ports_come_from_the_range_named(monkeypatch):
     from pdserve.cli import main
-    from deploy.up import free_port
+    from control.ports import free_port
 
     monkeypatch.setenv("PDSERVE_PORT_RANGE", "24000-24100")
     assert all(24000 <= free_port() < 24100 for _ in range(20))

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    from deploy.up import free_port
+    from control.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

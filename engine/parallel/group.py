@@ -59,10 +59,15 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def join(size: int, rank: int, init_method: str, device: torch.device, timeout_s: float = 120.0) -> TPGroup:
-    """Join the group (every rank calls this with the same ``init_method``): NCCL on CUDA, gloo elsewhere."""
+def join(size: int, rank: int, init_method: str, device: torch.device, timeout_s: float = 120.0,
+         store=None) -> TPGroup:
+    """Join the group (``init_method``: ``tcp://HOST:PORT`` of rank 0's store; rank 0 passes that store, which it
+    already listens on, as ``store``): NCCL on CUDA, gloo elsewhere."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, world_size=size, rank=rank, timeout=timeout, **kw)
     return TPGroup(size, rank, dist.group.WORLD)

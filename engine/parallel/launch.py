@@ -11,10 +11,10 @@ parent within a second)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -53,10 +53,13 @@ def check_fits(cfg: EngineConfig) -> None:
         raise ValueError(f"--tp {cfg.tp} does not divide the MLP width {width}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def held_store(timeout_s: float = 120.0):
+    """Rank 0's rendezvous store, listening from now on on a port the OS picked (followers get its number: no
+    port is named before it is bound, so no other process can take it in between)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
@@ -74,7 +77,8 @@ def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
 
         init = hostfile(size)
     else:
-        init = f"tcp://127.0.0.1:{free_port()}"
+        store = held_store()
+        init = f"tcp://127.0.0.1:{store.port}"
     plan = PlanSender(size - 1)
     config = json.dumps(dataclasses.asdict(cfg))
     procs = {}
@@ -93,7 +97,7 @@ def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
         group.group = mlx_join(init, 0)
         os.unlink(init)  # the ring is formed: every rank has read it
     else:
-        group.group = join(cfg.tp, 0, init, device).group
+        group.group = join(cfg.tp, 0, init, device, store=store).group
     log.info("group of %d ranks up (ranks 1..%d: pids %s)", size, size - 1,
              [p.pid for p in procs.values()])
     return group

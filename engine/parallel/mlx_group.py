@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 
-from .launch import free_port
+from control.ports import free_port
 
 BACKEND_ENV = "PDSERVE_MLX_TP_BACKEND"
 
