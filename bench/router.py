@@ -14,10 +14,11 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from control.ports import free_port
 
 from .report import command_line
 
@@ -29,12 +30,6 @@ def add_arguments(p):
     p.add_argument("--duration", type=float, default=10.0, help="seconds of load after a warm-up second")
     p.add_argument("--step-ms", type=float, default=0.0, help="the fake worker's step time (0: as fast as it can)")
     p.add_argument("--out", default="bench/out/router")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _stream(port: int, body: bytes) -> tuple[int, int]:
@@ -113,7 +108,7 @@ def _start(worker_port: int, router_port: int, step_ms: float):
 
 
 def run(args) -> int:
-    worker_port, router_port = _free_port(), _free_port()
+    worker_port, router_port = free_port(), free_port()
     worker, router = _start(worker_port, router_port, args.step_ms)
     try:
         start_at = time.time() + 1.0

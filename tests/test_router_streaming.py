@@ -2,7 +2,6 @@
 and nothing is lost or reordered (real router process, the fake worker of ``bench.fake_worker`` making tokens as
 fast as it can, the openai SDK)."""
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from control.ports import free_port
 from router.inbox import coalesce
 
 
@@ -28,15 +28,9 @@ def test_coalesce_joins_waiting_tokens_and_stops_at_anything_else():
     assert q.get_nowait()["op"] == "done" and q.qsize() == 1
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def fake_cluster():
-    wport, rport = _port(), _port()
+    wport, rport = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(wport), "--step-ms", "0"]),
              subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(rport), "--colocated",
                                f"tcp://127.0.0.1:{wport}"], stderr=subprocess.DEVNULL)]

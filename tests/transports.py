@@ -5,13 +5,13 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from multiprocessing.connection import Client
 
 import pytest
 
+from control.ports import free_port
 from kvtransfer import TransferError
 
 CPU_TRANSPORTS = ["tcp", "shm", "pickle"]
@@ -28,19 +28,13 @@ def available() -> list:
     return params
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MlxWorld:
     """This test process is rank 1 (receiver); a child process is rank 0 (sender)."""
 
     def __init__(self, tmp_dir: str):
         hostfile = os.path.join(tmp_dir, "mlx-hosts.json")
         with open(hostfile, "w") as f:
-            json.dump([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]], f)
+            json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
         self.options = {"mlx_hostfile": hostfile, "mlx_rank": 1, "mlx_backend": "ring"}
         self.key = secrets.token_bytes(16)
         env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": "0", "PDSERVE_TEST_KEY": self.key.hex()}
