@@ -373,29 +373,38 @@ def test_a_prefill_worker_counts_prompts_not_the_streams_it_handed_on(pair):
     ``prefill_busy``, the decode workers then prefilling long prompts between their steps)."""
     auto, colocated = pair
     long = "a long prompt for the prefill worker " * 6
-    started = [threading.Event() for _ in range(5)]
+    started, done = [threading.Event() for _ in range(5)], threading.Event()
 
-    def stream_on(i):
+    def stream_on(i):  # decodes until the test is done with it (at most 780 tokens)
         client = openai.OpenAI(base_url=auto.url + "/v1", api_key="none")
-        for _ in client.completions.create(model="tiny-llama", prompt=f"{i} {long}", max_tokens=300, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
-            started[i].set()
+        with client.completions.create(model="tiny-llama", prompt=f"{i} {long}", max_tokens=780, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}) as stream:
+            for _ in stream:
+                started[i].set()
+                if done.is_set():
+                    break
 
     with ThreadPoolExecutor(5) as pool:
         streams = [pool.submit(stream_on, i) for i in range(5)]
-        assert all(e.wait(60) for e in started)
-        workers = httpx.get(auto.url + "/health").json()["workers"]
-        busy = [w["outstanding"] for w in workers["prefill"]], [w["outstanding"] for w in workers["decode"]]
+        assert all(e.wait(60) for e in started), [f.exception(0.1) for f in streams if f.done()]
+
+        def busy():
+            workers = httpx.get(auto.url + "/health").json()["workers"]
+            return [w["outstanding"] for w in workers["prefill"]], [w["outstanding"] for w in workers["decode"]]
+
+        # the prompts are done and at least 4 streams decode (the last KV may still be on its way: wait for it)
+        assert eventually(lambda: busy()[0] == [0] and busy()[1][0] >= 4, 30, 0.05), busy()
         got = complete(auto.url, "another " + long)
+        done.set()
         for f in streams:
             f.result(120)
-    assert busy[0] == [0] and busy[1][0] >= 4  # the prompts are done; the streams decode
     block = got.model_extra["pdserve"]
     assert (block["disagg"], block["disagg_reason"]) == ("remote", "long")
     assert block["disagg_wait_ms"] == 0.0  # the worker's times are known, and nothing waits there
     assert got.choices[0].text == complete(colocated.url, "another " + long).choices[0].text
     prefill = httpx.get(auto.url + "/health").json()["workers"]["prefill"][0]
     assert prefill["outstanding"] == 0
+    assert eventually(lambda: busy()[1] == [0], 30, 0.05), busy()  # the streams closed early end there too
 
 
 def test_never_with_no_prefill_worker_serves_from_the_decode_workers():
