@@ -31,8 +31,7 @@ def settled_step_times(url: str, limit_s: float = 3.0, every_s: float = 0.3) -> 
     return now
 
 
-CAP_KEYS = ("step_prefill_cap", "mixed_step_fixed_ms", "step_ms_per_prompt_token", "step_base_ms",
-            "mixed_step_ms_per_1k_depth", "step_ms_per_prompt_token_per_1k_depth")  # step_budget's
+CAP_KEYS = ("step_prefill_cap", "mixed_step_fixed_ms", "step_ms_per_prompt_token", "step_base_ms")  # step_budget's
 
 
 BUSY_KEYS = ("outstanding", "active", "waiting", "queued", "pushing", "prefilling")

@@ -96,7 +96,7 @@ class Engine:
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
-        self.scheduler.prompt_cap = self.prefill_budget.tokens if self.prefill_budget.active else None
+        self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
         self.profiler, self._last_step_end = None, None  # the worker's step profiler; when the last busy step ended
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
@@ -270,11 +270,11 @@ class Engine:
         if out.scheduled:
             rows = out.decode_rows
             context = sum(seq.num_tokens for seq in out.scheduled[:rows])
-            record = StepRecord(rows, out.batch_tokens - rows, (end - start) * 1e3, context, out.prompt_depth,
-                                out.depth_work)
+            record = StepRecord(rows, out.batch_tokens - rows, (end - start) * 1e3, context)
             self.step_log.add(record, gap)
             if self.prefill_budget.active:
                 self.prefill_budget.observe(record)
+                self.scheduler.prefill_cap = self.prefill_budget.tokens()
         return out
 
     def _step(self) -> StepOutput:
@@ -285,7 +285,7 @@ class Engine:
             self._read_inflight(out)
         batch = self.scheduler.schedule()
         out.refused, out.scheduled, out.batch_tokens = batch.refused, batch.seqs, batch.num_tokens
-        out.decode_rows, out.prompt_depth, out.depth_work = batch.decode_rows, batch.prompt_depth, batch.depth_work
+        out.decode_rows = batch.decode_rows
         if not batch.seqs:
             if self.inflight is not None:
                 self._read_inflight(out)

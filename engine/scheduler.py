@@ -5,11 +5,8 @@ sequence that decodes, the next chunk of every running sequence that is
 still prefilling (prompts longer than the budget go in chunks), then new
 sequences from the waiting queue while blocks and the sequence limit allow.
 While any running sequence decodes, prompt tokens (chunks and new
-prompts) are capped by ``prompt_cap(depth)`` as well, the cap for a chunk
-that many tokens into its prompt (``step_budget``: a step's prompt tokens
-lengthen every decoding sequence's time per token, and the deeper the chunk,
-the more each token's attention reads); a step's chunks share the cap of
-each.
+prompts) are capped at ``prefill_cap`` as well (``step_budget``: a step's
+prompt tokens lengthen every decoding sequence's time per token).
 When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed (its prompt and the tokens generated so far). A
@@ -37,12 +34,6 @@ class Batch:
     refused: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     decode_rows: int = 0  # sequences this step advances by one generated token
-    prompt_depth: int = 0  # of each prompt chunk, its prompt's tokens computed before it, summed
-    depth_work: int = 0  # of each prompt chunk, its tokens x that depth, summed
-
-    def prompt_chunk(self, tokens: int, depth: int) -> None:
-        self.prompt_depth += depth
-        self.depth_work += tokens * depth
 
     def add(self, seq: Sequence, chunk: int) -> None:
         self.seqs.append(seq)
@@ -65,7 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.prompt_cap = None  # depth -> prompt tokens of a step that also decodes (None: the budget only)
+        self.prefill_cap: int | None = None  # prompt tokens of a step that also decodes (None: budget only)
         self.busy: set | None = None  # id() of sequences whose token a pipeline has in flight: not scheduled
         self.pinned: dict | None = None  # id() of every sequence a pipeline has in flight: not preempted
         self.row_cap: int | None = None  # sequences a step takes at most (a pipeline's micro-batch share)
@@ -102,7 +93,7 @@ class Scheduler:
 
     def _schedule(self) -> Batch:
         batch, budget = Batch(), self.max_batched_tokens
-        capped, prompt_taken = self._capped(), 0
+        prompt_left = self._prompt_tokens_left()
         rows_left = self.row_cap or self.max_num_seqs
         for seq in list(self.running):
             if budget == 0 or len(batch.seqs) >= rows_left:
@@ -114,20 +105,17 @@ class Scheduler:
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             decodes = chunk == 1 and seq.num_output > 0
             if not decodes:
-                chunk = min(chunk, self._prompt_room(capped, seq.num_computed, prompt_taken))
+                chunk = min(chunk, prompt_left)
                 if chunk == 0:
                     continue
+                prompt_left -= chunk
             if not self._make_room(seq, seq.num_computed + chunk, batch):
                 continue
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
-            if decodes:
-                batch.decode_rows += 1
-            else:
-                batch.prompt_chunk(chunk, seq.num_computed)
-                prompt_taken += chunk
+            batch.decode_rows += decodes
             budget -= chunk
-        while (self.waiting and budget and len(self.running) < self.max_num_seqs
+        while (self.waiting and budget and prompt_left and len(self.running) < self.max_num_seqs
                and len(batch.seqs) < rows_left):
             seq = self.waiting[0]
             if self.blocks.blocks_for(seq.num_tokens + 1) > self.blocks.num_blocks:
@@ -136,9 +124,7 @@ class Scheduler:
                 continue
             hits = self._cached_prefix(seq)
             computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1) if hits else seq.num_computed
-            chunk = min(seq.num_tokens - computed, budget, self._prompt_room(capped, computed, prompt_taken))
-            if chunk == 0:
-                break
+            chunk = min(seq.num_tokens - computed, budget, prompt_left)
             shared = computed // self.blocks.block_size if hits else len(seq.block_table)
             if self.blocks.blocks_for(computed + chunk) - shared > self.blocks.num_free - self._idle_among(hits):
                 break
@@ -149,22 +135,16 @@ class Scheduler:
                 self._reuse(seq, hits, computed, batch)
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
-            batch.prompt_chunk(chunk, computed)
             budget -= chunk
-            prompt_taken += chunk
+            prompt_left -= chunk
         return batch
 
-    def _capped(self) -> bool:
-        """Prompt tokens are capped this step: there is a cap and a running sequence decodes."""
-        return self.prompt_cap is not None and any(s.num_output and s.num_tokens - s.num_computed == 1
-                                                   for s in self.running)
-
-    def _prompt_room(self, capped: bool, depth: int, taken: int) -> int:
-        """Prompt tokens a chunk ``depth`` tokens into its prompt may have, after ``taken`` this step (the budget
-        only when not ``capped``; at least one token for the step's first chunk)."""
-        if not capped:
+    def _prompt_tokens_left(self) -> int:
+        """Prompt tokens this step may take: ``prefill_cap`` while a running sequence decodes, else the budget."""
+        if self.prefill_cap is None or not any(s.num_output and s.num_tokens - s.num_computed == 1
+                                               for s in self.running):
             return self.max_batched_tokens
-        return max(0 if taken else 1, self.prompt_cap(depth) - taken)
+        return max(1, self.prefill_cap)
 
     def keys(self, seq: Sequence, tokens: int) -> list[int]:
         """Prefix-cache keys of the first full blocks of ``seq`` covering at most ``tokens`` tokens."""

@@ -14,28 +14,20 @@ measured, then ``PROBE_CAP`` (within the mixed-step graphs) until one of a secon
 size was (a 7k-token prompt in 256-token chunks gave the second size only at
 its 28th step: on 4x H100 the first rate of a long-prompt sweep ran ~30 mixed
 steps of 35 ms per worker before the fit found that no cap serves best). A step that only
-decodes takes ``base`` (the mean of recent ones); a step that also takes a
-chunk of ``n`` prompt tokens, ``d`` tokens into its prompt, takes
-``fixed + per_token x n + per_depth x d + per_depth_token x n x d`` (``StepFit``),
-fitted by least squares over the recent mixed steps; the depth terms only once
-steps at several depths tell them apart, else the line in ``n`` alone.
-``fixed`` holds the decode rows and what any step with a prompt chunk pays
-once: on a GPU with mixed-step graphs, steps of up to 1,024 tokens, about the
-decode step itself (32 rows + 64-512-token chunks on an H200 fit 4.90 ms +
-22.1 us a token against a 5.6 ms decode step,
+decodes takes ``base`` (the mean of recent ones); a step that also takes
+``n`` prompt tokens takes ``fixed + per_token x n``, fitted by least squares
+over the recent mixed steps (``fixed`` holds the decode rows and what any
+step with a prompt chunk pays once: on a GPU with mixed-step graphs, steps of
+up to 1,024 tokens, about the decode step itself: 32 rows + 64-512-token
+chunks on an H200 fit 4.90 ms + 22.1 us a token against a 5.6 ms decode step,
 ``engine-mixed-step-mistral7b-h200-2026-11-28.md``; larger steps and engines
-without the graphs run one eager forward, tens of ms). Depth is what a chunk's
-attention reads: the same chunks 4,096 tokens into their prompts cost 2.3 ms
-and 15 us a token more (``engine-mixed-step-mistral7b-ctx4096-split-h200-2026-11-28-c16f023.md``),
-so a line over shallow and deep chunks capped both at one size, and capped
-steps of long prompts ran 11-15 ms under a 10 ms SLO. For a chunk at depth
-``d`` (``tokens(d)``; the scheduler asks for each chunk) the cap is the larger
-of ``(slo - fixed(d)) / per_token(d)`` (the chunk that keeps the step
-within the SLO) and ``(fixed(d) - base) / per_token(d)`` (the chunk whose compute
+without the graphs run one eager forward, tens of ms). The cap is
+the larger of ``(slo - fixed) / per_token`` (the chunk that keeps the step
+within the SLO) and ``(fixed - base) / per_token`` (the chunk whose compute
 is at least the fixed cost it pays: smaller chunks would spend most of the
 step on overhead and prompts would fall behind), within one block and
 ``max_batched_tokens``. Where the SLO cannot be met by any step with a prompt
-chunk (``fixed(d) >= slo``: an eager mixed step, tens of ms), there is no cap:
+chunk (``fixed >= slo``: an eager mixed step, tens of ms), there is no cap:
 every mixed step breaks the step time anyway, and the decoding sequences'
 TPOT (a mean over their tokens) loses ``fixed`` per mixed step on top of
 the chunk's compute, so fewer, larger chunks cost them least and prompts
@@ -74,23 +66,6 @@ class StepRecord:
     prompt_tokens: int
     ms: float
     context_tokens: int = 0  # the decode rows' tokens so far, summed (what their attention reads)
-    prompt_depth: int = 0  # of each prompt chunk, the tokens of its prompt computed before it, summed
-    depth_work: int = 0  # of each prompt chunk, its tokens x that depth, summed (what its attention reads)
-
-
-@dataclass
-class StepFit:
-    """``ms = fixed + per_token x n + per_depth x d + per_depth_token x n x d`` for a step that decodes and takes
-    a chunk of ``n`` prompt tokens after ``d`` tokens of its prompt (zero depth terms where the steps seen had no
-    depth to tell them by)."""
-    fixed: float
-    per_token: float
-    per_depth: float = 0.0
-    per_depth_token: float = 0.0
-
-    def at(self, depth: int) -> tuple[float, float]:
-        """``(fixed ms, ms a prompt token)`` of a chunk ``depth`` tokens into its prompt."""
-        return self.fixed + self.per_depth * depth, self.per_token + self.per_depth_token * depth
 
 
 class StepLog:
@@ -167,26 +142,25 @@ class PrefillBudget:
         self.ceiling, self.floor = ceiling, max(1, min(floor, ceiling))
         self.fixed, self.slo_ms = fixed, slo_tpot_ms
         self.base_ms: float | None = None
-        self.mixed: deque[tuple[int, int, int, float]] = deque(maxlen=WINDOW)  # (tokens, depth, depth x tokens, ms)
-        self.fit: StepFit | None = None
+        self.mixed: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.fit: tuple[float, float] | None = None  # (fixed ms, ms per prompt token) of mixed steps
         self.warm = False  # a mixed step was seen (the first is not learned from)
 
     @property
     def active(self) -> bool:
         return self.fixed is not None or self.slo_ms is not None
 
-    def tokens(self, depth: int = 0) -> int | None:
-        """The cap on prompt tokens of a step that decodes, for a chunk ``depth`` tokens into its prompt (None:
-        no cap)."""
+    def tokens(self) -> int | None:
+        """The cap on prompt tokens of a step that decodes (None: no cap)."""
         if self.fixed is not None:
             return min(self.fixed, self.ceiling)
         if self.slo_ms is None:
             return None
         if self.fit is None or self.base_ms is None:  # learning: a second size as soon as one was measured
             first = max(self.floor, min(FIRST_CAP, self.ceiling))
-            tried = {m[0] for m in self.mixed}
+            tried = {n for n, _ in self.mixed}
             return first if first not in tried else max(self.floor, min(PROBE_CAP, self.ceiling))
-        fixed_ms, per_token = self.fit.at(depth)
+        fixed_ms, per_token = self.fit
         if fixed_ms >= self.slo_ms:  # no chunk keeps a mixed step within the SLO: the fewest mixed steps
             return self.ceiling
         within_slo = (self.slo_ms - fixed_ms) / per_token
@@ -202,39 +176,14 @@ class PrefillBudget:
         if not self.warm:  # the first ran cold (a graph's first replay, the allocator growing): not the cost
             self.warm = True
             return
-        self.mixed.append((record.prompt_tokens, record.prompt_depth, record.depth_work, record.ms))
-        self.fit = fit_steps(self.mixed) or self.fit
+        self.mixed.append((record.prompt_tokens, record.ms))
+        self.fit = fit_line(self.mixed) or self.fit
 
     def info(self) -> dict:
-        fit = self.fit or StepFit(None, None, None, None)
+        fixed_ms, per_token = self.fit or (None, None)
         return {"step_prefill_cap": self.tokens(), "slo_tpot_ms": self.slo_ms,
-                "step_base_ms": _round(self.base_ms, 3), "mixed_step_fixed_ms": _round(fit.fixed, 3),
-                "step_ms_per_prompt_token": _round(fit.per_token, 5),
-                "mixed_step_ms_per_1k_depth": _round(fit.per_depth and fit.per_depth * 1e3, 4),
-                "step_ms_per_prompt_token_per_1k_depth": _round(fit.per_depth_token and fit.per_depth_token * 1e3, 7)}
-
-
-SCALES = (1.0, 1e-3, 1e-4, 1e-7)  # of the features (1, tokens, depth, depth x tokens): columns of like size
-
-
-def fit_steps(points) -> StepFit | None:
-    """``StepFit`` by least squares over ``(tokens, depth, depth x tokens, ms)`` of mixed steps: the depth terms
-    where the steps tell them apart and both come out at least 0, else the line in tokens alone (``fit_line``)."""
-    import numpy as np
-
-    pts = np.asarray(points, dtype=float)
-    if len(pts) >= 4 and pts[:, 1].any():
-        x = np.column_stack([np.ones(len(pts)), pts[:, 0], pts[:, 1], pts[:, 2]]) * SCALES
-        for cols in ((0, 1, 2, 3), (0, 1, 3)):  # then without the depth's own fixed part
-            sub = x[:, cols]
-            if np.linalg.matrix_rank(sub, tol=1e-6 * np.abs(sub).max()) < len(cols):
-                continue
-            coef = np.zeros(4)
-            coef[list(cols)] = np.linalg.lstsq(sub, pts[:, 3], rcond=None)[0] * np.take(SCALES, cols)
-            if coef[0] >= 0 and coef[1] >= 1e-6 and coef[2] >= 0 and coef[3] >= 0:
-                return StepFit(*map(float, coef))
-    line = fit_line([(p[0], p[3]) for p in points])
-    return StepFit(*line) if line else None
+                "step_base_ms": _round(self.base_ms, 3), "mixed_step_fixed_ms": _round(fixed_ms, 3),
+                "step_ms_per_prompt_token": _round(per_token, 5)}
 
 
 def fit_line(points) -> tuple[float, float] | None:

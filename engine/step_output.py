@@ -17,8 +17,6 @@ class StepOutput:
     scheduled: list = field(default_factory=list)
     batch_tokens: int = 0
     decode_rows: int = 0
-    prompt_depth: int = 0  # ``scheduler.Batch``'s: what the step's prompt chunks' attention reads
-    depth_work: int = 0
 
 
 def add_prompt_logprobs(seq: Sequence, scores: torch.Tensor, start: int, chunk: int) -> None:

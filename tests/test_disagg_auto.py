@@ -209,59 +209,6 @@ def test_where_any_step_with_a_prompt_chunk_breaks_the_slo_prompts_are_not_cappe
     assert cheap.tokens() == pytest.approx((15.0 - 9.0) / 0.03, abs=2)  # capped: within the SLO
 
 
-def test_chunks_deep_into_a_prompt_get_a_cap_of_their_own():
-    """As on one H200 (Mistral-7B shape, 32 decode rows, 2026-11-28): a chunk after 4,096 tokens of its prompt
-    pays ~2 ms more and 15 us more a token than one at its start. A line over both kinds of step would cap every
-    chunk at the same size (deep ones run over the SLO, shallow ones under it); the fit with depth keeps each within."""
-    true = lambda n, d: 5.1 + 0.021 * n + 0.0005 * d + 3.9e-6 * n * d  # noqa: E731
-    budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
-    budget.observe(StepRecord(32, 0, 5.5))
-    budget.observe(StepRecord(32, 256, 50.0))  # cold: not learned from
-    for i in range(40):
-        n, d = (64, 128, 256, 512)[i % 4], (0, 1024, 2048, 4096, 6144)[i % 5]
-        budget.observe(StepRecord(32, n, true(n, d), prompt_depth=d, depth_work=n * d))
-    for depth in (0, 2048, 4096):
-        n = budget.tokens(depth)
-        assert true(n, depth) == pytest.approx(10.0, abs=0.1)
-    assert budget.tokens(0) > 2 * budget.tokens(4096)
-    info = budget.info()
-    assert info["mixed_step_ms_per_1k_depth"] == pytest.approx(0.5, rel=0.01)
-    assert info["step_ms_per_prompt_token_per_1k_depth"] == pytest.approx(3.9e-3, rel=0.01)
-    shallow = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)  # no depth seen: the line in tokens alone
-    for n in (16, 64, 128, 256, 512, 64):
-        shallow.observe(StepRecord(32, 0, 5.5))
-        shallow.observe(StepRecord(32, n, true(n, 0)))
-    assert shallow.fit.per_depth == shallow.fit.per_depth_token == 0
-    assert shallow.tokens(4096) == shallow.tokens(0) == pytest.approx((10 - 5.1) / 0.021, abs=2)
-
-
-def test_the_scheduler_takes_fewer_tokens_of_a_chunk_deep_into_its_prompt():
-    from engine.blocks import BlockManager
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
-
-    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_batched_tokens=512)
-    sched.prompt_cap = lambda depth: 128 if depth < 256 else 32
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    decoding = Sequence("d", list(range(3, 10)), params, None, 4096)
-    sched.add(decoding)
-    sched.schedule()
-    decoding.num_computed, decoding.output_ids = decoding.num_tokens, [5]  # its prompt done, its first token out
-    long = Sequence("p", list(range(3, 503)), params, None, 4096)
-    sched.add(long)
-    chunks = []
-    for _ in range(4):
-        batch = sched.schedule()
-        assert batch.decode_rows == 1
-        chunk = dict(zip(map(id, batch.seqs), batch.chunks))[id(long)]
-        assert batch.prompt_depth == long.num_computed and batch.depth_work == chunk * long.num_computed
-        chunks.append(chunk)
-        long.num_computed += chunk
-        decoding.num_computed += 1
-        decoding.output_ids.append(5)  # its token of this step read
-    assert chunks == [128, 128, 32, 32]
-
-
 def run_engine(cap: int | None, prompts: list[list[int]], max_tokens: int) -> tuple[dict, Engine]:
     engine = Engine(EngineConfig(device="cpu", dtype="float32", step_prefill_tokens=cap, max_batched_tokens=256,
                                  warmup=False))

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     report = {"command": "python -m bench.lab.engine_waves " + " ".join(sys.argv[1:] if argv is None else argv), "runs": []}
     for n, cap in enumerate(args.step_prefill_tokens.split(",")):
         engine.prefill_budget.fixed = None if cap == "none" else int(cap)
-        engine.scheduler.prompt_cap = engine.prefill_budget.tokens if engine.prefill_budget.active else None
+        engine.scheduler.prefill_cap = engine.prefill_budget.tokens()
         for item in args.waves.split(","):
             name, seed = item.split(":")
             seqs = _sequences(engine, int(seed) + 100 * n, args.requests, args.prompt_len, args.max_tokens)

@@ -112,7 +112,6 @@ class Pipeline:
         self.flights.append(Flight(tag, batch, rows, meta, starts))
         self.most_in_flight = max(self.most_in_flight, len(self.flights))
         out.scheduled, out.batch_tokens, out.decode_rows = batch.seqs, batch.num_tokens, batch.decode_rows
-        out.prompt_depth, out.depth_work = batch.prompt_depth, batch.depth_work
 
     def _land(self, engine, out) -> None:
         from ..step_output import add_prompt_logprobs
