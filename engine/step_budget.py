@@ -26,7 +26,14 @@ the larger of ``(slo - fixed) / per_token`` (the chunk that keeps the step
 within the SLO) and ``(fixed - base) / per_token`` (the chunk whose compute
 is at least the fixed cost it pays: smaller chunks would spend most of the
 step on overhead and prompts would fall behind), within one block and
-``max_batched_tokens``. Where the SLO cannot be met by any step with a prompt
+``max_batched_tokens``. TPOT is a mean over a sequence's tokens, so before
+each step the engine asks how much a step may take (``allowance``): for every
+decoding row, what keeps its mean within the SLO if its remaining tokens come
+at ``base``; the least of the rows that can still meet it, and at least the
+SLO (rows fresh from their first token have hundreds of ms to spare; a cap on
+every step at the SLO, the rule before, split prompts into many small mixed
+steps, each paying ``fixed``: on one H200 the worker lost to no cap at all,
+``goodput-mixed-1xh200-2026-11-29-8f82926-line-cap.md``). Where the SLO cannot be met by any step with a prompt
 chunk (``fixed >= slo``: an eager mixed step, tens of ms), there is no cap:
 every mixed step breaks the step time anyway, and the decoding sequences'
 TPOT (a mean over their tokens) loses ``fixed`` per mixed step on top of
@@ -150,8 +157,9 @@ class PrefillBudget:
     def active(self) -> bool:
         return self.fixed is not None or self.slo_ms is not None
 
-    def tokens(self) -> int | None:
-        """The cap on prompt tokens of a step that decodes (None: no cap)."""
+    def tokens(self, allowance_ms: float | None = None) -> int | None:
+        """The cap on prompt tokens of a step that decodes (None: no cap); ``allowance_ms`` (``allowance``): how
+        long the step may take with every decoding row's TPOT still projected within the SLO (at least the SLO)."""
         if self.fixed is not None:
             return min(self.fixed, self.ceiling)
         if self.slo_ms is None:
@@ -163,9 +171,23 @@ class PrefillBudget:
         fixed_ms, per_token = self.fit
         if fixed_ms >= self.slo_ms:  # no chunk keeps a mixed step within the SLO: the fewest mixed steps
             return self.ceiling
-        within_slo = (self.slo_ms - fixed_ms) / per_token
+        step_ms = max(self.slo_ms, allowance_ms or 0.0)
+        within = (step_ms - fixed_ms) / per_token
         amortized = (fixed_ms - self.base_ms) / per_token
-        return int(max(self.floor, min(self.ceiling, max(within_slo, amortized))))
+        return int(max(self.floor, min(self.ceiling, max(within, amortized))))
+
+    def allowance(self, rows) -> float | None:
+        """How long the next step may take, from the decoding rows ``(tokens after the first, ms since the first,
+        tokens still to come)``: a row's TPOT is a mean, so a step may take what keeps
+        ``(elapsed + step + (to_come - 1) x base) / (after_first + to_come)`` within the SLO, the least of the rows
+        that can still meet it (a row short of one SLO of slack is held to the SLO's step at best anyway). None
+        (the SLO's step) where no row has more, or before a decode step was timed."""
+        if self.slo_ms is None or self.base_ms is None:
+            return None
+        slack = [self.slo_ms * (after + to_come) - elapsed - (to_come - 1) * self.base_ms
+                 for after, elapsed, to_come in rows if to_come > 0]
+        held = [s for s in slack if s >= self.slo_ms]
+        return min(held) if held else None
 
     def observe(self, record: StepRecord) -> None:
         if not record.decode_rows:

@@ -209,6 +209,44 @@ def test_where_any_step_with_a_prompt_chunk_breaks_the_slo_prompts_are_not_cappe
     assert cheap.tokens() == pytest.approx((15.0 - 9.0) / 0.03, abs=2)  # capped: within the SLO
 
 
+def test_a_step_may_take_the_slack_every_decoding_row_has_in_its_mean_time_per_token():
+    """TPOT is a mean: a row 10 tokens past its first, 50 ms in, with 100 to come at 5 ms a step, keeps its mean
+    within 10 ms with a step of up to 10 x 110 - 50 - 99 x 5 = 555 ms; the tightest row that can still meet the SLO
+    decides, a row that cannot is not waited for, and the cap grows to the chunk that fills the allowance."""
+    budget = PrefillBudget(ceiling=8192, floor=16, slo_tpot_ms=10.0)
+    assert budget.allowance([(10, 50.0, 100)]) is None  # no decode step timed yet
+    for n in (500, 600, 700, 800):
+        budget.observe(StepRecord(8, 0, 5.0))
+        budget.observe(StepRecord(8, n, 5.0 + 0.02 * n))
+    assert budget.allowance([(10, 50.0, 100)]) == pytest.approx(555.0)
+    assert budget.allowance([(10, 50.0, 100), (60, 500.0, 3)]) == pytest.approx(10 * 63 - 500 - 2 * 5.0)
+    assert budget.allowance([(10, 50.0, 100), (60, 900.0, 3)]) == pytest.approx(555.0)  # the second cannot make it
+    assert budget.allowance([(60, 900.0, 3)]) is None and budget.allowance([(3, 20.0, 0)]) is None
+    assert budget.tokens() == pytest.approx((10 - 5) / 0.02, abs=2)  # the SLO's step
+    assert budget.tokens(55.0) == pytest.approx((55 - 5) / 0.02, abs=2)
+    assert budget.tokens(1e6) == 8192 and budget.tokens(3.0) == budget.tokens()
+
+
+def test_a_worker_with_slack_takes_a_prompt_in_larger_chunks_than_the_slo_step():
+    """A colocated CPU worker with a TPOT SLO far above its steps: its one decoding row has slack for the whole
+    prompt, so the prompt goes in one step even though the SLO's step alone would chunk it."""
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", slo_tpot_ms=1000.0, max_batched_tokens=512,
+                                 warmup=False))
+    budget = engine.prefill_budget
+    budget.fit, budget.base_ms = (10.0, 9.9), 5.0  # as if measured: the SLO's step leaves 100 tokens
+    assert budget.tokens() == 100
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    rows = [Sequence("a", list(range(3, 40)), params, engine.tokenizer, engine.max_len)]
+    engine.add(rows[0])
+    while rows[0].num_output < 3:
+        engine.step()
+    budget.fit, budget.base_ms = (10.0, 9.9), 5.0  # the steps just run taught it nothing
+    prompt = Sequence("b", [50 + i % 40 for i in range(400)], params, engine.tokenizer, engine.max_len)
+    engine.add(prompt)
+    out = engine.step()
+    assert out.decode_rows == 1 and out.batch_tokens == 1 + 400
+
+
 def run_engine(cap: int | None, prompts: list[list[int]], max_tokens: int) -> tuple[dict, Engine]:
     engine = Engine(EngineConfig(device="cpu", dtype="float32", step_prefill_tokens=cap, max_batched_tokens=256,
                                  warmup=False))
