@@ -52,7 +52,8 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--step-prefill-tokens", type=int, default=None,
                    help="prompt tokens a step that also decodes may take (default: --max-batched-tokens)")
     p.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="learn that cap from measured steps to keep steps that decode within this many ms")
+                   help="learn that cap from measured steps: a step that decodes takes the prompt tokens that keep "
+                   "every decoding stream's mean time per token within this many ms")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: processes with one device each "
                    "(cuda:K..K+N-1 from --device cuda:K; gloo ranks on the CPU)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: processes each holding a contiguous range of "
