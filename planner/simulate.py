@@ -5,7 +5,8 @@ Each instance (a worker: one GPU, or ``tp`` of them) runs steps as the
 engine does: every decoding sequence advances one token, and prompt tokens
 are taken first come first served up to ``max_batched_tokens`` (while
 something decodes and ``slo_tpot_ms`` is set, only as many as keep the
-step within it, or as many as make the step's prompt compute at least its
+step within what the decoding rows' mean TPOT can spare, at least the SLO's
+step, or as many as make the step's prompt compute at least its
 fixed cost, at least ``CAP_FLOOR``; no cap where even one prompt token
 would take the step past the SLO: as ``--slo-tpot-ms`` does). A step that
 decodes and takes prompt tokens is one forward over both (a mixed-step graph,
@@ -96,15 +97,15 @@ class Instance:
     busy: bool = False
     step: tuple = ()  # (decoding rows, [(request, chunk)])
 
-    def plan(self) -> float | None:
-        """The next step's duration (ms), or None when there is nothing to do."""
+    def plan(self, now: float = 0.0) -> float | None:
+        """The next step's duration (ms) from ``now``, or None when there is nothing to do."""
         while self.arriving and self._fits(self.arriving[0]):
             req = self.arriving.popleft()
             self.used += req.prompt + req.output
             self.decoding.append(req)
         rows = list(self.decoding)
         decode_ms = self.decode_ms()
-        budget = self.cap(decode_ms)
+        budget = self.cap(decode_ms, now)
         chunks = []
         for req in self.queue:
             if budget <= 0:
@@ -128,16 +129,26 @@ class Instance:
         context = sum(r.prompt + r.tokens for r in rows) / len(rows) if rows else 0
         return self.profile.decode_ms(len(rows), context)
 
-    def cap(self, decode_ms: float) -> int:
-        """The prompt tokens of the next step, as ``engine.step_budget`` chooses them."""
+    def cap(self, decode_ms: float, now: float | None = None) -> int:
+        """The prompt tokens of the next step, as ``engine.step_budget`` chooses them (the rows' slack at ``now``;
+        None: the SLO's step)."""
         budget = self.profile.max_batched_tokens
         if self.decoding and self.slo_tpot_ms is not None:
             per_token = self.profile.prefill_ms_per_token()
             fixed = self._mixed_ms(decode_ms, 1)
             if fixed < self.slo_tpot_ms:
-                room = max((self.slo_tpot_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
+                step_ms = max(self.slo_tpot_ms, self._allowance(decode_ms, now) if now is not None else 0.0)
+                room = max((step_ms - fixed) / per_token, (fixed - decode_ms) / per_token)
                 budget = int(max(CAP_FLOOR, min(budget, room)))
         return budget
+
+    def _allowance(self, decode_ms: float, now: float) -> float:
+        """``PrefillBudget.allowance`` over the decoding rows (0: none can spare more than the SLO's step)."""
+        slo = self.slo_tpot_ms
+        slack = [slo * (r.output - 1) - (now - r.first) - (r.output - r.tokens - 1) * decode_ms
+                 for r in self.decoding if r.output > r.tokens and r.first is not None]
+        held = [x for x in slack if x >= slo]
+        return min(held) if held else 0.0
 
     def breaks_tpot(self, prompt: int) -> bool:
         """As ``router.disagg``: the step taking ``prompt`` (at most the cap) beside the decoding rows is longer than
@@ -205,7 +216,7 @@ def simulate(layout: Layout, requests: list[SimRequest]) -> list[SimRequest]:
 
     def kick(inst: Instance, now: float) -> None:
         if not inst.busy:
-            ms = inst.plan()
+            ms = inst.plan(now)
             if ms is not None:
                 inst.busy = True
                 heapq.heappush(events, (now + ms, next(order), "step", inst))

@@ -47,6 +47,26 @@ def test_one_request_alone_takes_its_prefill_then_one_step_per_token():
     assert req.longest_gap == pytest.approx(p.kv_transfer_ms(1024, 10.0) + p.decode_ms(1, 1025), rel=0.01)
 
 
+def test_a_capped_instance_takes_a_prompt_whole_while_its_rows_have_slack_and_in_chunks_when_they_do_not():
+    """As ``engine.step_budget``: a step may take what the decoding rows' mean TPOT can spare. A row that has just
+    begun 200 tokens at ~5 ms has ~1 s to spare at TPOT 10 ms, so a 4,000-token prompt (~400 ms) goes in one step;
+    a row 5 tokens from its end that already averages ~9.9 ms holds the step to its slack, and one that cannot spare
+    even the SLO's step is not waited for."""
+    p = profile(0.1)
+    inst = Instance("c0", "colocated", p, slo_tpot_ms=10.0)
+    fresh = SimRequest(0.0, 100, 200, tokens=2, first=0.0, last=5.0)
+    inst.decoding.append(fresh)
+    slo_step = inst.cap(inst.decode_ms())
+    assert slo_step < 100
+    assert inst.cap(inst.decode_ms(), now=5.0) >= 4000
+    tight = SimRequest(0.0, 100, 200, tokens=195, first=0.0, last=1920.0)  # 1990 - 1920 - 4 x 5 = ~50 ms to spare
+    inst.decoding.append(tight)
+    assert slo_step < inst.cap(inst.decode_ms(), now=1920.0) < 1000
+    tighter = SimRequest(0.0, 100, 200, tokens=195, first=0.0, last=1965.0)  # ~5 ms: less than the SLO's step
+    inst.decoding[:] = [tighter]
+    assert inst.cap(inst.decode_ms(), now=1965.0) == slo_step
+
+
 def test_a_calibrated_hand_off_delays_the_first_decode_by_its_steps(tmp_path):
     """``handoff_steps`` (fitted from measured second tokens: their p50 less the transfer's phases and one decode
     step, over the step) puts that many of the decode instance's steps between a KV's arrival and its first decode."""
