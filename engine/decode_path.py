@@ -3,7 +3,6 @@ step run eagerly, or none; and the Triton layer kernels that go with the graphs.
 from __future__ import annotations
 
 import logging
-import os
 
 from .config import EngineConfig
 from .cuda_graphs.decode import DecodeGraphs

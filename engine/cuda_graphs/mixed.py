@@ -109,7 +109,7 @@ class MixedGraphs:
         """The step's buffers (host lists) staged and copied to the device; the number of rows that sample."""
         self.runs += 1
         tokens, blocks, tiles, last, merges = self.staged[self.runs % 2]
-        n, fill = len(ids), size - len(ids)
+        fill = size - len(ids)
         tokens[:, :size] = torch.tensor([ids + [0] * fill, positions + [0] * fill, slots + [-1] * fill])
         cut, merged = self.kernels.cut(query_starts, starts, self.per_tile, self.window)
         count = self._tiles(size)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from . import shipped_picks
 from .tiles import smaller
-from .triton_pdl import ENABLED as PDL, launch_options, wait_then_release
+from .triton_pdl import ENABLED as PDL, launch_options
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 64  # bf16 batches up to this many rows
