@@ -8,7 +8,7 @@ scheduler caps the prompt tokens of such steps at ``tokens()``; steps with
 nothing to decode take the full ``max_batched_tokens``.
 
 The cap is either fixed (``step_prefill_tokens``) or learned from the
-steps themselves to keep them within ``slo_tpot_ms`` (the first mixed step,
+steps themselves to keep the decoding rows' TPOT within ``slo_tpot_ms`` (the first mixed step,
 which runs cold, left out): ``FIRST_CAP`` tokens until a mixed step was
 measured, then ``PROBE_CAP`` (within the mixed-step graphs) until one of a second
 size was (a 7k-token prompt in 256-token chunks gave the second size only at
@@ -22,12 +22,12 @@ up to 1,024 tokens, about the decode step itself: 32 rows + 64-512-token
 chunks on an H200 fit 4.90 ms + 22.1 us a token against a 5.6 ms decode step,
 ``engine-mixed-step-mistral7b-h200-2026-11-28.md``; larger steps and engines
 without the graphs run one eager forward, tens of ms). The cap is
-the larger of ``(slo - fixed) / per_token`` (the chunk that keeps the step
-within the SLO) and ``(fixed - base) / per_token`` (the chunk whose compute
+the larger of ``(step - fixed) / per_token`` (the chunk that keeps the step
+within ``step``, the allowance below) and ``(fixed - base) / per_token`` (the chunk whose compute
 is at least the fixed cost it pays: smaller chunks would spend most of the
 step on overhead and prompts would fall behind), within one block and
 ``max_batched_tokens``. TPOT is a mean over a sequence's tokens, so before
-each step the engine asks how much a step may take (``allowance``): for every
+each step the engine asks how long the step may take (``allowance``): for every
 decoding row, what keeps its mean within the SLO if its remaining tokens come
 at ``base``; the least of the rows that can still meet it, and at least the
 SLO (rows fresh from their first token have hundreds of ms to spare; a cap on
