@@ -30,7 +30,7 @@ from . import overlap
 from .sampler import choose_later
 from .scheduler import Scheduler
 from .guided.grammars import engine_guides
-from .step_budget import PrefillBudget, StepLog, StepRecord
+from .step_budget import PrefillBudget, StepLog, StepRecord, decoding_rows
 from .sequence import Sequence
 from .step_output import StepOutput, add_prompt_logprobs
 
@@ -262,7 +262,8 @@ class Engine:
         start = time.perf_counter()
         gap = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else None
         if self.prefill_budget.slo_ms is not None:
-            self.scheduler.prefill_cap = self.prefill_budget.tokens(self.prefill_budget.allowance(self._rows(start)))
+            self.scheduler.prefill_cap = self.prefill_budget.tokens(
+                self.prefill_budget.allowance(decoding_rows(self.scheduler.running, start)))
         out = self._step()
         end = time.perf_counter()
         if self.profiler is not None:
@@ -277,17 +278,6 @@ class Engine:
             if self.prefill_budget.active:
                 self.prefill_budget.observe(record)
         return out
-
-    def _rows(self, now: float) -> list[tuple[int, float, int]]:
-        """``(tokens after the first, ms since the first was seen here, tokens still to come)`` of each decoding
-        sequence (``step_budget.PrefillBudget.allowance``)."""
-        rows = []
-        for seq in self.scheduler.running:
-            if seq.num_output and seq.num_tokens - seq.num_computed == 1:
-                seq.first_seen = seq.first_seen or now
-                to_come = min((seq.params.max_tokens or seq.max_len) - seq.num_output, seq.max_len - seq.num_tokens)
-                rows.append((seq.num_output - 1, (now - seq.first_seen) * 1e3, to_come))
-        return rows
 
     def _step(self) -> StepOutput:
         if self.stage is not None:  # stage 0 of a pipeline: micro-batches in flight

@@ -32,7 +32,7 @@ class Sequence:
         self.num_computed = 0
         self.preemptions = 0
         self.scheduled_at: float | None = None
-        self.first_seen: float | None = None  # when this engine first saw it decoding (``engine._rows``)
+        self.first_seen: float | None = None  # when this engine first saw it decoding (``step_budget.decoding_rows``)
         self.block_keys: list[int] = []
         self.registered = 0
         self.cached_tokens = 0

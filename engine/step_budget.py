@@ -208,6 +208,18 @@ class PrefillBudget:
                 "step_ms_per_prompt_token": _round(per_token, 5)}
 
 
+def decoding_rows(running, now: float) -> list[tuple[int, float, int]]:
+    """``(tokens after the first, ms since the first was seen here, tokens still to come)`` of each sequence of
+    ``running`` that decodes (``PrefillBudget.allowance``); a sequence's first sighting is stamped on it."""
+    rows = []
+    for seq in running:
+        if seq.num_output and seq.num_tokens - seq.num_computed == 1:
+            seq.first_seen = seq.first_seen or now
+            to_come = min((seq.params.max_tokens or seq.max_len) - seq.num_output, seq.max_len - seq.num_tokens)
+            rows.append((seq.num_output - 1, (now - seq.first_seen) * 1e3, to_come))
+    return rows
+
+
 def fit_line(points) -> tuple[float, float] | None:
     """Least-squares ``ms = fixed + per_token x n`` (None until two sizes were seen); a slope of at least 1 ns a
     token, an intercept of at least 0."""
