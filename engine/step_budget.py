@@ -184,10 +184,7 @@ class PrefillBudget:
         (the SLO's step) where no row has more, or before a decode step was timed."""
         if self.slo_ms is None or self.base_ms is None:
             return None
-        slack = [self.slo_ms * (after + to_come) - elapsed - (to_come - 1) * self.base_ms
-                 for after, elapsed, to_come in rows if to_come > 0]
-        held = [s for s in slack if s >= self.slo_ms]
-        return min(held) if held else None
+        return least_slack(rows, self.slo_ms, self.base_ms)
 
     def observe(self, record: StepRecord) -> None:
         if not record.decode_rows:
@@ -206,6 +203,16 @@ class PrefillBudget:
         return {"step_prefill_cap": self.tokens(), "slo_tpot_ms": self.slo_ms,
                 "step_base_ms": _round(self.base_ms, 3), "mixed_step_fixed_ms": _round(fixed_ms, 3),
                 "step_ms_per_prompt_token": _round(per_token, 5)}
+
+
+def least_slack(rows, slo_ms: float, step_ms: float) -> float | None:
+    """Of ``rows`` ``(tokens after the first, ms since the first, tokens still to come)``, the least time a step may
+    take with the row's mean time per token still within ``slo_ms`` once its other tokens come at ``step_ms``,
+    over the rows that can spare at least ``slo_ms`` (None: no such row)."""
+    slack = [slo_ms * (after + to_come) - elapsed - (to_come - 1) * step_ms
+             for after, elapsed, to_come in rows if to_come > 0]
+    held = [s for s in slack if s >= slo_ms]
+    return min(held) if held else None
 
 
 def decoding_rows(running, now: float) -> list[tuple[int, float, int]]:

@@ -42,6 +42,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.step_budget import least_slack
+
 from .profile import Profile
 
 CAP_FLOOR = 16
@@ -144,11 +146,8 @@ class Instance:
 
     def _allowance(self, decode_ms: float, now: float) -> float:
         """``PrefillBudget.allowance`` over the decoding rows (0: none can spare more than the SLO's step)."""
-        slo = self.slo_tpot_ms
-        slack = [slo * (r.output - 1) - (now - r.first) - (r.output - r.tokens - 1) * decode_ms
-                 for r in self.decoding if r.output > r.tokens and r.first is not None]
-        held = [x for x in slack if x >= slo]
-        return min(held) if held else 0.0
+        rows = [(r.tokens - 1, now - r.first, r.output - r.tokens) for r in self.decoding if r.first is not None]
+        return least_slack(rows, self.slo_tpot_ms, decode_ms) or 0.0
 
     def breaks_tpot(self, prompt: int) -> bool:
         """As ``router.disagg``: the step taking ``prompt`` (at most the cap) beside the decoding rows is longer than
