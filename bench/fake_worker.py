@@ -3,13 +3,14 @@
 answers every ``generate`` with ``max_tokens`` tokens of one fixed text, one token per live request per "step",
 steps back to back (``--step-ms 0``: as fast as this process can) — so the router, not an engine, sets the pace.
 
-    python -m bench.fake_worker --port 7001 [--step-ms 0]"""
+    python -m bench.fake_worker --port 7001 [--step-ms 0]    (or --control-fd N: a listening socket handed over)"""
 from __future__ import annotations
 
 import argparse
 import logging
 import time
 
+from control.listen import inherited
 from control.worker import WorkerLoop
 
 TOKEN_ID, TOKEN_TEXT = 42, " tok"
@@ -78,11 +79,13 @@ class FakeWorker(WorkerLoop):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fake_worker")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--control-fd", type=int, default=None, help="a listening socket inherited as this descriptor")
     p.add_argument("--step-ms", type=float, default=0.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    FakeWorker(args.host, args.port, args.step_ms).serve_forever()
+    port = args.port if args.control_fd is None else inherited(args.control_fd)
+    FakeWorker(args.host, port, args.step_ms).serve_forever()
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from control.ports import free_port
+from engine.parallel.launch import held_store, store_client
 
 from .nccl_blocks import (in_pool, kv, land_in_blocks, mid_abort_received, mid_abort_sent, receive_pieces, same,
                           send_pieces)
@@ -68,7 +68,8 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts=0, same_gpu=False):
+def worker(rank, store_port, results, backend="nccl", eager=True, direct_cuts=0, same_gpu=False):
+    """Rank ``rank`` of the check; ``store_port``: the store the parent holds (rank 1 names its KV address there)."""
     from kvtransfer import KVLayout, TransferError, TransportConfig, make_receiver, make_sender
     from kvtransfer.tensors import layout_of, materialize
 
@@ -78,10 +79,11 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
     # this check's own world (barriers, the raw baseline; gloo for two processes on one GPU, which NCCL refuses);
     # the transport forms its pair by itself
     world = "gloo" if same_gpu else backend
-    dist.init_process_group(world, init_method=init, rank=rank, world_size=2,
+    store = store_client(store_port)
+    dist.init_process_group(world, store=store, rank=rank, world_size=2,
                             **({"device_id": device} if world == "nccl" else {}))
     payloads, reps = (PAYLOADS, REPS) if backend == "nccl" else (CPU_PAYLOADS, 4)
-    cfg = TransportConfig(port=kv_port if rank == 1 else 0, timeout_s=60, max_transfer_bytes=4 << 30,
+    cfg = TransportConfig(port=0, timeout_s=60, max_transfer_bytes=4 << 30,
                           options={"device": str(device), "nccl_backend": backend, "nccl_eager": eager,
                                    "nccl_direct_cuts": direct_cuts,
                                    "nccl_pool_bytes": (3 << 30) if backend == "nccl" else (64 << 20)})
@@ -90,6 +92,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
         r = make_receiver("nccl", cfg)
         blocks = land_in_blocks(r, device)
         r.start()
+        store.set("kv_addr", r.address)
         dist.barrier()
         report = {"checks": {}, "payloads": {}}
         for i, (name, shape, dtype, strided) in enumerate(jobs):
@@ -164,7 +167,7 @@ def worker(rank, init, kv_port, results, backend="nccl", eager=True, direct_cuts
     else:
         s = make_sender("nccl", cfg)
         dist.barrier()
-        dest = f"127.0.0.1:{kv_port}"
+        dest = store.get("kv_addr").decode()
         for i, (name, shape, dtype, strided) in enumerate(jobs):
             layers = kv(shape, dtype, i, device, strided)
             s.send(dest, name, layout_of(layers), layers)
@@ -278,8 +281,8 @@ def main():
         raise SystemExit("needs two CUDA GPUs (one with --same-gpu; or --backend gloo)")
     manager = mp.Manager()
     results = manager.dict()
-    init, kv_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    mp.spawn(worker, args=(init, kv_port, results, args.backend, args.eager, args.direct_cuts, args.same_gpu),
+    store = held_store()  # held here while the ranks run: no port is named before it is bound
+    mp.spawn(worker, args=(store.port, results, args.backend, args.eager, args.direct_cuts, args.same_gpu),
              nprocs=2, join=True)
     out = dict(results)
     out["backend"], out["eager"], out["direct_cuts"] = args.backend, args.eager, args.direct_cuts

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import time
 
@@ -20,21 +18,6 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 20, "pdser
            "x" * 700]
 
 
-def wait_healthy(url: str, proc, timeout: float = 300) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"pdserve up exited with code {proc.returncode}")
-        try:
-            health = httpx.get(url + "/health", timeout=2).json()
-            if health.get("status") == "ok":
-                return health
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("cluster not healthy in time")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="nccl_e2e.json")
@@ -42,17 +25,14 @@ def main():
     ap.add_argument("--transport", default="nccl")
     ap.add_argument("--up-arg", action="append", default=[], help="extra argument for pdserve up (repeatable)")
     args = ap.parse_args()
-    from control.ports import free_port
+    from deploy.local import Cluster
     from engine import EngineConfig, SamplingParams
     from engine.generate import generate
     from engine.engine import Engine
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up",
-                             "--transport", args.transport, "--port", str(port), *args.up_arg])
+    cluster = Cluster("--transport", args.transport, *args.up_arg, ready_timeout=300)
     try:
-        wait_healthy(url, proc)
+        url = cluster.wait_ready().url
         runner = Engine(EngineConfig(device="cuda:0", max_num_seqs=4))
         results = []
         for prompt in PROMPTS:
@@ -67,8 +47,7 @@ def main():
         report = {"transport": args.transport, "all_equal": all(r["equal"] for r in results),
                   "results": results, "prefill": workers["prefill"][0], "decode": workers["decode"][0]}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(90)
+        cluster.stop()
     print(json.dumps(report, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

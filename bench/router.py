@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from control.ports import free_port
+from control.listen import listen, port_of
 
 from .report import command_line
 
@@ -86,19 +86,25 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start(worker_port: int, router_port: int, step_ms: float):
+def start_fake_cluster(step_ms: float):
+    """A fake colocated worker (``bench.fake_worker``) behind a ``pdserve router``, each on a listening socket bound
+    here and handed over: ``(worker, router, router_port)`` once the router's /health is ok."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    worker = subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(worker_port), "--step-ms",
-                               str(step_ms)], env=env)
-    router = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(router_port),
-                               "--colocated", f"tcp://127.0.0.1:{worker_port}"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    worker_sock, router_sock = listen("127.0.0.1"), listen("127.0.0.1")
+    worker_port, router_port = port_of(worker_sock), port_of(router_sock)
+    worker = subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--control-fd", str(worker_sock.fileno()),
+                               "--step-ms", str(step_ms)], env=env, pass_fds=[worker_sock.fileno()])
+    router = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--listen-fd", str(router_sock.fileno()),
+                               "--colocated", f"tcp://127.0.0.1:{worker_port}"], env=env, pass_fds=[router_sock.fileno()],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker_sock.close()
+    router_sock.close()
     import httpx
 
     for _ in range(300):
         try:
             if httpx.get(f"http://127.0.0.1:{router_port}/health", timeout=1).status_code == 200:
-                return worker, router
+                return worker, router, router_port
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
@@ -108,8 +114,7 @@ def _start(worker_port: int, router_port: int, step_ms: float):
 
 
 def run(args) -> int:
-    worker_port, router_port = free_port(), free_port()
-    worker, router = _start(worker_port, router_port, args.step_ms)
+    worker, router, router_port = start_fake_cluster(args.step_ms)
     try:
         start_at = time.time() + 1.0
         until = start_at + args.duration

@@ -121,7 +121,7 @@ def peer_send(spec: dict) -> None:
         def push(kv):
             times["send"] = time.perf_counter()
             try:
-                times["phases"] = sender.send(spec["dest"], msg["tid"], layout, kv).to_dict()
+                times["phases"] = sender.send(msg["dest"], msg["tid"], layout, kv).to_dict()
             except Exception as e:
                 times["error"] = str(e)
             times["ack"] = time.perf_counter()
@@ -182,11 +182,8 @@ class Peer:
 
 
 def measure(args, link) -> tuple[list[dict], dict]:
-    from deploy.local import free_port
-
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_urlsafe(32))
-    port = free_port(link.recv_host) if link.name == "loopback" else 47011
     options, recv_device = {}, "cpu"
     if args.transport == "nccl":
         options = {"nccl_stream": True}
@@ -194,7 +191,7 @@ def measure(args, link) -> tuple[list[dict], dict]:
     base = [sys.executable, "-m", "bench.stream"]
     send_spec = {"transport": args.transport, "model": args.model, "device": "cuda:0" if args.transport == "nccl"
                  else args.device, "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
-                 "host": link.send_host, "dest": f"{link.recv_host}:{port}",
+                 "host": link.send_host,
                  "options": {**options, **({"device": "cuda:0"} if args.transport == "nccl" else {})}}
     sender = Peer(link.wrap("send", base + ["peer-send"]), send_spec, env)
     receiver = None
@@ -204,13 +201,13 @@ def measure(args, link) -> tuple[list[dict], dict]:
             recv_device = ready["device"]
         receiver = Peer(link.wrap("recv", base + ["peer-recv"]), {
             "transport": args.transport, "layout": ready["layout"], "device": recv_device, "host": link.recv_host,
-            "port": port, "options": {**options, **({"device": recv_device} if args.transport == "nccl" else {})}},
+            "port": 0, "options": {**options, **({"device": recv_device} if args.transport == "nccl" else {})}},
             env)
-        receiver.read()
+        dest = receiver.read()["address"]  # the port it bound
         turns = []
         for i in range(2 * args.rounds + 2):
             mode = "stream" if i % 2 == 0 else "off"
-            sent = sender.ask({"tid": f"t{i}", "mode": mode, "seed": i})
+            sent = sender.ask({"tid": f"t{i}", "mode": mode, "seed": i, "dest": dest})
             got = receiver.ask({"tid": f"t{i}", "sums": sent["sums"]})
             turns.append({"mode": mode, "warmup": i < 2, "ok": got["ok"],
                           "compute_ms": (sent["computed"] - sent["start"]) * 1e3,

@@ -11,6 +11,7 @@ checked against."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import secrets
@@ -22,6 +23,8 @@ import time
 from .payload import PRESETS, as_fp8, layout_from_args
 from .report import command_line, write_reports
 from planner.stats import summary
+
+log = logging.getLogger(__name__)
 
 IPERF, SOCKET = "iperf3", "socket"
 
@@ -71,16 +74,18 @@ def _read(proc: subprocess.Popen) -> dict:
 
 
 def measure(names, layout, reps, warmup, link):
-    hostfile = ""
-    if "mlx" in names:
+    hostfile, reserved = "", []
+    if "mlx" in names:  # the ring's ports: held here on loopback (control.listen.reserve); fixed in the namespaces
         import tempfile
 
-        from control.ports import free_port
+        from control.listen import port_of, reserve
 
+        if link.name == "loopback":
+            reserved = [reserve(link.send_host), reserve(link.recv_host)]
+        ports = [port_of(sock) for sock in reserved] or [47001, 47002]
         fd, hostfile = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump([[f"{link.send_host}:{free_port(link.send_host) if link.name == 'loopback' else 47001}"],
-                       [f"{link.recv_host}:{free_port(link.recv_host) if link.name == 'loopback' else 47002}"]], f)
+            json.dump([[f"{link.send_host}:{ports[0]}"], [f"{link.recv_host}:{ports[1]}"]], f)
     rx = _start(link, "recv", ["recv", link.recv_host, ",".join(names), str(layout.total_nbytes), hostfile])
     tx = _start(link, "send", ["send", ",".join(names), json.dumps(layout.to_dict()), hostfile])
     iperf = Iperf(link, layout.total_nbytes) if shutil.which("iperf3") else None
@@ -118,19 +123,34 @@ def measure(names, layout, reps, warmup, link):
                 proc.kill()
         if iperf:
             iperf.close()
+        for sock in reserved:
+            sock.close()
 
 
 class Iperf:
     """iperf3 moving the same number of bytes over the same link, one run per repetition."""
 
     def __init__(self, link, nbytes: int):
-        from control.ports import free_port
+        """iperf3 must be told its port and cannot report one: on loopback a port free now, and another (logged) if
+        the server exits because something took it first; 5201 in a namespace the benchmark made."""
+        import socket
 
         self.link, self.nbytes = link, nbytes
-        self.port = free_port() if link.name == "loopback" else 5201
-        self.server = subprocess.Popen(link.wrap("recv", ["iperf3", "-s", "-B", link.recv_host, "-p", str(self.port)]),
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
+        for attempt in range(5):
+            if link.name == "loopback":
+                with socket.socket() as s:
+                    s.bind((link.recv_host, 0))
+                    self.port = s.getsockname()[1]
+            else:
+                self.port = 5201
+            self.server = subprocess.Popen(link.wrap("recv", ["iperf3", "-s", "-B", link.recv_host, "-p",
+                                                              str(self.port)]),
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+            if self.server.poll() is None:
+                return
+            log.warning("iperf3 could not listen on port %d (taken?); trying another (%d of 5)", self.port, attempt + 1)
+        raise RuntimeError("iperf3 did not start its server")
 
     def run(self) -> float:
         cmd = self.link.wrap("send", ["iperf3", "-c", self.link.recv_host, "-p", str(self.port), "-n", str(self.nbytes), "-J"])

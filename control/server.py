@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 
 import zmq
 
 from . import auth, messages
+from .listen import listen, port_of
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +26,9 @@ MAX_PEERS = 1024
 
 
 class ControlServer:
-    def __init__(self, host: str, port: int, handler, token: bytes | None = None):
+    """``port``: a number to bind (0: any free port), or a listening socket handed over bound (``control.listen``)."""
+
+    def __init__(self, host: str, port: int | socket.socket, handler, token: bytes | None = None):
         auth.require_token_for(host, token, "worker control port")
         self.ctx = zmq.Context.instance()
         self.handler = handler
@@ -38,10 +42,10 @@ class ControlServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         for hwm in (zmq.SNDHWM, zmq.RCVHWM):  # no limit: at 1,000 queued a ROUTER drops a router's tokens silently
             self.sock.setsockopt(hwm, 0)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        listener = port if isinstance(port, socket.socket) else listen(host, port, "--port")
+        port = port_of(listener)
+        self.sock.setsockopt(zmq.USE_FD, listener.detach())  # zmq accepts on it (and closes it)
+        self.sock.bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
         self._inproc = f"inproc://ctl-out-{id(self)}"
         self._pull = self.ctx.socket(zmq.PULL)

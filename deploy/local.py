@@ -1,37 +1,18 @@
 """A real ``pdserve up`` cluster as a child process, for tests and benchmarks."""
 from __future__ import annotations
 
-import itertools
 import os
+import queue
+import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
-import urllib.request
 
-from control.ports import free_port, port_range  # noqa: F401 (tests take free_port from here)
+from control.lifetime import parent_env
 
-SLICE = 50  # ports a cluster draws from: its router's and its workers'
-_slices = itertools.count()
-
-
-def own_ports() -> tuple[int, int]:
-    """``(router port, end)``: a slice of this process's port range no other cluster it started recently draws from
-    (clusters started at once each pick their workers' ports in their own slice: two ``pdserve up`` picking ports
-    from one range at the same moment could take the same one before either bound it). The first port of the slice,
-    free now, is the router's."""
-    low, high = port_range()
-    count = max(1, (high - low) // SLICE)
-    for _ in range(count):
-        first = low + (next(_slices) % count) * SLICE
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", first))
-            except OSError:
-                continue
-        return first, first + SLICE
-    return free_port(), 0
+BANNER = re.compile(r"^pdserve is up \(.*\): (http://\S+)$")
 
 
 def children_of(pid: int) -> list[int]:
@@ -56,29 +37,42 @@ def alive(pid: int) -> bool:
 
 
 class Cluster:
+    """``pdserve up ARGS --port 0`` in a process session of its own (a signal to the group reaches every worker),
+    tied to this process (``control.lifetime``: it stops when this process dies, even by SIGKILL). The router's URL
+    is what ``up`` prints once the cluster is ready."""
+
     def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
-        self.port, end = own_ports()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(self.port), "--threads", str(threads), *args]
-        env = {**os.environ, **({"PDSERVE_PORT_RANGE": f"{self.port + 1}-{end}"} if end else {})}
+        cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--threads", str(threads), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
-                                     env=env)
+                                     env={**os.environ, **parent_env()})
         self.ready_timeout = ready_timeout
-        self.banner = ""
+        self.banner = self.url = ""
+        self.lines: queue.Queue = queue.Queue()  # what up prints, line by line ("" once it closed its stdout)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def wait_ready(self) -> "Cluster":
+        """Until ``up`` prints its banner (it does once the router's /health is ok, every worker healthy)."""
         end = time.monotonic() + self.ready_timeout
         while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited {self.proc.returncode}: {self.proc.stdout.read()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.banner = self.proc.stdout.readline()
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.3)
+                line = self.lines.get(timeout=min(1.0, max(0.01, end - time.monotonic())))
+            except queue.Empty:
+                continue
+            match = BANNER.match(line.strip())
+            if match:
+                self.banner, self.url = line, match.group(1)
+                return self
+            if not line:
+                raise RuntimeError(f"pdserve up exited {self.proc.wait()}")
         self.stop()
         raise TimeoutError("cluster did not become healthy")
 

@@ -35,12 +35,13 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from control.listen import listen, port_of
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -57,26 +58,21 @@ def _die_with_parent():
         pass
 
 
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
-
-
 class Process:
-    """An actor's pdserve process: ``python -m pdserve <role> --host <node ip> --port <free> ...``."""
+    """An actor's pdserve process: ``python -m pdserve <role> --host <node ip> ...`` on a listening socket the actor
+    binds (``port``, 0: any free one) and hands over (``control.listen``); a decode worker binds its KV port itself."""
 
     def __init__(self, role: str, argv: list[str], host: str | None = None, port: int = 0):
         import ray
 
         self.role, self.draining = role, False
         self.ip = host or ray.util.get_node_ip_address()
-        self.port = port or _free_port(self.ip)
+        self.socket = listen(self.ip, port, "--port")
+        self.port = port_of(self.socket)
         self.node = ray.get_runtime_context().get_node_id()
+        flag = "--listen-fd" if role == "router" else "--control-fd"
         cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--host", self.ip,
-               "--port", str(self.port), *argv]
-        if role == "decode":
-            cmd += ["--kv-port", str(_free_port(self.ip))]
+               flag, str(self.socket.fileno()), *argv]
         started = threading.Event()
         threading.Thread(target=self._run, args=(cmd, started), daemon=True).start()
         started.wait()
@@ -84,7 +80,8 @@ class Process:
     def _run(self, cmd, started):
         """The process is started by, and dies with, this thread (which lives as long as the process)."""
         env = {**os.environ, "PDSERVE_RAY_NODE_IP": self.ip}  # the ray transport joins from this node
-        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, env=env,
+                                     pass_fds=[self.socket.fileno()])
         started.set()
         code = self.proc.wait()
         if not self.draining:  # exited on its own: the actor goes too, so Ray restarts the whole worker

@@ -5,9 +5,14 @@ pdserve's nodes use other loopback addresses (127.0.0.2, 127.0.0.3, ...): all
 Ray traffic stays on loopback. Token auth is enabled deliberately with a fresh
 token per cluster, passed to every process through ``RAY_AUTH_MODE`` and
 ``RAY_AUTH_TOKEN``. Nodes are stopped by signalling their own process groups,
-never with ``ray stop`` (which would stop every Ray on the machine)."""
+never with ``ray stop`` (which would stop every Ray on the machine).
+
+``ray start`` must be told its head's port and reports none: the port is one
+free a moment before, and a head that exits at start (something took the
+port first) is started again on another, with a warning in the log."""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -16,6 +21,8 @@ import subprocess
 import time
 
 DEFAULT_HEAD_IP = "127.0.0.2"
+HEAD_TRIES = 3
+log = logging.getLogger(__name__)
 
 
 def _free_port(ip: str) -> int:
@@ -30,8 +37,11 @@ class RayCluster:
         self.num_cpus = num_cpus
         self.token = token or secrets.token_hex(16)
         self.port = _free_port(head_ip)
-        self.address = f"{head_ip}:{self.port}"
         self.procs: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{self.port}"
 
     @property
     def env(self) -> dict:
@@ -46,8 +56,18 @@ class RayCluster:
                                            stdin=subprocess.DEVNULL, start_new_session=True))
 
     def start(self, timeout: float = 60.0) -> "RayCluster":
-        self._start(["--head", f"--node-ip-address={self.head_ip}", f"--port={self.port}", "--include-dashboard=false"])
-        self.wait_nodes(1, timeout)
+        for attempt in range(1, HEAD_TRIES + 1):
+            self._start(["--head", f"--node-ip-address={self.head_ip}", f"--port={self.port}",
+                         "--include-dashboard=false"])
+            try:
+                self.wait_nodes(1, timeout)
+                return self
+            except RuntimeError:  # the head exited at start
+                self.stop()
+                if attempt == HEAD_TRIES:
+                    raise
+                log.warning("the ray head exited at start on port %d (taken?); starting it on another", self.port)
+                self.port = _free_port(self.head_ip)
         return self
 
     def add_node(self, ip: str, resources: str | None = None, timeout: float = 60.0) -> None:

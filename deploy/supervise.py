@@ -1,7 +1,8 @@
 """Supervision of ``pdserve up``'s worker processes.
 
 A worker that exits while the cluster is not stopping is started again with
-the same command line (same ports, so the router reconnects by itself),
+the same command line and the same inherited listening socket (the port
+``up`` bound for it, so the router reconnects by itself),
 after an exponential backoff (``backoff_s`` doubling up to ``max_backoff_s``;
 a worker that stayed up ``stable_s`` starts again from the shortest delay).
 After ``max_restarts`` restarts it stays down and the cluster serves with the
@@ -17,6 +18,12 @@ import time
 log = logging.getLogger("pdserve.up")
 
 RESTARTS_ENV = "PDSERVE_RESTARTS"
+FD_FLAGS = ("--control-fd", "--listen-fd")  # descriptors a child inherits (control.listen)
+
+
+def inherited_fds(cmd: list[str]) -> tuple[int, ...]:
+    """The descriptors a command line names with ``FD_FLAGS``: open in the child under the same numbers."""
+    return tuple(int(cmd[i + 1]) for i, arg in enumerate(cmd[:-1]) if arg in FD_FLAGS)
 
 
 class Child:
@@ -34,7 +41,7 @@ class Child:
 
     def start(self) -> None:
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, env=env, pass_fds=inherited_fds(self.cmd))
         self.started_at = time.monotonic()
         self.restart_at = None
 

@@ -1,6 +1,11 @@
 """``pdserve up``: router and workers as child processes on this machine.
 
-Workers get free ports, the router is pointed at them, and ``up`` returns
+``up`` binds the router's port and every worker's control port itself and
+hands each child its listening socket (``--listen-fd``, ``--control-fd``;
+``control.listen``): no port is named for a child to bind later, so nothing
+else on the machine can take it first, and a worker restarts on the port it
+had. A decode worker binds its KV port itself and reports it in its pongs.
+The router is pointed at the workers, and ``up`` returns
 to the caller's terminal only when the cluster stops: on Ctrl-C/SIGTERM, or
 when the router dies. A worker that dies is restarted on its ports
 (``deploy.supervise``) while the router serves with the others; only the
@@ -21,10 +26,14 @@ import time
 import urllib.error
 import urllib.request
 
-from control.ports import HANDED_OUT, free_port, port_range
+from control.lifetime import parent_env
+from control.listen import listen, port_of, reserve
 from deploy.progress import bar
 from deploy.rolling import restart_all
 from deploy.supervise import Child, Supervisor
+
+
+HELD: list = []  # the sockets ``plan`` bound for the children: open while ``up`` runs
 
 
 def engine_args(args) -> list[str]:
@@ -83,9 +92,10 @@ def ranked(args) -> bool:
     return args.transport == "mlx" and not args.colocated
 
 
-def rank_args(args, host: str) -> list[list[str]] | None:
+def rank_args(args, host: str, held: list) -> list[list[str]] | None:
     """Per-rank arguments of a fixed two-rank world (the mlx transport): rank 0 is the prefill worker, rank 1 decode.
-    A hostfile made here is removed when ``up`` exits."""
+    A hostfile made here names ports that ``held`` keeps reserved (``control.listen.reserve``: MLX's ring binds them
+    with SO_REUSEPORT); it is removed when ``up`` exits."""
     if not ranked(args):
         return None
     if args.prefill != 1 or args.decode != 1:
@@ -94,8 +104,10 @@ def rank_args(args, host: str) -> list[list[str]] | None:
     hostfile = args.mlx_hostfile
     if not hostfile:
         fd, hostfile = tempfile.mkstemp(prefix="pdserve-mlx-", suffix=".json")
+        ranks = [reserve(host) for _ in range(2)]
+        held.extend(ranks)
         with os.fdopen(fd, "w") as f:
-            json.dump([[f"{host}:{free_port(host)}"], [f"{host}:{free_port(host)}"]], f)
+            json.dump([[f"{host}:{port_of(sock)}"] for sock in ranks], f)
         atexit.register(_remove, hostfile)
     return [["--mlx-hostfile", hostfile, "--mlx-rank", str(rank)] for rank in (0, 1)]
 
@@ -107,40 +119,41 @@ def _remove(path: str) -> None:
         pass
 
 
-def plan(args) -> list[list[str]]:
-    """The command lines of every child: workers first, the router last (``cmd[5]`` names the role)."""
-    HANDED_OUT.add(args.port)  # the router's, named by whoever started ``up``
+def plan(args, router=None, held: list | None = None) -> list[list[str]]:
+    """The command lines of every child: workers first, the router last (``cmd[5]`` names the role). Each worker's
+    control socket is bound here and kept in ``held`` (the caller keeps them open while the cluster runs: a restarted
+    worker gets the same one); ``router``: the router's listening socket (None: the router binds ``--port``)."""
+    held = HELD if held is None else held
     base = [sys.executable, "-m", "pdserve", "--log-level", os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")]
     host, eng = args.host, engine_args(args)
     cmds, roles = [], {"prefill": [], "decode": [], "colocated": []}
     budget = ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
-    per_rank = rank_args(args, host) or [[]] * (args.prefill + args.decode)
+    per_rank = rank_args(args, host, held) or [[]] * (args.prefill + args.decode)
+
+    def control(role: str) -> list[str]:
+        """``--control-fd`` of a socket bound now (its port named too, for ``ps``), listed for the router as a worker
+        of ``role``."""
+        sock = listen(host)
+        held.append(sock)
+        roles[role].append(f"tcp://{host}:{port_of(sock)}")
+        return ["--host", host, "--port", str(port_of(sock)), "--control-fd", str(sock.fileno())]
+
     if args.colocated:
         for _ in range(max(1, args.decode)):
-            port = free_port(host)
-            cmds.append(base + ["decode", "--colocated", "--host", host, "--port", str(port)] + eng + budget
+            cmds.append(base + ["decode", "--colocated"] + control("colocated") + eng + budget
                         + role_engine(args, "decode"))
-            roles["colocated"].append(f"tcp://{host}:{port}")
     else:
         for i in range(args.prefill):
-            port = free_port(host)
-            rank = per_rank[i]
             stream = [] if getattr(args, "kv_stream", True) else ["--no-kv-stream"]
-            cmds.append(base + ["prefill", "--host", host, "--port", str(port)] + eng + rank + stream
+            cmds.append(base + ["prefill"] + control("prefill") + eng + per_rank[i] + stream
                         + role_engine(args, "prefill"))
-            roles["prefill"].append(f"tcp://{host}:{port}")
         for i in range(args.decode):
-            port, kv = free_port(host), free_port(host)
-            rank = per_rank[args.prefill + i]
-            cmds.append(base + ["decode", "--host", host, "--port", str(port), "--kv-port", str(kv)] + eng + rank + budget
+            cmds.append(base + ["decode"] + control("decode") + eng + per_rank[args.prefill + i] + budget
                         + role_engine(args, "decode"))
-            roles["decode"].append(f"tcp://{host}:{port}")
         for _ in range(getattr(args, "mixed", 0)):
-            port, kv = free_port(host), free_port(host)
-            cmds.append(base + ["decode", "--role", "mixed", "--host", host, "--port", str(port), "--kv-port", str(kv)]
-                        + eng + budget + role_engine(args, "decode"))
-            roles["prefill"].append(f"tcp://{host}:{port}")
-            roles["decode"].append(f"tcp://{host}:{port}")
+            cmds.append(base + ["decode", "--role", "mixed"] + control("decode") + eng + budget
+                        + role_engine(args, "decode"))
+            roles["prefill"].append(roles["decode"][-1])
     gpus = getattr(args, "gpus", 0)
     if not gpus and args.transport == "nccl" and not args.colocated and args.device in ("auto", "cuda"):
         gpus = 2  # the nccl transport moves KV between GPUs: prefill on cuda:0, decode on cuda:1 (1P1D)
@@ -155,7 +168,8 @@ def plan(args) -> list[list[str]]:
             placed.append(cmd + ["--device", f"cuda:{first}"])
             cursor = first + tp
         cmds = placed
-    router = base + ["router", "--host", host, "--port", str(args.port), "--policy", args.policy,
+    listening = ["--listen-fd", str(router.fileno())] if router is not None else ["--port", str(args.port)]
+    router = base + ["router", "--host", host, *listening, "--policy", args.policy,
                      "--max-queue", str(args.max_queue), "--kv-weight", str(getattr(args, "kv_weight", 0.5)),
                      "--retries", str(getattr(args, "retries", 2)),
                      "--retry-wait", str(getattr(args, "retry_wait", 3.0)),
@@ -270,16 +284,11 @@ def place_stages(args) -> None:
 
 
 def up(args) -> int:
-    try:
-        port_range()
-    except ValueError as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
-        return 2
     if getattr(args, "roles_profile", None) and (args.roles != "auto" or not args.slo_tpot_ms):
         print("pdserve up: --roles-profile needs --roles auto and --slo-tpot-ms", file=sys.stderr)
         return 2
-    if args.port == 0:
-        args.port = free_port(args.host)
+    router_socket = listen(args.host, args.port, "--port")  # taken: PortInUse, one line and exit 2 (pdserve.cli)
+    args.port = port_of(router_socket)
     if getattr(args, "pp_nodes", None):
         place_stages(args)
     procs, supervisor = [], None
@@ -302,13 +311,14 @@ def up(args) -> int:
 
     if not (env.get(TOKEN_ENV) or env.get(TOKEN_FILE_ENV)):
         env[TOKEN_ENV] = new_token()
+    env.update(parent_env())  # the children stop when up dies, even by SIGKILL (control.lifetime)
     try:
         if args.transport == "ray" and not args.ray_address and not args.colocated:
             from deploy.raycluster import RayCluster
 
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
             env.update(ray_cluster.env)
-        cmds = plan(args)
+        cmds = plan(args, router=router_socket)
         supervisor = Supervisor(max_restarts=args.max_restarts)
         counts: dict = {}
         for cmd in cmds:

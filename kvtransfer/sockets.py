@@ -21,6 +21,7 @@ import threading
 import time
 
 from control.auth import require_token_for
+from control.listen import listen
 
 from . import frames
 from .base import KVReceiver, KVSender, ReceivedKV, TransferError, TransportConfig
@@ -231,7 +232,7 @@ class SocketReceiver(TableReceiver):
 
     def start(self) -> None:
         require_token_for(self.cfg.host, self.cfg.token, f"{self.name} KV receiver")
-        self._server = socket.create_server((self.cfg.host, self.cfg.port), backlog=128)
+        self._server = listen(self.cfg.host, self.cfg.port, "--kv-port")
         self._server.settimeout(1.0)
         threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True).start()
 

@@ -85,6 +85,8 @@ def _add_engine(p: argparse.ArgumentParser):
 def _add_worker(p: argparse.ArgumentParser):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (control and KV ports)")
     p.add_argument("--port", type=int, default=0, help="control port (0 = pick a free one)")
+    p.add_argument("--control-fd", type=int, default=None, help="a listening socket inherited as this descriptor, "
+                   "bound by whoever started the worker (pdserve up does); --port, if given, names its port")
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     p.add_argument("--max-transfer-bytes", type=byte_size, default=8 << 30)
     p.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN); "
@@ -103,7 +105,10 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
     r = sub.add_parser("router", help="HTTP front end (OpenAI API)")
     r.add_argument("--host", default=None)
-    r.add_argument("--port", type=int, default=None)
+    r.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = pick a free one, "
+                   "printed at start)")
+    r.add_argument("--listen-fd", type=int, default=None, help="a listening socket inherited as this descriptor, "
+                   "bound by whoever started the router (pdserve up does), instead of --host/--port")
     r.add_argument("--prefill", action="append", default=[], help="prefill worker tcp://host:port (repeatable)")
     r.add_argument("--decode", action="append", default=[], help="decode worker tcp://host:port (repeatable)")
     r.add_argument("--colocated", action="append", default=[], help="colocated worker tcp://host:port (repeatable)")
@@ -304,7 +309,32 @@ def _transport_config(args, port=0):
                            options=options, token=load_token(path=args.cluster_token_file))
 
 
+def _control_port(args):
+    """The worker's control port: the socket inherited as ``--control-fd``, else ``--port`` to bind."""
+    if args.control_fd is None:
+        return args.port
+    from control.listen import inherited, port_of
+
+    sock = inherited(args.control_fd)
+    if args.port and port_of(sock) != args.port:
+        raise SystemExit(f"pdserve: --control-fd {args.control_fd} listens on port {port_of(sock)}, not --port {args.port}")
+    return sock
+
+
 def main(argv=None) -> int:
+    """The command; a port the user named that is taken ends it with one line and exit code 2."""
+    from control.lifetime import follow_parent
+    from control.listen import PortInUse
+
+    follow_parent()
+    try:
+        return _main(argv)
+    except PortInUse as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(with_bench="bench" in argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -330,20 +360,20 @@ def main(argv=None) -> int:
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker
 
-        PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args),
+        PrefillWorker(_engine_config(args), args.transport, args.host, _control_port(args), _transport_config(args),
                       max_queue=args.max_queue, drain_s=args.drain_timeout, kv_stream=args.kv_stream).serve_forever()
         return 0
     if args.cmd == "decode" and args.role == "mixed":
         from decode.mixed import MixedWorker
 
-        MixedWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port,
+        MixedWorker(_engine_config(args), args.transport, args.host, _control_port(args), args.kv_port,
                     _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
                     drain_s=args.drain_timeout).serve_forever()
         return 0
     if args.cmd == "decode":
         from decode.worker import DecodeWorker
 
-        DecodeWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port, args.colocated,
+        DecodeWorker(_engine_config(args), args.transport, args.host, _control_port(args), args.kv_port, args.colocated,
                      _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
                      drain_s=args.drain_timeout).serve_forever()
         return 0

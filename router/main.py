@@ -6,6 +6,7 @@ import os
 import uvicorn
 
 from control.auth import load_token, require_token_for
+from control.listen import inherited, listen, port_of
 
 from .app import create_app
 from .config import RouterConfig
@@ -40,7 +41,13 @@ def run_router(args) -> int:
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("router binds %s: reachable beyond this machine%s", cfg.host,
                     "" if api_key else " and no API key is set (--api-key-file or PDSERVE_API_KEY)")
-    uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=30)
+    fd = getattr(args, "listen_fd", None)
+    sock = inherited(fd) if fd is not None else listen(cfg.host, cfg.port, "--port")
+    if fd is None and not cfg.port:
+        print(f"pdserve router: listening on http://{cfg.host}:{port_of(sock)}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, token, api_key), log_level="warning",
+                                           timeout_graceful_shutdown=30))
+    server.run(sockets=[sock])
     return 0
 
 

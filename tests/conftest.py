@@ -17,11 +17,6 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 # CPU workers' KV pools at 512 MiB, not 2 GiB: a checkpoint with a 4k context (tests.checkpoints.SLOW) made every
 # worker zero 2 GiB at start, a cluster of five 10 GiB between them
 os.environ.setdefault("PDSERVE_CPU_KV_MIB", "512")
-# Under pytest-xdist (tests/run.sh) each worker's clusters draw ports from a range of their own (control.ports.port_range).
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _worker.startswith("gw") and _worker[2:].isdigit() and "PDSERVE_PORT_RANGE" not in os.environ:
-    _low = 20000 + 2000 * (int(_worker[2:]) % 6)
-    os.environ["PDSERVE_PORT_RANGE"] = f"{_low}-{_low + 2000}"
 
 
 def pytest_collection_modifyitems(config, items):

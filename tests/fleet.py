@@ -1,5 +1,9 @@
-"""Router and workers as separate processes on fixed ports, so tests can kill,
-stop, restart and signal each one (``pdserve up`` would stop them all)."""
+"""Router and workers as separate processes, so tests can kill, stop, restart
+and signal each one (``pdserve up`` would stop them all). As ``pdserve up``
+does, the fleet binds each process's listening socket itself and hands it
+over (``--control-fd``, ``--listen-fd``): a restarted worker listens on the
+same port. A worker run in a network namespace the test made binds a fixed
+port there (nothing else runs in that namespace)."""
 from __future__ import annotations
 
 import os
@@ -10,13 +14,18 @@ import time
 
 import httpx
 
-from deploy.local import free_port
+from control.lifetime import parent_env
+from control.listen import listen, port_of
+from deploy.supervise import inherited_fds
+
+NAMESPACE_PORT = 7100  # a worker's control port inside a namespace of its own
 
 
 class Fleet:
     def __init__(self, *engine_args: str, env: dict | None = None):
         self.engine_args = ["--threads", "1", *engine_args]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, **(env or {}), **parent_env()}
+        self.sockets: list = []  # the listening sockets handed over, open while the fleet runs
         self.cmds: dict[str, list[str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.addrs: dict[str, str] = {}
@@ -24,23 +33,29 @@ class Fleet:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         self.cmds[name] = cmd
-        self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env)
+        self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env, pass_fds=inherited_fds(cmd))
         return self.procs[name]
 
     def worker(self, name: str, role: str, *extra: str, host: str = "127.0.0.1", wrap=None) -> str:
         """``host``: the address it binds; ``wrap``: a function that makes the command run elsewhere (a namespace)."""
-        port = free_port()
-        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--port", str(port)]
-        if role == "decode":
-            cmd += ["--kv-port", str(free_port())]
+        if wrap:
+            port, listening = NAMESPACE_PORT + len(self.addrs), []
+        else:
+            port, listening = self._listen(host)
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--port", str(port), *listening]
         cmd += ["--host", host] + self.engine_args + list(extra)
         self._spawn(name, wrap(cmd) if wrap else cmd)
         self.addrs[name] = f"tcp://{host}:{port}"
         return self.addrs[name]
 
+    def _listen(self, host: str, flag: str = "--control-fd") -> tuple[int, list[str]]:
+        sock = listen(host)
+        self.sockets.append(sock)
+        return port_of(sock), [flag, str(sock.fileno())]
+
     def router(self, *extra: str, name: str = "router") -> str:
-        port = free_port()
-        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--port", str(port)]
+        port, listening = self._listen("127.0.0.1", "--listen-fd")
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", *listening]
         for wname, addr in self.addrs.items():
             role = next(r for r in ("prefill", "decode") if r in self.cmds[wname])
             cmd += [f"--{'colocated' if '--colocated' in self.cmds[wname] else role}", addr]
@@ -100,6 +115,8 @@ class Fleet:
                 p.kill()
         for p in self.procs.values():
             p.wait()
+        for sock in self.sockets:
+            sock.close()
 
     def __enter__(self):
         return self

@@ -80,12 +80,16 @@ def test_usr1_writes_every_threads_stack_and_the_process_keeps_serving():
     import time
     import urllib.request
 
-    from control.ports import free_port
+    import socket
 
-    port, absent = free_port(), free_port()  # a colocated worker that is not there: the router serves its 503s
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--port", str(port),
-                             "--colocated", f"tcp://127.0.0.1:{absent}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from control.listen import listen, port_of
+
+    sock, absent = listen("127.0.0.1"), socket.socket()
+    absent.bind(("127.0.0.1", 0))  # a colocated worker that is not there (bound, refusing): the router serves 503s
+    port = port_of(sock)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--listen-fd",
+                             str(sock.fileno()), "--colocated", f"tcp://127.0.0.1:{port_of(absent)}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=[sock.fileno()])
     try:
         for _ in range(150):
             try:
@@ -127,13 +131,19 @@ def test_up_passes_the_disagg_settings_to_its_router():
     assert (args.disagg, args.disagg_prefill_wait_ms, args.disagg_prefill_queue) == ("auto", 80.0, 6)
 
 
-def test_ports_come_from_the_range_named(monkeypatch):
-    from pdserve.cli import main
-    from control.ports import free_port
+def test_a_port_named_that_is_taken_is_one_line_and_exit_2():
+    """``up``, the router and a worker: the port and its flag on one line, exit code 2, nothing started."""
+    from control.listen import listen, port_of
 
-    monkeypatch.setenv("PDSERVE_PORT_RANGE", "24000-24100")
-    assert all(24000 <= free_port() < 24100 for _ in range(20))
-    monkeypatch.setenv("PDSERVE_PORT_RANGE", "80-90")
-    with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
-        free_port()
-    assert main(["up", "--port", "0"]) == 2  # a clear error before anything starts
+    taken = listen("127.0.0.1")
+    port = str(port_of(taken))
+    cases = [["up", "--port", port], ["router", "--port", port, "--colocated", "tcp://127.0.0.1:9"],
+             ["prefill", "--port", port], ["decode", "--kv-port", port, "--threads", "1"]]
+    for argv in cases:
+        out = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "ERROR", *argv], capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+        flag = "--kv-port" if "--kv-port" in argv else "--port"
+        assert out.returncode == 2, (argv, out.stderr[-2000:])
+        assert out.stderr.strip().splitlines()[-1] == (f"pdserve: port {port} on 127.0.0.1 is in use ({flag}); name "
+                                                        "another, or 0 for any free port"), (argv, out.stderr[-2000:])
+    taken.close()

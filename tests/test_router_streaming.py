@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from control.ports import free_port
+from bench.router import start_fake_cluster
 from router.inbox import coalesce
 
 
@@ -30,18 +30,9 @@ def test_coalesce_joins_waiting_tokens_and_stops_at_anything_else():
 
 @pytest.fixture
 def fake_cluster():
-    wport, rport = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.fake_worker", "--port", str(wport), "--step-ms", "0"]),
-             subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(rport), "--colocated",
-                               f"tcp://127.0.0.1:{wport}"], stderr=subprocess.DEVNULL)]
+    worker, router, rport = start_fake_cluster(0.0)
+    procs = [worker, router]
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(f"http://127.0.0.1:{rport}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
         yield f"http://127.0.0.1:{rport}/v1"
     finally:
         for p in procs:

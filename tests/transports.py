@@ -11,7 +11,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from control.ports import free_port
+from control.listen import port_of, reserve
 from kvtransfer import TransferError
 
 CPU_TRANSPORTS = ["tcp", "shm", "pickle"]
@@ -33,8 +33,9 @@ class MlxWorld:
 
     def __init__(self, tmp_dir: str):
         hostfile = os.path.join(tmp_dir, "mlx-hosts.json")
+        self.reserved = [reserve() for _ in range(2)]  # held until the ring binds them (control.listen)
         with open(hostfile, "w") as f:
-            json.dump([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]], f)
+            json.dump([[f"127.0.0.1:{port_of(sock)}"] for sock in self.reserved], f)
         self.options = {"mlx_hostfile": hostfile, "mlx_rank": 1, "mlx_backend": "ring"}
         self.key = secrets.token_bytes(16)
         env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": "0", "PDSERVE_TEST_KEY": self.key.hex()}
@@ -44,6 +45,8 @@ class MlxWorld:
     def close(self):
         self.child.kill()
         self.child.wait()
+        for sock in self.reserved:
+            sock.close()
 
 
 class ProxySender:

@@ -42,7 +42,9 @@ def worker(rank: int, size: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    from engine.parallel.launch import store_client
+
+    dist.init_process_group("nccl", store=store_client(port), rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
     rows = []
     for batch, hidden in SIZES:
@@ -84,11 +86,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    from control.ports import free_port
+    from engine.parallel.launch import held_store
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store = held_store()  # the ranks' rendezvous, held here while they run
+    port = store.port
     procs = [ctx.Process(target=worker, args=(r, args.gpus, port, queue)) for r in range(args.gpus)]
     for p in procs:
         p.start()

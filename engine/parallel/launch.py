@@ -62,6 +62,13 @@ def held_store(timeout_s: float = 120.0):
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def store_client(port: int, timeout_s: float = 120.0):
+    """A client of the store ``held_store`` opened (in another process) on ``port``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def start_group(cfg: EngineConfig, device, kv: tuple | None = None) -> TPGroup:
     """Rank 0 of a group of ``cfg.tp`` (the mlx engine: ``cfg.pp``, its pipeline's stages) on ``device``
     (``loader.rank_device`` of rank 0); blocks until all joined.

@@ -16,16 +16,20 @@ import json
 import os
 import tempfile
 
-from control.ports import free_port
+from control.listen import port_of, reserve
 
 BACKEND_ENV = "PDSERVE_MLX_TP_BACKEND"
+RESERVED: list = []  # the hostfile's ports, held bound by rank 0 while it lives (MLX's ring binds them too)
 
 
 def hostfile(size: int) -> str:
-    """A ring hostfile of ``size`` loopback ranks (rank 0 writes it; followers get its path)."""
+    """A ring hostfile of ``size`` loopback ranks (rank 0 writes it; followers get its path). Its ports are held
+    for the ring (``control.listen.reserve``): no other process can take one before its rank binds it."""
+    ranks = [reserve("127.0.0.1") for _ in range(size)]
+    RESERVED.extend(ranks)
     fd, path = tempfile.mkstemp(prefix="pdserve-mlx-tp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump([[f"127.0.0.1:{free_port()}"] for _ in range(size)], f)
+        json.dump([[f"127.0.0.1:{port_of(sock)}"] for sock in ranks], f)
     return path
 
 
