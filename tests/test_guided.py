@@ -241,3 +241,54 @@ def _drain(w):
             w._safe_handle(w.inbox.get_nowait())
     except queue.Empty:
         pass
+
+
+def test_where_xgrammar_does_not_import_a_guided_request_is_a_501_and_a_plain_one_is_served(monkeypatch):
+    """xgrammar, or a library it needs, missing on a worker: each guided request gets a 501 at once (it once went
+    back to the compiling thread forever, and the router's stall watchdog ended it 90 s later), and the worker
+    serves plain requests."""
+    import builtins
+    import threading
+    import time
+
+    from decode.worker import DecodeWorker
+
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar" or name.startswith("xgrammar."):
+            raise ImportError("No module named 'tvm_ffi'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    w = DecodeWorker(EngineConfig(device="cpu", dtype="float32", warmup=False), colocated=True)
+    got = {}
+    w.emit = lambda rid, op, **f: got.setdefault(rid, []).append((op, f))
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            _drain(w)
+            w.tick()
+            time.sleep(0.001)
+    loop = threading.Thread(target=serve)
+    try:
+        guide = {"kind": "json_schema", "value": SCHEMA}
+        for rid in ("guided-1", "guided-2", "plain"):
+            w.reply_to[rid] = b"router"
+            params = {"max_tokens": 4, **({"guide": guide} if rid != "plain" else {})}
+            w.inbox.put({"op": "generate", "rid": rid, "prompt": "x", "params": params})
+        loop.start()
+        deadline = time.monotonic() + 30
+        while not all(got.get(r) and got[r][-1][0] in ("done", "error") for r in ("guided-1", "guided-2", "plain")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rid in ("guided-1", "guided-2"):
+            op, fields = got[rid][-1]
+            assert op == "error" and fields["status"] == 501 and "tvm_ffi" in fields["message"], got[rid]
+        assert got["plain"][-1][0] == "done"
+        assert not w.live and w.engine.blocks.num_free == w.engine.num_blocks
+    finally:
+        stop.set()
+        if loop.is_alive():
+            loop.join(10)
+        w.close()

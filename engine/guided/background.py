@@ -8,8 +8,9 @@ guide is compiled (or it has none), else False after handing the compile to
 a thread of its own; once it is done the message goes back to the worker's
 inbox (``resubmit``) and is handled again, its guide then in the cache (a
 guide that does not compile is kept as its error, which the request gets as
-a 400 like before). A request aborted meanwhile is dropped when it comes
-back (``wanted``)."""
+a 400 like before). Where no guide can compile (xgrammar does not import),
+every guided message is handled at once and gets that error. A request
+aborted meanwhile is dropped when it comes back (``wanted``)."""
 from __future__ import annotations
 
 import logging
@@ -33,13 +34,14 @@ class Background:
         self.engine, self.resubmit, self.wanted = engine, resubmit, wanted
         self.pool: ThreadPoolExecutor | None = None
         self.compiling: set[str] = set()
+        self.unavailable = False  # no guide compiles on this worker: the requests get the error when handled
 
     def ready(self, msg: dict) -> bool:
         guide = guide_of(msg)
         if not isinstance(guide, dict):
             return True  # none, or a shape the request's own checks refuse
         guides = getattr(self.engine, "_guides", None)
-        if guides is not None and guides.has(guide):
+        if self.unavailable or guides is not None and guides.has(guide):
             return True
         rid = msg["rid"]
         if rid not in self.compiling:
@@ -54,6 +56,7 @@ class Background:
             engine_guides(self.engine).compile(guide, keep_errors=True)
         except Exception as e:  # kept in the cache: the request gets it when handled again
             log.info("guide of %s does not compile: %s", msg["rid"], e)
+            self.unavailable = getattr(self.engine, "_guides", None) is None
         finally:
             self.compiling.discard(msg["rid"])
             if self.wanted(msg["rid"]):

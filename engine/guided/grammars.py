@@ -162,12 +162,17 @@ class Guides:
 
 
 def engine_guides(engine) -> Guides:
-    """The engine's ``Guides`` (built on first use, over the width of its logits: the model's vocabulary)."""
+    """The engine's ``Guides`` (built on first use, over the width of its logits: the model's vocabulary); a
+    ``RequestError`` (501) where xgrammar does not import."""
     if getattr(engine, "_guides", None) is None:
         model = getattr(engine, "model", None)
         vocab = getattr(getattr(model, "spec", None), "vocab_size", None) \
             or getattr(getattr(model, "args", None), "vocab_size", None) or engine.tokenizer.vocab_size
-        engine._guides = Guides(engine.tokenizer, vocab)
+        try:
+            engine._guides = Guides(engine.tokenizer, vocab)
+        except ImportError as e:  # xgrammar, or a library it needs, missing here: the request fails, not the worker
+            raise RequestError(f"structured output is unavailable on this worker: {e}", status=501,
+                               param="response_format") from None
     return engine._guides
 
 
