@@ -87,14 +87,23 @@ def _vocab(engine) -> int:
     return min(spec.vocab_size, engine.tokenizer.vocab_size) if spec else engine.tokenizer.vocab_size
 
 
+def prefill_steps(engine, lens: list[int]) -> int:
+    """At most how many steps the prompts of ``lens`` take to be prefilled, one chunk of the step budget a step,
+    and one step more each: how many tokens a row admitted first may decode before the last row's first token."""
+    budget = getattr(getattr(engine, "scheduler", None), "max_batched_tokens", None) or 2048
+    return sum(-(-n // budget) for n in lens) + len(lens)
+
+
 def decoding(engine, batch: int, prompt_len, max_tokens: int, rng, settle: int = 0, prepare=None) -> list:
     """``batch`` random prompts of ``prompt_len`` tokens (or a length per prompt), added and stepped until every
     one decodes (its second token out), then ``settle`` steps more; ``prepare(seq)`` runs on each before it is
-    added."""
+    added. Each may make ``max_tokens`` tokens from then on: the rows that started decoding while the last prompts
+    were still prefilled get those steps on top (``prefill_steps``), so none ends inside a window the caller times."""
     vocab = _vocab(engine)
     lens = [prompt_len] * batch if isinstance(prompt_len, int) else list(prompt_len)
     assert len(lens) == batch, (len(lens), batch)
-    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(n)] for n in lens], [max_tokens] * batch)
+    room = max_tokens + settle + prefill_steps(engine, lens)
+    seqs = _seqs(engine, [[rng.randrange(3, vocab) for _ in range(n)] for n in lens], [room] * batch)
     for s in seqs:
         if prepare is not None:
             prepare(s)
@@ -116,19 +125,24 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, rng, warmup: in
         s.params = SamplingParams(**{**s.params.to_dict(), "guide": guide})
         guided(engine, s)
 
-    seqs = decoding(engine, batch, prompt_len, steps + warmup + 4, rng, warmup, under_guide if guide else None)
+    seqs = decoding(engine, batch, prompt_len, steps + 4, rng, warmup, under_guide if guide else None)
+    context = sum(s.num_tokens for s in seqs) / batch + steps / 2  # the rows' mean context mid-window
     _sync(engine.device)
     replays = _replays(engine)
-    start, made = time.perf_counter(), 0
+    start, rows = time.perf_counter(), []
     for _ in range(steps):
-        made += len(engine.step().tokens)
+        rows.append(len(engine.step().tokens))
     _sync(engine.device)
     elapsed = time.perf_counter() - start
     replay_ms = _replay_ms(engine, replays)
     for s in seqs:
         engine.free(s)
-    return {"batch": batch, "tokens": made, "seconds": elapsed, "tok_per_s": made / elapsed,
-            "step_ms": elapsed / steps * 1e3, **({"replay_ms": replay_ms} if replay_ms is not None else {})}
+    if min(rows) != batch or max(rows) != batch:  # a row that ended, or never decoded, would not be this batch
+        raise RuntimeError(f"the timed steps decoded {min(rows)}-{max(rows)} rows, not {batch}")
+    made = sum(rows)
+    return {"batch": batch, "rows_per_step": batch, "context": round(context), "tokens": made, "seconds": elapsed,
+            "tok_per_s": made / elapsed, "step_ms": elapsed / steps * 1e3,
+            **({"replay_ms": replay_ms} if replay_ms is not None else {})}
 
 
 def _replays(engine) -> tuple[int, float]:
@@ -239,10 +253,11 @@ def run(args) -> int:
     limit = hbm_limit(engine, args)
     for d in decode:
         if limit:
-            d["hbm_limit_tok_per_s"] = limit["tok_per_s"](d["batch"], args.prompt_len + args.decode_steps // 2 + 10)
+            d["hbm_limit_tok_per_s"] = limit["tok_per_s"](d["batch"], d["context"])
             d["fraction_of_limit"] = d["tok_per_s"] / d["hbm_limit_tok_per_s"]
         replay = f", replay {d['replay_ms']:.2f} ms on the device" if "replay_ms" in d else ""
-        print(f"decode batch {d['batch']:>3}: {d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step{replay})"
+        print(f"decode batch {d['batch']:>3} ({d['rows_per_step']} rows every timed step, context {d['context']}): "
+              f"{d['tok_per_s']:9.1f} tok/s ({d['step_ms']:.2f} ms/step{replay})"
               + (f", {d['fraction_of_limit']:.0%} of the HBM limit {d['hbm_limit_tok_per_s']:.0f}" if limit else ""),
               file=sys.stderr)
     eager = []

@@ -278,3 +278,21 @@ def test_bench_migrate_small(tmp_path):
     assert report["texts_equal"] == 4 and report["drained"]["errors"] == [] and report["undisturbed"]["errors"] == []
     assert report["drained"]["moves"] and report["drained"]["stall_ms"]["max"] >= 0
     assert set(report["drained"]["tokens"]) == {300}
+
+
+def test_every_timed_decode_step_decodes_every_row_however_long_the_prompts_took():
+    """Eight prompts of 200 tokens through a step budget of 64 take 32 steps to prefill, during which the rows
+    admitted first decode: each row gets those steps on top of what the caller asked for, so all eight decode in
+    every timed step (before, the first rows ended inside the timed window and a batch-8 row timed fewer)."""
+    import random
+
+    from bench.engine import decode_rate, prefill_steps
+    from engine import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", warmup=False, max_batched_tokens=64))
+    assert prefill_steps(engine, [200] * 8) == 8 * 4 + 8
+    row = decode_rate(engine, 8, 200, 6, random.Random(0), warmup=2)
+    assert row["rows_per_step"] == 8 and row["tokens"] == 8 * 6
+    assert 200 < row["context"] < 200 + prefill_steps(engine, [200] * 8) + 8
+    assert engine.blocks.num_free == engine.num_blocks
