@@ -59,9 +59,10 @@ def add_arguments(p):
     p.add_argument("--out", default="bench/out/serve")
 
 
-async def one(client, url, model, endpoint, req, temperature, keep_text=False) -> dict:
+async def one(client, url, model, endpoint, req, temperature, keep_text=False, extra: dict | None = None) -> dict:
+    """One streamed request (``req.prompt``: text, or token ids on completions; ``extra``: more body fields)."""
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}  # a chunk per token, text or not
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **(extra or {})}  # a chunk a token
     if endpoint == "chat":
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": req.prompt}]
     else:

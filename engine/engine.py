@@ -125,7 +125,7 @@ class Engine:
         return {"tokenizer": self.cfg.tokenizer_source, "kv_block_size": self.block_size,
                 "prefix_caching": self.blocks.caching, "prefix_cached_blocks": self.blocks.num_cached,
                 "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
-                "prefix_hits": self.prefix_hits}
+                "prefix_hits": self.prefix_hits, "vocab_size": self.tokenizer.vocab_size}
 
     @property
     def block_bytes(self) -> int:

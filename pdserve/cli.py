@@ -251,8 +251,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
 
 def _bench_parsers(bsub) -> None:
-    from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, migrate, pipeline, router, serve,
-                       soak, stream, transfer)
+    from bench import (chaos, compare, engine, fp8, goodput, guided, idle, kernels, migrate, pipeline, replay, router,
+                       serve, soak, stream, transfer)
 
     migrate.add_arguments(bsub.add_parser("migrate", help="streams undisturbed and then drained off a decode worker: "
                                           "errors, equal texts, gaps between tokens, each move's stall"))
@@ -278,6 +278,8 @@ def _bench_parsers(bsub) -> None:
                                       "tok/s, sequences per KV budget, long-context steps, logits agreement"))
     router.add_arguments(bsub.add_parser("router", help="tokens/s one router process streams to clients (a fake "
                                          "worker feeds it as fast as asked)"))
+    replay.add_arguments(bsub.add_parser("replay", help="a production trace (Mooncake JSONL, Azure CSV) replayed: "
+                                         "latencies, goodput, prompt tokens reused (ideal, LRU, as the workers said)"))
 
 
 def _engine_config(args):

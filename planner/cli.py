@@ -36,7 +36,8 @@ def add_arguments(p):
     p.add_argument("--workload", choices=WORKLOADS, default="uniform")
     p.add_argument("--prompt-len", default="1000:4000", help="uniform: prompt tokens LO:HI")
     p.add_argument("--max-tokens", default="128:512", help="uniform: output tokens LO:HI")
-    p.add_argument("--trace", default=None, help="JSONL rows of {prompt_tokens, output_tokens} instead")
+    p.add_argument("--trace", default=None, help="instead: a production trace (Mooncake JSONL, Azure CSV) or JSONL rows "
+                   "of {prompt_tokens, output_tokens}")
     p.add_argument("--requests", type=int, default=300, help="distinct request lengths drawn from the workload")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of arrivals simulated per rate (shifting: at least one phase of each kind)")

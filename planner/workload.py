@@ -10,13 +10,16 @@ import json
 import random
 from dataclasses import dataclass
 
+from .traces import kind_of
+from .traces import lengths as trace_lengths
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes of liquor jugs "
          "and every morning the river carries light across stone bridges toward distant hills").split()
 
 
 @dataclass
 class Request:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids
     max_tokens: int
 
 
@@ -49,7 +52,11 @@ SHIFTING = (((3000, 6000), (16, 64)), ((64, 256), (256, 512)))  # (prompt, outpu
 def lengths(count: int, prompt_len: str, max_tokens: str, seed: int = 0, workload: str = "uniform",
             jsonl: str | None = None, rate: float | None = None) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of ``count`` requests; a JSONL row gives ``prompt_tokens`` (or a ``prompt``,
-    a token per character as for the byte tokenizer) and ``max_tokens`` (or ``output_tokens``)."""
+    a token per character as for the byte tokenizer) and ``max_tokens`` (or ``output_tokens``); a production trace
+    (Mooncake JSONL, Azure CSV: ``planner.traces``) gives its requests' lengths, in order."""
+    if jsonl and kind_of(jsonl):
+        rows = trace_lengths(jsonl)
+        return [rows[i % len(rows)] for i in range(count)]
     if jsonl:
         rows = _rows(jsonl)
         return [(int(r.get("prompt_tokens") or len(r.get("prompt", ""))),

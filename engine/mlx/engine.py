@@ -140,7 +140,8 @@ class MlxEngine:
         return self.block_size * self.kv_bytes_per_token
 
     def prefix_info(self) -> dict:
-        return {"tokenizer": self.cfg.tokenizer_source, "kv_block_size": self.block_size, "prefix_caching": False, "engine": self.kind}
+        return {"tokenizer": self.cfg.tokenizer_source, "kv_block_size": self.block_size, "prefix_caching": False,
+                "engine": self.kind, "vocab_size": self.tokenizer.vocab_size}
 
     def add(self, seq: Sequence) -> None:
         if seq.params.prompt_logprobs is not None:
