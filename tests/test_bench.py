@@ -296,3 +296,19 @@ def test_every_timed_decode_step_decodes_every_row_however_long_the_prompts_took
     assert row["rows_per_step"] == 8 and row["tokens"] == 8 * 6
     assert 200 < row["context"] < 200 + prefill_steps(engine, [200] * 8) + 8
     assert engine.blocks.num_free == engine.num_blocks
+
+
+def test_the_llama_3_1_8b_shape_holds_128k_positions_with_llama3_rope_scaling():
+    """``--model llama-3.1-8b --load-format dummy``: Llama-3-8B's layers, 131,072 positions, and the llama3 frequency
+    scaling (8x past 8,192 positions), which the rotary tables apply: its low frequencies are stretched 8x, its high
+    ones kept."""
+    from engine.models.llama import ModelSpec
+    from engine.models.presets import preset_config
+    from engine.models.rope import inv_frequencies
+
+    spec = ModelSpec.from_hf(preset_config("llama-3.1-8b"))
+    assert spec.max_position_embeddings == 131072 and spec.rope_scaling["rope_type"] == "llama3"
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 32, 8, 128)
+    plain = inv_frequencies(128, spec.rope_theta, None)
+    scaled = inv_frequencies(128, spec.rope_theta, spec.rope_scaling)
+    assert scaled[0] == plain[0] and abs(float(scaled[-1] * 8 / plain[-1]) - 1) < 1e-6
