@@ -8,7 +8,8 @@ new token, the rotary tables of their positions, and how each sequence
 attends: decode-only batches gather every sequence's context slots into one
 padded ``[batch, context]`` index with a validity mask and attend with two
 grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
-one by one with SDPA, causal, offset by any cached prefix (on CUDA, a batch
+one by one with SDPA, causal, offset by any cached prefix (on CUDA a chunk after a prefix attends to the prefix
+and to itself in two cuDNN calls merged by their log-sum-exps: ``kernels.prefix_split``; a batch
 of three or more fresh prompts goes to FlashAttention's varlen kernel in one
 call instead: ``varlen``; chunks after cached prefixes too, their whole
 context's keys gathered from the pool first: ``varlen_cached``). A mixed step (``mixed``) puts its one-token
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kernels import prefix_split
 from .quant import kv_fp8
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any d
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
 USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
 VARLEN_MIN_PROMPTS = 3  # measured (bench.lab.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
+USE_PREFIX_SPLIT = True  # a chunk after a cached prefix on CUDA: two cuDNN calls merged (kernels.prefix_split)
 
 
 @functools.cache
@@ -170,6 +173,7 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
         meta.varlen_cached = _cached_varlen(query_starts, context_lens, tables, block_size, device)
         meta.window = window
         return meta
+    meta.window = window or 0  # the segments' masks hold it; kernels.prefix_split must not take a window
     for i, ctx in enumerate(context_lens):
         n = query_starts[i + 1] - query_starts[i]
         if n == ctx and not window:
@@ -258,6 +262,10 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, sca
         if keys.shape[0] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
             group = q.shape[1] // keys.shape[0]
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        if mask is not None and USE_PREFIX_SPLIT and prefix_split.usable(q.device, q.dtype, meta.window):
+            out[s:e] = prefix_split.attend(q[s:e].transpose(0, 1), keys, values, keys.shape[1] - (e - s), scale,
+                                           "cudnn").transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                            is_causal=mask is None, scale=scale)  # 4-D: 3-D inputs take the math path
         out[s:e] = o[0].transpose(0, 1)
