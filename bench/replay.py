@@ -53,6 +53,8 @@ def add_arguments(p):
     p.add_argument("--too-long", choices=("clip", "skip"), default="skip", help="a request over --max-context")
     p.add_argument("--block-size", type=int, default=TRACE_BLOCK, help=f"tokens a block id becomes (the traces' "
                    f"{TRACE_BLOCK}; smaller scales every length down by block-size/{TRACE_BLOCK}, said in the report)")
+    p.add_argument("--trace-block", type=int, default=TRACE_BLOCK, help="tokens a block of the trace as recorded (a "
+                   "trace written already scaled down says so here)")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight at most")
     p.add_argument("--kv-capacity-blocks", type=int, default=None, help="the LRU column's blocks (default: the "
                    "prompt-computing workers' KV pools, in blocks of --block-size)")
@@ -188,8 +190,8 @@ def markdown(report: dict) -> str:
              f"`{report['command']}`", "",
              f"{w['requests']} requests from #{w['start']} ({w['clipped']} clipped, {w['skipped']} skipped over "
              f"{w['max_context']} tokens), blocks of {w['block_size']} tokens"
-             + (f" (the trace's {TRACE_BLOCK} scaled down: every length x {w['block_size']}/{TRACE_BLOCK})"
-                if w["block_size"] != TRACE_BLOCK else "") + f"; {w['prompt_tokens']} prompt tokens.", "",
+             + (f" (the trace's {w['trace_block']} scaled: every length x {w['block_size']}/{w['trace_block']})"
+                if w["block_size"] != w["trace_block"] else "") + f"; {w['prompt_tokens']} prompt tokens.", "",
              "| speed | requests/s | prompt tok/s | errors | TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p99 ms | "
              "within SLO | reused: ideal | LRU | workers |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -235,7 +237,7 @@ def run(args) -> int:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         workers = cluster(url)
         max_context = args.max_context or min(w["max_len"] for w in workers.values() if w.get("max_len"))
-        window = read(args.trace, args.block_size, args.start, args.count, args.duration)
+        window = read(args.trace, args.block_size, args.start, args.count, args.duration, args.trace_block)
         requests, counts = fit(window, max_context, args.too_long)
         capacity = args.kv_capacity_blocks or capacity_blocks(workers, args.block_size)
         vocab = min(w["vocab_size"] for w in workers.values() if w.get("vocab_size"))
@@ -248,6 +250,7 @@ def run(args) -> int:
     report = {"command": command_line("replay"), "trace": args.trace, "format": kind_of(args.trace), "url": url,
               "model": model, "env": environment(), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
               "window": {"start": args.start, "requests": len(requests), "block_size": args.block_size,
+                         "trace_block": args.trace_block,
                          "max_context": max_context, "prompt_tokens": sum(r.prompt_tokens for r in requests),
                          **counts},
               "attainment": args.attainment, "runs": runs}

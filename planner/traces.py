@@ -8,9 +8,10 @@ Two formats (``../shared/traces/README.md`` holds the public files and their att
 - Azure LLM inference 2023 (Splitwise, ISCA'24) CSV: ``TIMESTAMP,ContextTokens,GeneratedTokens``, the timestamp a
   date and time; no block ids, so every request gets blocks of its own (nothing is shared).
 
-A trace recorded at ``TRACE_BLOCK`` tokens a block can be replayed at a smaller ``block_size`` (the tiny model's
-context is short): every length is scaled by ``block_size / TRACE_BLOCK`` (at least one token), each block keeping
-its id, so the prefix sharing survives and the scale is reported with the figures."""
+A trace recorded at ``trace_block`` tokens a block (``TRACE_BLOCK`` for both public traces) can be replayed at a
+smaller ``block_size`` (the tiny model's context is short): every length is scaled by ``block_size / trace_block``
+(at least one token), each block keeping its id, so the prefix sharing survives and the scale is reported with the
+figures. A trace written already scaled says so with its ``trace_block``."""
 from __future__ import annotations
 
 import csv
@@ -54,18 +55,18 @@ def _azure(path: str):
         for i, row in enumerate(csv.DictReader(f)):
             stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]).timestamp()
             prompt = int(row["ContextTokens"])
-            ids = [AZURE_IDS + i * 1024 + b for b in range(-(-prompt // TRACE_BLOCK))]
+            ids = [AZURE_IDS + i * 1024 + b for b in range(-(-prompt // TRACE_BLOCK))]  # as recorded: 512 a block
             yield stamp, prompt, int(row["GeneratedTokens"]), ids
 
 
-def _scaled(tokens: int, block_size: int) -> int:
-    return max(1, -(-tokens * block_size // TRACE_BLOCK))
+def _scaled(tokens: int, block_size: int, trace_block: int) -> int:
+    return max(1, -(-tokens * block_size // trace_block))
 
 
 def read(path: str, block_size: int = TRACE_BLOCK, start: int = 0, count: int | None = None,
-         duration: float | None = None) -> list[TraceRequest]:
+         duration: float | None = None, trace_block: int = TRACE_BLOCK) -> list[TraceRequest]:
     """Requests ``start`` on (``count`` of them, or those arriving within ``duration`` seconds of the first), their
-    arrivals from the first one's, lengths scaled to ``block_size``."""
+    arrivals from the first one's, lengths scaled from ``trace_block`` to ``block_size`` tokens a block."""
     kind = kind_of(path)
     if kind is None:
         raise ValueError(f"{path}: neither a Mooncake JSONL trace nor an Azure CSV trace")
@@ -81,12 +82,12 @@ def read(path: str, block_size: int = TRACE_BLOCK, start: int = 0, count: int | 
         if not ids or prompt <= 0:
             continue
         full = len(ids) - 1  # whole blocks before the last
-        last = min(TRACE_BLOCK, max(1, prompt - full * TRACE_BLOCK))
-        if block_size == TRACE_BLOCK:
-            out.append(TraceRequest(stamp - first, full * TRACE_BLOCK + last, output, tuple(ids)))
+        last = min(trace_block, max(1, prompt - full * trace_block))
+        if block_size == trace_block:
+            out.append(TraceRequest(stamp - first, full * trace_block + last, output, tuple(ids)))
         else:
-            out.append(TraceRequest(stamp - first, full * block_size + _scaled(last, block_size),
-                                    _scaled(output, block_size), tuple(ids)))
+            out.append(TraceRequest(stamp - first, full * block_size + _scaled(last, block_size, trace_block),
+                                    _scaled(output, block_size, trace_block), tuple(ids)))
     if not out:
         raise ValueError(f"{path}: no requests in the window asked for (start {start})")
     return out

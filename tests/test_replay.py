@@ -100,3 +100,11 @@ def test_an_azure_slice_replays_with_nothing_to_reuse(tmp_path):
     run = report["runs"][0]
     assert run["summary"]["errors"] == 0 and report["window"]["requests"] == 12
     assert run["reuse"]["ideal"]["reused_tokens"] == run["reuse"]["workers"]["reused_tokens"] == 0
+
+
+def test_a_trace_written_already_scaled_reads_as_the_scaled_original():
+    """``mooncake_conversation_slice_block16.jsonl`` holds the slice's requests that fit 1,024 tokens at 16 tokens a
+    block, written scaled: read as recorded at 16 (``--trace-block 16``), they are the original's, scaled."""
+    scaled = read(str(DATA / "mooncake_conversation_slice_block16.jsonl"), block_size=16, trace_block=16)
+    original = [r for r in read(str(MOONCAKE), block_size=16, count=48) if r.prompt_tokens + r.output_tokens <= 1000]
+    assert len(scaled) == 40 and scaled == original[:40]
