@@ -3,7 +3,10 @@ disaggregated and colocated (the guide crosses the prefill -> decode handoff), a
 refused with a 400 while the server keeps serving."""
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 import re
 from typing import Literal
 
@@ -183,9 +186,6 @@ def test_a_grammar_compiles_off_the_engine_thread_and_a_plain_request_does_not_w
     """A worker's first guided request builds the vocabulary's grammar state and compiles (made to take 1.5 s
     here): the engine thread hands that to a thread of its own and keeps serving; a plain request sent just after
     is answered first, the guided one then follows its grammar, and one that does not compile is still a 400."""
-    import threading
-    import time
-
     from decode.worker import DecodeWorker
     from engine.guided import grammars
 
@@ -199,15 +199,7 @@ def test_a_grammar_compiles_off_the_engine_thread_and_a_plain_request_does_not_w
     got, ended = {}, {}
     w.emit = lambda rid, op, **f: (got.setdefault(rid, []).append((op, f)),
                                    ended.setdefault(rid, time.monotonic()) if op in ("done", "error") else None)
-    stop = threading.Event()
-
-    def serve():  # the worker loop: its inbox, then a step
-        while not stop.is_set():
-            _drain(w)
-            w.tick()
-            time.sleep(0.001)
-    loop = threading.Thread(target=serve)
-    try:
+    with looping(w) as loop:
         for rid in ("guided", "bad", "plain"):
             w.reply_to[rid] = b"router"
         guide = {"kind": "regex", "value": "(ab){2,3}c"}
@@ -225,6 +217,21 @@ def test_a_grammar_compiles_off_the_engine_thread_and_a_plain_request_does_not_w
         assert re.fullmatch("(ab){2,3}c", text), text
         assert got["bad"][-1][0] == "error" and got["bad"][-1][1]["status"] == 400
         assert not w.live and w.engine.blocks.num_free == w.engine.num_blocks
+
+
+@contextlib.contextmanager
+def looping(w):
+    """The worker loop (its inbox, then a step) on a thread the block starts; stopped, and the worker closed, after."""
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            _drain(w)
+            w.tick()
+            time.sleep(0.001)
+    loop = threading.Thread(target=serve)
+    try:
+        yield loop
     finally:
         stop.set()
         if loop.is_alive():
@@ -248,8 +255,6 @@ def test_where_xgrammar_does_not_import_a_guided_request_is_a_501_and_a_plain_on
     back to the compiling thread forever, and the router's stall watchdog ended it 90 s later), and the worker
     serves plain requests."""
     import builtins
-    import threading
-    import time
 
     from decode.worker import DecodeWorker
 
@@ -263,15 +268,7 @@ def test_where_xgrammar_does_not_import_a_guided_request_is_a_501_and_a_plain_on
     w = DecodeWorker(EngineConfig(device="cpu", dtype="float32", warmup=False), colocated=True)
     got = {}
     w.emit = lambda rid, op, **f: got.setdefault(rid, []).append((op, f))
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            _drain(w)
-            w.tick()
-            time.sleep(0.001)
-    loop = threading.Thread(target=serve)
-    try:
+    with looping(w) as loop:
         guide = {"kind": "json_schema", "value": SCHEMA}
         for rid in ("guided-1", "guided-2", "plain"):
             w.reply_to[rid] = b"router"
@@ -287,8 +284,3 @@ def test_where_xgrammar_does_not_import_a_guided_request_is_a_501_and_a_plain_on
             assert op == "error" and fields["status"] == 501 and "tvm_ffi" in fields["message"], got[rid]
         assert got["plain"][-1][0] == "done"
         assert not w.live and w.engine.blocks.num_free == w.engine.num_blocks
-    finally:
-        stop.set()
-        if loop.is_alive():
-            loop.join(10)
-        w.close()
