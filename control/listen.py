@@ -53,6 +53,17 @@ def inherited(fd: int) -> socket.socket:
     return sock
 
 
+def handed_over(fd: int | None, port: int) -> socket.socket | int:
+    """A worker's control port: the socket inherited as ``fd`` (which must listen on ``port`` when one is named),
+    else ``port``, for the worker to bind."""
+    if fd is None:
+        return port
+    sock = inherited(fd)
+    if port and port_of(sock) != port:
+        raise SystemExit(f"pdserve: --control-fd {fd} listens on port {port_of(sock)}, not --port {port}")
+    return sock
+
+
 def reserve(host: str = "127.0.0.1") -> socket.socket:
     """A port held bound (SO_REUSEPORT, not listening) for a program that binds it itself with SO_REUSEPORT; keep
     the socket open until that program has bound it (closing it earlier frees the port for anyone)."""

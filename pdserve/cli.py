@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 
+from control.listen import PortInUse, handed_over
 from deploy.units import byte_size
 
 from .router_options import REBALANCE_HELP, ROLES_HELP, STALL_HELP, add_disagg, add_roles_plan
@@ -311,22 +312,9 @@ def _transport_config(args, port=0):
                            options=options, token=load_token(path=args.cluster_token_file))
 
 
-def _control_port(args):
-    """The worker's control port: the socket inherited as ``--control-fd``, else ``--port`` to bind."""
-    if args.control_fd is None:
-        return args.port
-    from control.listen import inherited, port_of
-
-    sock = inherited(args.control_fd)
-    if args.port and port_of(sock) != args.port:
-        raise SystemExit(f"pdserve: --control-fd {args.control_fd} listens on port {port_of(sock)}, not --port {args.port}")
-    return sock
-
-
 def main(argv=None) -> int:
     """The command; a port the user named that is taken ends it with one line and exit code 2."""
     from control.lifetime import follow_parent
-    from control.listen import PortInUse
 
     follow_parent()
     try:
@@ -359,23 +347,25 @@ def _main(argv=None) -> int:
                 if getattr(args, flag, None) is not None:
                     args.router_args += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
         return getattr(ray_deploy, {"ray": "deploy_ray"}.get(args.deploy, args.deploy))(args)
+    if args.cmd in ("prefill", "decode"):
+        args.port = handed_over(args.control_fd, args.port)  # the socket inherited, or the port to bind
     if args.cmd == "prefill":
         from prefill.worker import PrefillWorker
 
-        PrefillWorker(_engine_config(args), args.transport, args.host, _control_port(args), _transport_config(args),
+        PrefillWorker(_engine_config(args), args.transport, args.host, args.port, _transport_config(args),
                       max_queue=args.max_queue, drain_s=args.drain_timeout, kv_stream=args.kv_stream).serve_forever()
         return 0
     if args.cmd == "decode" and args.role == "mixed":
         from decode.mixed import MixedWorker
 
-        MixedWorker(_engine_config(args), args.transport, args.host, _control_port(args), args.kv_port,
+        MixedWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port,
                     _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
                     drain_s=args.drain_timeout).serve_forever()
         return 0
     if args.cmd == "decode":
         from decode.worker import DecodeWorker
 
-        DecodeWorker(_engine_config(args), args.transport, args.host, _control_port(args), args.kv_port, args.colocated,
+        DecodeWorker(_engine_config(args), args.transport, args.host, args.port, args.kv_port, args.colocated,
                      _transport_config(args, args.kv_port), kv_budget_bytes=args.kv_budget,
                      drain_s=args.drain_timeout).serve_forever()
         return 0
