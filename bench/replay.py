@@ -12,9 +12,10 @@ clipped or skipped (``--too-long``), and counted.
 The report: TTFT, TPOT and ITL percentiles, SLO attainment and goodput (``bench.serve.summarize``), and prompt tokens
 reused three ways, side by side: the window's ideal (an unlimited cache), an LRU over blocks at the cluster's KV
 capacity (``planner.reuse``; the prompt-computing workers' pools, or ``--kv-capacity-blocks``), and what the workers
-reported (their prefix counters' growth over the run, per worker and in total). ``--speeds`` replays the window at
-each speed, each with tokens of its own (no run reuses another's cache), and names the fastest whose attainment meets
-``--attainment``. JSON, Markdown and a plot go to ``--out``."""
+reported (their prefix counters' growth over the run, per worker and in total). ``--engine-alone`` then runs the
+first run's prompts through the engine alone (``bench.replay_engine``): the rate serving is held against.
+``--speeds`` replays the window at each speed, each with tokens of its own (no run reuses another's cache), and
+names the fastest whose attainment meets ``--attainment``. JSON, Markdown and a plot go to ``--out``."""
 from __future__ import annotations
 
 import asyncio
@@ -55,7 +56,11 @@ def add_arguments(p):
                    f"{TRACE_BLOCK}; smaller scales every length down by block-size/{TRACE_BLOCK}, said in the report)")
     p.add_argument("--trace-block", type=int, default=TRACE_BLOCK, help="tokens a block of the trace as recorded (a "
                    "trace written already scaled down says so here)")
+    p.add_argument("--output-tokens", type=int, default=None, help="every request's output forced to this many "
+                   "tokens (default: the trace's own)")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight at most")
+    p.add_argument("--engine-alone", action="store_true", help="then the same prompts through one in-process engine "
+                   "of --up-args' engine options, the cluster stopped (bench.replay_engine): serving's share of it")
     p.add_argument("--kv-capacity-blocks", type=int, default=None, help="the LRU column's blocks (default: the "
                    "prompt-computing workers' KV pools, in blocks of --block-size)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -100,6 +105,26 @@ def fit(requests: list[TraceRequest], max_context: int, policy: str) -> tuple[li
         else:
             counts["skipped"] += 1
     return kept, counts
+
+
+def window(args, max_context: int) -> tuple[list[TraceRequest], dict]:
+    """The window's requests that fit ``max_context``: with ``--too-long skip``, ``--count`` of those that fit (a
+    skipped one counted only before the last kept), else ``--count`` from ``--start``; outputs as ``--output-tokens``."""
+    skip = args.too_long == "skip"
+    rows = read(args.trace, args.block_size, args.start, None if skip else args.count, args.duration, args.trace_block)
+    if args.output_tokens is not None:
+        rows = [TraceRequest(r.arrival_s, r.prompt_tokens, args.output_tokens, r.blocks) for r in rows]
+    kept, counts = [], {"clipped": 0, "skipped": 0}
+    for r in rows:
+        if args.count is not None and len(kept) >= args.count:
+            break
+        fitted, c = fit([r], max_context, args.too_long)
+        kept += fitted
+        counts = {k: counts[k] + c[k] for k in counts}
+    if not kept:
+        raise ValueError(f"{args.trace}: no request of the window fits {max_context} tokens")
+    first = kept[0].arrival_s
+    return [TraceRequest(r.arrival_s - first, r.prompt_tokens, r.output_tokens, r.blocks) for r in kept], counts
 
 
 def cluster(url: str) -> dict:
@@ -204,6 +229,11 @@ def markdown(report: dict) -> str:
     lines += ["", "Per worker (last run): " + ", ".join(
         f"{a} ({v['role']}) {v['prefix_cached_tokens']} of {v['prefix_prompt_tokens']}"
         for a, v in report["runs"][-1]["reuse"]["workers"]["per_worker"].items())]
+    if report.get("engine_alone"):
+        a = report["engine_alone"]
+        lines += ["", f"The engine alone on the same prompts (concurrency {report['window'].get('concurrency')}): "
+                  f"{a['seconds']:.1f} s, {a['prompt_tok_per_s']:.0f} prompt tok/s, {a['reused_tokens']} tokens "
+                  f"reused; the first run served {a['served_share']:.0%} of that rate."]
     if report.get("goodput_speed") is not None:
         lines += ["", f"Fastest speed with {report['attainment']:.0%} within the SLOs: {report['goodput_speed']:g}"]
     return "\n".join(lines) + "\n"
@@ -226,6 +256,8 @@ def write(report: dict, out: str) -> dict:
 
 
 def run(args) -> int:
+    if args.engine_alone and args.url:
+        raise SystemExit("bench replay: --engine-alone builds the engine of --up-args (a cluster it starts), not --url")
     started = None
     if not args.url:
         from deploy.local import Cluster
@@ -237,8 +269,7 @@ def run(args) -> int:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         workers = cluster(url)
         max_context = args.max_context or min(w["max_len"] for w in workers.values() if w.get("max_len"))
-        window = read(args.trace, args.block_size, args.start, args.count, args.duration, args.trace_block)
-        requests, counts = fit(window, max_context, args.too_long)
+        requests, counts = window(args, max_context)
         capacity = args.kv_capacity_blocks or capacity_blocks(workers, args.block_size)
         vocab = min(w["vocab_size"] for w in workers.values() if w.get("vocab_size"))
         speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else [args.speed]
@@ -247,13 +278,21 @@ def run(args) -> int:
     finally:
         if started is not None:
             started.stop()
+    alone = None
+    if args.engine_alone:  # the GPU free again: the same prompts as the first run, no serving between
+        from .replay_engine import run as engine_run
+
+        alone = engine_run(args.up_args, requests, Prompts(args.block_size, vocab, f"{args.seed}:0").ids,
+                           args.concurrency)
+        alone["served_share"] = runs[0]["summary"]["prompt_tok_per_s"] / alone["prompt_tok_per_s"]
     report = {"command": command_line("replay"), "trace": args.trace, "format": kind_of(args.trace), "url": url,
               "model": model, "env": environment(), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
               "window": {"start": args.start, "requests": len(requests), "block_size": args.block_size,
-                         "trace_block": args.trace_block,
+                         "trace_block": args.trace_block, "concurrency": args.concurrency,
+                         "output_tokens": args.output_tokens,
                          "max_context": max_context, "prompt_tokens": sum(r.prompt_tokens for r in requests),
                          **counts},
-              "attainment": args.attainment, "runs": runs}
+              "attainment": args.attainment, "runs": runs, "engine_alone": alone}
     if args.speeds:
         meeting = [run["speed"] for run in runs if run["summary"]["goodput_fraction"] >= args.attainment]
         report["goodput_speed"] = max(meeting) if meeting else None

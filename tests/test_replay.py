@@ -77,12 +77,14 @@ def replay(tmp_path, trace, *extra):
 def test_a_replay_on_the_tiny_model_reuses_what_the_model_says_when_the_window_fits(tmp_path):
     """40 requests of the conversation slice, blocks of 16 tokens, one colocated worker, one request at a time: the
     worker's prefix counters equal the LRU column, which equals the ideal one (the window fits in its pool); a
-    second speed gets tokens of its own, so it reuses as much again and no more."""
-    report = replay(tmp_path, MOONCAKE, "--count", "40", "--speeds", "1000,2000", "--slo-ttft-ms", "60000")
+    second speed gets tokens of its own, so it reuses as much again and no more. ``--count`` counts requests that
+    fit; the engine alone, given the first run's prompts, reuses the same tokens and makes the same outputs."""
+    report = replay(tmp_path, MOONCAKE, "--count", "40", "--speeds", "1000,2000", "--slo-ttft-ms", "60000",
+                    "--engine-alone")
     window = report["window"]
-    assert window["requests"] + window["skipped"] == 40 and window["block_size"] == 16
-    requests = read(str(MOONCAKE), block_size=16, count=40)
-    requests = [r for r in requests if r.prompt_tokens + r.output_tokens <= window["max_context"]]
+    assert window["requests"] == 40 and window["skipped"] > 0 and window["block_size"] == 16
+    requests = read(str(MOONCAKE), block_size=16)
+    requests = [r for r in requests if r.prompt_tokens + r.output_tokens <= window["max_context"]][:40]
     want = sum(reused_tokens(requests, 16))
     assert want > 0
     for run in report["runs"]:
@@ -93,6 +95,9 @@ def test_a_replay_on_the_tiny_model_reuses_what_the_model_says_when_the_window_f
         assert reuse["prompt_tokens"] == reuse["workers"]["computed_tokens"] + want
         assert sum(r["output_tokens"] for r in run["samples"]) == sum(r.output_tokens for r in requests)
     assert report["goodput_speed"] == 2000
+    alone = report["engine_alone"]
+    assert alone["reused_tokens"] == want and alone["prompt_tokens"] == report["window"]["prompt_tokens"]
+    assert alone["output_tokens"] == sum(r.output_tokens for r in requests) and alone["prompt_tok_per_s"] > 0
 
 
 def test_an_azure_slice_replays_with_nothing_to_reuse(tmp_path):
