@@ -4,7 +4,9 @@ error, never a wait), nothing stalls, no KV block stays taken, and greedy text e
 For each mode a ``pdserve up`` cluster serves, in order: fresh prompts; the same prompts again (their blocks all in
 the prefix cache) as a burst; 32 identical prompts at once; multi-turn chats over a shared system prompt; streams
 cancelled mid-way; ``n`` > 1, logprobs and a JSON schema. A case passes with 0 errors, 0 requests past their
-deadline, 0 stalls (``pdserve_requests_stalled_total``) and every worker's blocks free afterwards. The report (JSON,
+deadline, 0 stalls (``pdserve_requests_stalled_total``) and every worker's blocks free afterwards. ``--long N``
+serves the long-context case instead: a prompt of N tokens, the same again from the prefix cache, and a prompt one
+token over the context, which must be refused with a 400 at once. The report (JSON,
 one row per case, and a line each on the terminal) goes to ``--out``.
 
     python -m bench.gpu_suite --modes colocated,1p1d-nccl,1p1d-tcp --out bench/results/gpu-suite-h100.json \\
@@ -120,6 +122,28 @@ def cases(t: Traffic) -> dict:
     }
 
 
+def long_cases(t: Traffic, tokens: int, max_len: int) -> dict:
+    """``--long``: one prompt of ``tokens`` tokens, the same again (its blocks in the prefix cache), and one token
+    over the workers' context, which must get a 400 at once."""
+    prompt = prompts(1, 5, tokens)[0]
+
+    def over_the_context():
+        start = time.perf_counter()
+        r = t.complete(prompts(1, 6, max_len + 1)[0], max_tokens=4)
+        if str(r.get("error", "")).startswith("400") and time.perf_counter() - start < 5:
+            return [{"choices": [{"text": ""}], "usage": {}}]
+        return [{"error": f"wanted a 400 within 5 s, got {str(r)[:200]}"}]
+
+    return {f"long prompt ({tokens} tokens)": lambda: [t.complete(prompt, max_tokens=16)],
+            "the same long prompt again (prefix cached)": lambda: [t.complete(prompt, max_tokens=16)],
+            f"a prompt over the context ({max_len + 1} tokens): 400 at once": over_the_context}
+
+
+def max_len(url: str) -> int:
+    workers = httpx.get(url + "/health", timeout=5).json()["workers"]
+    return min(w["max_len"] for ws in workers.values() for w in ws if w.get("max_len"))
+
+
 def leaked(url: str, wait_s: float = 15.0) -> list[str]:
     """Workers whose blocks are not all free once the cluster is idle (waiting up to ``wait_s`` for heartbeats)."""
     end = time.monotonic() + wait_s
@@ -182,7 +206,7 @@ def start(mode: str, args):
     if mode.startswith("ray-"):
         log.info("mode %s: pdserve deploy ray %s", mode, " ".join(MODES[mode] + args.up))
         return RayDeployment(*MODES[mode], *args.up, gpus_per_worker=1 if args.gpus else 0)
-    extra = MODES[mode] + args.up + (["--gpus", str(GPUS[mode])] if args.gpus else [])
+    extra = MODES[mode] + args.up + (["--gpus", str(min(GPUS[mode], args.gpus_here))] if args.gpus else [])
     log.info("mode %s: pdserve up %s", mode, " ".join(extra))
     return Cluster(*extra, ready_timeout=600).wait_ready()
 
@@ -193,7 +217,8 @@ def run_mode(mode: str, args) -> list[dict]:
     try:
         placed = cluster.gpus_in_use() if isinstance(cluster, RayDeployment) and args.gpus else None
         t = Traffic(cluster.url, args.served, args.timeout)
-        for name, case in cases(t).items():
+        chosen = long_cases(t, args.long, max_len(cluster.url)) if args.long else cases(t)
+        for name, case in chosen.items():
             t0 = time.perf_counter()
             results = case()
             wall = time.perf_counter() - t0
@@ -203,6 +228,7 @@ def run_mode(mode: str, args) -> list[dict]:
             texts = [c.get("text", (c.get("message") or {}).get("content")) for r in results
                      for c in r.get("choices", [])[:1]]
             rows.append({"mode": mode, "case": name, "requests": len(results), "errors": len(errors),
+                         **({"gpus": min(GPUS[mode], args.gpus_here)} if args.gpus else {}),
                          **({"gpus_in_use": placed} if placed is not None else {}),
                          "error_samples": errors[:3], "stuck": stuck, "tok_s": round(tokens / wall, 1),
                          "wall_s": round(wall, 2), "texts": texts})
@@ -222,7 +248,8 @@ def same_text(rows: list[dict]) -> None:
     ref = {r["case"]: r["texts"] for r in rows if r["mode"] == rows[0]["mode"]}
     for r in rows:
         want = ref.get(r["case"])
-        if want and r["case"] in ("fresh", "32 identical at once", "repeated (full prefix hits, burst)"):
+        if want and (r["case"] in ("fresh", "32 identical at once", "repeated (full prefix hits, burst)")
+                     or "long prompt" in r["case"]):
             r["same_text_as_" + rows[0]["mode"]] = sum(a == b for a, b in zip(r["texts"], want)) / max(1, len(want))
 
 
@@ -232,9 +259,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--served", default=None, help="the model name requests ask for (default: what --model serves)")
     p.add_argument("--timeout", type=float, default=120.0, help="a request not answered by then counts as stuck")
-    p.add_argument("--gpus", action="store_true", help="spread each mode's workers over its GPUs (pdserve up --gpus)")
+    p.add_argument("--gpus", action="store_true", help="spread each mode's workers over its GPUs (pdserve up --gpus); "
+                   "a mode of more GPUs than the machine has shares them, said in its rows")
+    p.add_argument("--long", type=int, default=0, help="instead of the usual cases: a prompt of this many tokens, "
+                   "again, and one over the context (the long-context case)")
     args, up = p.parse_known_args(argv)
     args.up = up
+    args.gpus_here = max(1, len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.split(
+        "\n")) - 1) if args.gpus else 1
     if args.served is None:
         model = up[up.index("--model") + 1] if "--model" in up else "tiny-llama"
         args.served = model.rstrip("/").rsplit("/", 1)[-1]

@@ -38,7 +38,6 @@ FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any d
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
 USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
 VARLEN_MIN_PROMPTS = 3  # measured (bench.lab.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
-USE_PREFIX_SPLIT = True  # a chunk after a cached prefix on CUDA: two cuDNN calls merged (kernels.prefix_split)
 
 
 @functools.cache
@@ -262,7 +261,7 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, sca
         if keys.shape[0] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
             group = q.shape[1] // keys.shape[0]
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        if mask is not None and USE_PREFIX_SPLIT and prefix_split.usable(q.device, q.dtype, meta.window):
+        if mask is not None and prefix_split.usable(q.device, q.dtype, meta.window):
             out[s:e] = prefix_split.attend(q[s:e].transpose(0, 1), keys, values, keys.shape[1] - (e - s), scale,
                                            "cudnn").transpose(0, 1)
             continue

@@ -7,12 +7,13 @@
 #   pp       pipeline parallelism                                        scale    four GPUs
 #   disagg   conditional disaggregation and the planner                  guided   structured output on the GPU
 #   migrate  decoding requests moved off a drained decode worker (2 GPUs)
+#   traffic  real traffic and long prompts: prefill by length, the planner's profile, a trace replay, 100k prompts
 #   engine, nccl, fast, arrow: the engine and the nccl/arrow transports' first checks (OUT as the first argument)
 set -uo pipefail
 here=$(dirname "$0")
 name=${1:-}
 if [ -z "$name" ] || [ ! -f "$here/$name.sh" ] || [ "$name" = common ] || [ "$name" = run ]; then
-  sed -n '2,10p' "$0"; exit 2
+  sed -n '2,11p' "$0"; exit 2
 fi
 shift
 exec bash "$here/$name.sh" "$@"

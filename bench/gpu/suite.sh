@@ -7,7 +7,9 @@
 # bench chaos for CHAOS_S seconds (default 300) on 2P2D over nccl and on two colocated replicas, a worker SIGKILLed
 # every 30 s in each (with 2 GPUs three workers share a card: on 80 GB cards give --max-num-seqs 16). The report:
 # $OUT/gpu-suite-$TAG.json, chaos-*-$TAG.{json,md}, the bench serve tables and the logs beside them. SKIP_HANG,
-# SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES picks modes, CHAOS the chaos runs.
+# SKIP_SHUTDOWN, SKIP_CHAOS, SKIP_MODES=1 leave a part out; MODES picks modes, CHAOS the chaos runs. The long-context
+# case (SKIP_LONG=1 leaves it out): a prompt of LONG tokens (default 100,000), Llama-3.1-8B shape, colocated and 1P1D
+# over nccl, then the same prompt again and one over the context: $OUT/gpu-suite-long-$TAG.json.
 #   OUT=bench/results TAG=h100-2026-11-27 bash bench/gpu/run.sh suite [MODEL_ARGS...]
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu-suite}; TAG=${TAG:-gpu}; mkdir -p "$OUT"
@@ -64,6 +66,11 @@ if [ "$gpus" -ge 2 ] && [ "${SKIP_CHAOS:-0}" = 0 ]; then  # kills under load: 2P
     tail -n +3 "$OUT/chaos-$c-$TAG.md" 2>/dev/null | grep -E "requests|leaked|verdict"
     echo "chaos $c: $(grep -cE 'Traceback|recvValue failed|should dump' "$OUT/chaos-$c-$TAG.log") lines of stack traces"
   done
+fi
+if [ "${SKIP_LONG:-0}" = 0 ]; then  # a 100k-token prompt colocated and 1P1D over nccl (one GPU: the pair shares it)
+  $PY -m bench.gpu_suite --modes colocated,1p1d-nccl --gpus --long ${LONG:-100000} --timeout 300 \
+    --out "$OUT/gpu-suite-long-$TAG.json" --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
+    --max-model-len 131072 --kv-budget 24G --max-num-seqs 16 || echo "long-context case failed"
 fi
 [ "${SKIP_MODES:-0}" = 1 ] && exit 0
 modes=colocated,colocated-eager,fp8-colocated

@@ -16,8 +16,8 @@ Each is checked against the float32 reference on a small case first, then timed 
 3 warm-ups) and reported in TFLOP/s of causal attention work (4 x heads x dim x queries x mean keys). ``--engine``:
 one prompt of each length of ``--lengths`` through the engine (``--model``, dummy weights, no prefix cache), time to
 its first token (the second prompt of each length: the first compiles), as TFLOP/s of the whole forward (2 x the
-parameters outside the embeddings x n + 2 x layers x heads x dim x n^2, the causal attention), ``--path`` choosing
-how chunks after the first attend."""
+parameters outside the embeddings x n + 2 x layers x heads x dim x n^2, the causal attention), for each step budget
+of ``--budgets`` (the chunk a prompt is prefilled in: ``--max-batched-tokens``)."""
 from __future__ import annotations
 
 import argparse
@@ -162,7 +162,7 @@ def kernels(prefixes: list[int], chunk: int) -> list[dict]:
     return [{"checks_max_abs_err": checks}] + rows
 
 
-def engine_prefill(model: str, lengths: list[int], max_len: int) -> list[dict]:
+def engine_prefill(model: str, lengths: list[int], max_len: int, budget: int) -> list[dict]:
     import time
 
     from bench.engine import _seqs
@@ -171,6 +171,7 @@ def engine_prefill(model: str, lengths: list[int], max_len: int) -> list[dict]:
 
     engine = Engine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
                                  max_model_len=max_len, max_num_seqs=4, kv_budget_bytes=40 << 30,
+                                 max_batched_tokens=budget,
                                  prefix_caching=False))  # every prompt computed whole
     spec = engine.model.spec
     embeddings = 2 * spec.vocab_size * spec.hidden_size  # a lookup and the last token's logits: no n-token matmul
@@ -209,19 +210,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--lengths", default="8192,32768,65536,102400")
     ap.add_argument("--max-model-len", type=int, default=131072)
-    ap.add_argument("--path", choices=("split", "mask"), default="split", help="--engine: how a chunk after a cached "
-                    "prefix attends (split: the engine's; mask: SDPA with a boolean mask, the path it replaced)")
+    ap.add_argument("--budgets", default="8192", help="--engine: step budgets (tokens a step computes), one engine each")
     ap.add_argument("--out", default="bench/out/prefix-attention.json")
     args = ap.parse_args(argv)
     report = {"command": "python -m bench.lab.prefix_attention " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.engine:
-        from engine import attention
-
-        report["path"] = args.path
-        attention.USE_PREFIX_SPLIT = args.path == "split"
-    if args.engine:
-        report["engine"] = engine_prefill(args.model, [int(x) for x in args.lengths.split(",")], args.max_model_len)
+        lengths = [int(x) for x in args.lengths.split(",")]
+        report["engine"] = [row for budget in args.budgets.split(",")
+                            for row in engine_prefill(args.model, lengths, args.max_model_len, int(budget))]
     else:
         report["kernels"] = kernels([int(x) for x in args.prefixes.split(",")], args.chunk)
     with open(args.out, "w") as f:
