@@ -89,6 +89,9 @@ class DecodeWorker(WorkerLoop):
         self.adopting: dict = {}
         if not colocated:
             cfg.pool_bytes = min(cfg.pool_bytes, self.kv_budget)
+            # a transfer this engine could hold is never refused: one sequence's KV at the model's whole context
+            full_context = self.engine.max_len * getattr(self.engine, "kv_bytes_per_token", 0)
+            cfg.max_transfer_bytes = max(cfg.max_transfer_bytes, full_context)
             if transport == "nccl":  # the transport's GPU is the engine's
                 cfg.options.setdefault("device", str(self.engine.device))
             self.receiver = make_receiver(transport, cfg)

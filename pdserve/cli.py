@@ -89,7 +89,8 @@ def _add_worker(p: argparse.ArgumentParser):
     p.add_argument("--control-fd", type=int, default=None, help="a listening socket inherited as this descriptor, "
                    "bound by whoever started the worker (pdserve up does); --port, if given, names its port")
     p.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
-    p.add_argument("--max-transfer-bytes", type=byte_size, default=8 << 30)
+    p.add_argument("--max-transfer-bytes", type=byte_size, default=8 << 30, help="the largest KV transfer a decode "
+                   "worker takes (never below one sequence's KV at the model's whole context)")
     p.add_argument("--cluster-token-file", default=None, help="file with the cluster token (or PDSERVE_CLUSTER_TOKEN); "
                    "required when binding beyond loopback")
     p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight work on SIGTERM")

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     requests, _ = replay.window(window, args.max_context)
     runs = []
     for choice in args.varlen.split(","):
-        attention.USE_VARLEN = attention.USE_VARLEN_CACHED = choice == "on"
+        attention.USE_VARLEN = choice == "on"
         prompts = replay.Prompts(args.block_size, 256, "0:0")
         run = replay_engine.run(args.engine, requests, prompts.ids, args.concurrency)
         run["varlen"] = choice
