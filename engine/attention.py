@@ -241,10 +241,10 @@ def _attend_written(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, sca
         else:
             slots, mask = segment
             keys, values = kv_fp8.read(flat_k[slots], ks, q.dtype), kv_fp8.read(flat_v[slots], vs, q.dtype)
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-        if keys.shape[0] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
-            group = q.shape[1] // keys.shape[0]
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        if keys.shape[1] != q.shape[1]:  # repeated heads keep SDPA on its fused kernels (GQA mode is slower there)
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # token-major, as q: one cuDNN plan, any length
         if mask is not None and prefix_split.usable(q.device, q.dtype, meta.window):
             out[s:e] = prefix_split.attend(q[s:e].transpose(0, 1), keys, values, keys.shape[1] - (e - s), scale,
                                            "cudnn").transpose(0, 1)

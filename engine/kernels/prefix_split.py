@@ -12,7 +12,13 @@ dim]`` (heads already repeated to the queries'); ``op``: ``cudnn`` (CUDA) or ``c
 same merge, for tests)."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+# cuDNN builds a plan for every new pair of lengths (tens of ms each), and a served trace's chunks rarely repeat one:
+# its ragged mode takes any length with one plan, for token-major (BSHD) tensors, which is how these are laid out.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 
 def _fused(q, k, v, causal: bool, scale: float, op: str):
