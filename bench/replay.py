@@ -66,6 +66,7 @@ def add_arguments(p):
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="the tokens' seed (with the run's index)")
+    p.add_argument("--name", default=None, help="the configuration's name in the report (default: --up-args)")
     p.add_argument("--out", default="bench/out/replay", help="directory of the report")
 
 
@@ -209,6 +210,15 @@ def replay_once(args, url: str, model: str, requests: list[TraceRequest], speed:
     return out
 
 
+def goodput_result(args, requests: list[TraceRequest], speed: float | None) -> dict:
+    """The goodput as ``bench goodput`` reports it, for ``pdserve plan --measured``: the request rate of the window
+    at the fastest speed within the SLOs (its requests over its span, times the speed), under the trace's name."""
+    span = max(requests[-1].arrival_s, 1e-9) if len(requests) > 1 else 1.0
+    return {"name": args.name or args.up_args or args.url, "up_args": shlex.split(args.up_args),
+            "workload": os.path.basename(args.trace), "goodput_speed": speed,
+            "goodput_rate": (speed or 0.0) * len(requests) / span}
+
+
 def markdown(report: dict) -> str:
     w = report["window"]
     lines = [f"# Trace replay: {os.path.basename(report['trace'])} ({report['format']})", "",
@@ -235,7 +245,8 @@ def markdown(report: dict) -> str:
                   f"{a['seconds']:.1f} s, {a['prompt_tok_per_s']:.0f} prompt tok/s, {a['reused_tokens']} tokens "
                   f"reused; the first run served {a['served_share']:.0%} of that rate."]
     if report.get("goodput_speed") is not None:
-        lines += ["", f"Fastest speed with {report['attainment']:.0%} within the SLOs: {report['goodput_speed']:g}"]
+        lines += ["", f"Fastest speed with {report['attainment']:.0%} within the SLOs: {report['goodput_speed']:g} "
+                  f"({report['results'][0]['goodput_rate']:.2f} req/s)"]
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +307,7 @@ def run(args) -> int:
     if args.speeds:
         meeting = [run["speed"] for run in runs if run["summary"]["goodput_fraction"] >= args.attainment]
         report["goodput_speed"] = max(meeting) if meeting else None
+        report["results"] = [goodput_result(args, requests, report["goodput_speed"])]
     paths = write(report, args.out)
     print(markdown(report))
     print("wrote " + ", ".join(paths.values()))

@@ -192,8 +192,8 @@ def run(args, validate=None) -> int:
     if args.measured:
         from . import measured
 
-        report["measured"] = measured.compare(report["candidates"], measured.measured_goodputs(args.measured,
-                                                                                            args.workload))
+        of = os.path.basename(args.trace) if args.trace else args.workload  # a replay's results name their trace
+        report["measured"] = measured.compare(report["candidates"], measured.measured_goodputs(args.measured, of))
         md += "\n\nAgainst the measurements (" + ", ".join(args.measured) + "):\n\n" + measured.table(report["measured"])
         print("\n" + measured.table(report["measured"]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

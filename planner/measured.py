@@ -1,6 +1,7 @@
 """The plan set against goodput measured on the hardware (``pdserve plan --measured REPORT.json``).
 
-A ``bench goodput`` report names each configuration by its ``pdserve up``
+A ``bench goodput`` report (or a ``bench replay --speeds`` one, its results
+under the trace's name) names each configuration by its ``pdserve up``
 arguments; a candidate of the plan, by the ``pdserve up`` it prints. Both
 reduce to the same shape (``shape_of``: colocated or not, prefill and decode
 workers, the TP of each, ``--disagg``, whether steps are capped by a TPOT

@@ -95,6 +95,14 @@ def test_a_replay_on_the_tiny_model_reuses_what_the_model_says_when_the_window_f
         assert reuse["prompt_tokens"] == reuse["workers"]["computed_tokens"] + want
         assert sum(r["output_tokens"] for r in run["samples"]) == sum(r.output_tokens for r in requests)
     assert report["goodput_speed"] == 2000
+    result = report["results"][0]  # what pdserve plan --measured reads: the window's rate at the goodput speed
+    assert result["goodput_rate"] == pytest.approx(2000 * 40 / requests[-1].arrival_s, rel=1e-6)
+    assert result["workload"] == MOONCAKE.name and result["up_args"] == ["--colocated", "--no-warmup"]
+    from planner.measured import measured_goodputs, shape_of
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    found = measured_goodputs([str(tmp_path / "report.json")], MOONCAKE.name)
+    assert found[shape_of(["--colocated"])]["goodput"] == result["goodput_rate"]
+    assert measured_goodputs([str(tmp_path / "report.json")], "another-trace.csv") == {}
     alone = report["engine_alone"]
     assert alone["reused_tokens"] == want and alone["prompt_tokens"] == report["window"]["prompt_tokens"]
     assert alone["output_tokens"] == sum(r.output_tokens for r in requests) and alone["prompt_tok_per_s"] > 0
