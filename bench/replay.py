@@ -11,11 +11,12 @@ clipped or skipped (``--too-long``), and counted.
 
 The report: TTFT, TPOT and ITL percentiles, SLO attainment and goodput (``bench.serve.summarize``), and prompt tokens
 reused three ways, side by side: the window's ideal (an unlimited cache), an LRU over blocks at the cluster's KV
-capacity (``planner.reuse``; the prompt-computing workers' pools, or ``--kv-capacity-blocks``), and what the workers
-reported (their prefix counters' growth over the run, per worker and in total). ``--engine-alone`` then runs the
-first run's prompts through the engine alone (``bench.replay_engine``): the rate serving is held against.
-``--speeds`` replays the window at each speed, each with tokens of its own (no run reuses another's cache), and
-names the fastest whose attainment meets ``--attainment``. JSON, Markdown and a plot go to ``--out``."""
+capacity (``planner.reuse``; the prompt-computing workers' pools and host tiers, or ``--kv-capacity-blocks``), and
+what the workers reported (their prefix counters' growth over the run, per worker and in total).
+``--engine-alone`` then runs the first run's prompts through the engine alone (``bench.replay_engine``): the rate
+serving is held against. ``--speeds`` replays the window at each speed, each with tokens of its own (no run reuses
+another's cache; ``--same-prompts``: the first run's tokens every time), and names the fastest whose attainment
+meets ``--attainment``. JSON, Markdown and a plot go to ``--out``."""
 from __future__ import annotations
 
 import asyncio
@@ -66,6 +67,8 @@ def add_arguments(p):
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="the tokens' seed (with the run's index)")
+    p.add_argument("--same-prompts", action="store_true", help="every run of --speeds sends the first run's tokens "
+                   "(what a cache that outlives a run keeps shows in the later runs)")
     p.add_argument("--name", default=None, help="the configuration's name in the report (default: --up-args)")
     p.add_argument("--out", default="bench/out/replay", help="directory of the report")
 
@@ -137,7 +140,7 @@ def cluster(url: str) -> dict:
             if w.get("address") not in out:
                 out[w["address"]] = {"role": role, **{k: w.get(k) for k in (
                     "max_len", "vocab_size", "kv_blocks", "kv_block_size", "prefix_prompt_tokens",
-                    "prefix_cached_tokens")}}
+                    "prefix_cached_tokens", "host_capacity_blocks", "prefix_host_cached_tokens")}}
     if not out:
         raise RuntimeError(f"{url}/health lists no workers")
     return out
@@ -146,7 +149,8 @@ def cluster(url: str) -> dict:
 def capacity_blocks(workers: dict, block_size: int) -> int:
     """The prompt-computing workers' KV pools (prefill and colocated ones; else all), in blocks of ``block_size``."""
     computing = [w for w in workers.values() if w["role"] in ("prefill", "colocated")] or list(workers.values())
-    return sum((w["kv_blocks"] or 0) * (w["kv_block_size"] or 0) for w in computing) // block_size
+    return sum(((w["kv_blocks"] or 0) + (w.get("host_capacity_blocks") or 0)) * (w["kv_block_size"] or 0)
+               for w in computing) // block_size
 
 
 def reported(before: dict, after: dict) -> dict:
@@ -284,8 +288,8 @@ def run(args) -> int:
         capacity = args.kv_capacity_blocks or capacity_blocks(workers, args.block_size)
         vocab = min(w["vocab_size"] for w in workers.values() if w.get("vocab_size"))
         speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else [args.speed]
-        runs = [replay_once(args, url, model, requests, speed, f"{args.seed}:{i}", capacity, vocab)
-                for i, speed in enumerate(speeds)]
+        runs = [replay_once(args, url, model, requests, speed, f"{args.seed}:{0 if args.same_prompts else i}",
+                            capacity, vocab) for i, speed in enumerate(speeds)]
     finally:
         if started is not None:
             started.stop()

@@ -57,6 +57,8 @@ def engine_args(args) -> list[str]:
     for flag in ("step_prefill_tokens", "slo_tpot_ms"):
         if getattr(args, flag, None) is not None:
             out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if getattr(args, "kv_host_bytes", 0):
+        out += ["--kv-host-bytes", str(args.kv_host_bytes)]
     if args.ray_address:
         out += ["--ray-address", args.ray_address]
     if not getattr(args, "prefix_caching", True):

@@ -16,6 +16,10 @@ again to a sequence whose prompt starts with the same tokens (``match`` +
 is left the least recently used one is evicted, and of one sequence's blocks
 the last first (its head stays matchable longest). ``drain_events`` returns the
 keys stored and evicted since the last call (workers report them to routers).
+A tier below (``lower``, e.g. ``kvcache.HostTier``) is offered every block the
+pool evicts (``lower.offload(key, block)``) before the block is handed out
+again; a key it keeps is not reported evicted until the tier drops it too
+(``dropped_below``).
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
 whole step's planning)."""
@@ -44,6 +48,7 @@ class BlockManager:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, oldest first
         self.stored: set[int] = set()
         self.evicted: set[int] = set()
+        self.lower = None  # a tier below the pool (kvcache), offered what the pool evicts
         self.lock = threading.RLock()
 
     @property
@@ -68,7 +73,8 @@ class BlockManager:
         self.key_of[block] = None
         del self.by_key[key]
         self.stored.discard(key)
-        self.evicted.add(key)
+        if self.lower is None or not self.lower.offload(key, block):
+            self.evicted.add(key)
         return block
 
     def grow(self, table: list[int], tokens: int) -> None:
@@ -138,6 +144,13 @@ class BlockManager:
                 self.by_key[key] = block
                 self.evicted.discard(key)
                 self.stored.add(key)
+
+    def dropped_below(self, key: int) -> None:
+        """The tier below dropped ``key``: evicted from this worker, unless the pool holds it again."""
+        with self.lock:
+            if key not in self.by_key:
+                self.stored.discard(key)
+                self.evicted.add(key)
 
     def keys(self) -> list[int]:
         with self.lock:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int | None = None
     kv_budget_bytes: int = 0
+    kv_host_bytes: int = 0  # a host-memory tier under the pool's prefix cache (kvcache.HostTier); 0: none
     num_blocks: int | None = None
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
@@ -41,6 +42,14 @@ class EngineConfig:
     quantization: str | None = None
     step_prefill_tokens: int | None = None  # prompt tokens a step that also decodes takes at most (step_budget)
     slo_tpot_ms: float | None = None  # or: learn that cap to keep such steps within this time
+
+    @classmethod
+    def from_options(cls, args) -> "EngineConfig":
+        """From a worker's parsed command line: every option named as a field (``--kv-budget`` is
+        ``kv_budget_bytes``), the rest at their defaults."""
+        names = {f.name for f in fields(cls)}
+        given = {k: v for k, v in vars(args).items() if k in names}
+        return cls(**given, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0)
 
     @property
     def tokenizer_source(self) -> str:
@@ -67,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"engine {self.engine!r} not in {ENGINES}")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
+        if type(self.kv_host_bytes) is not int or self.kv_host_bytes < 0:
+            raise ValueError("kv_host_bytes must be a size in bytes (0: no host tier)")
+        if self.kv_host_bytes and (self.tp > 1 or self.pp > 1 or not self.prefix_caching):
+            raise ValueError("--kv-host-bytes needs the prefix cache on, and works without --tp/--pp for now")
         if type(self.tp) is not int or self.tp < 1:
             raise ValueError("tp must be a positive integer")
         if type(self.pp) is not int or self.pp < 1:

@@ -33,6 +33,7 @@ class Batch:
     chunks: list[int] = field(default_factory=list)
     refused: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, block): KV loaded back before the step
     decode_rows: int = 0  # sequences this step advances by one generated token
 
     def add(self, seq: Sequence, chunk: int) -> None:
@@ -123,16 +124,20 @@ class Scheduler:
                 batch.refused.append(seq)
                 continue
             hits = self._cached_prefix(seq)
-            computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1) if hits else seq.num_computed
+            slots = self._lower_prefix(seq, hits)
+            cached = len(hits) + len(slots)
+            computed = min(cached * self.blocks.block_size, seq.num_tokens - 1) if cached else seq.num_computed
             chunk = min(seq.num_tokens - computed, budget, prompt_left)
-            shared = computed // self.blocks.block_size if hits else len(seq.block_table)
+            shared = min(len(hits), computed // self.blocks.block_size) if cached else len(seq.block_table)
             if self.blocks.blocks_for(computed + chunk) - shared > self.blocks.num_free - self._idle_among(hits):
                 break
             self.waiting.popleft()
             self.running.append(seq)
             seq.scheduled_at = seq.scheduled_at or time.perf_counter()
             if hits:
-                self._reuse(seq, hits, computed, batch)
+                self._reuse(seq, hits, min(computed, len(hits) * self.blocks.block_size), batch)
+            if slots:
+                self._load(seq, slots, batch)
             self.blocks.grow(seq.block_table, seq.num_computed + chunk)
             batch.add(seq, chunk)
             budget -= chunk
@@ -151,9 +156,35 @@ class Scheduler:
         return extend_hashes(seq.block_keys, seq.tokens(0, tokens), self.blocks.block_size, self.salt)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.blocks.caching or seq.num_computed or seq.block_table or seq.params.prompt_logprobs is not None:
+        if not self._cached_prefix_allowed(seq):
             return []
         return self.blocks.match(self.keys(seq, seq.num_tokens))
+
+    def _lower_prefix(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """The tier's slots of the full blocks that follow the pool's ``hits`` (at least one token left to compute)."""
+        lower, bs = self.blocks.lower, self.blocks.block_size
+        room = (seq.num_tokens - 1) // bs - len(hits)
+        if lower is None or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
+            return []
+        return lower.match(self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room])
+
+    def _cached_prefix_allowed(self, seq: Sequence) -> bool:
+        return self.blocks.caching and not (seq.num_computed or seq.block_table
+                                            or seq.params.prompt_logprobs is not None)
+
+    def _load(self, seq: Sequence, slots: list[int], batch: Batch) -> None:
+        """Continue ``seq`` on new blocks that the tier's ``slots`` are loaded into before this step; registered in
+        the prefix cache at once (the loads are queued before anything reads them)."""
+        bs, start = self.blocks.block_size, len(seq.block_table)
+        self.blocks.lower.pin(slots)
+        keys = self.keys(seq, (start + len(slots)) * bs)
+        self.blocks.grow(seq.block_table, (start + len(slots)) * bs)
+        for i, slot in enumerate(slots):
+            batch.loads.append((slot, seq.block_table[start + i]))
+            self.blocks.register(seq.block_table[start + i], keys[start + i])
+        seq.num_computed = seq.cached_tokens = (start + len(slots)) * bs
+        seq.registered = start + len(slots)
+        seq.cached_by_tier = {"gpu": start * bs, "host": len(slots) * bs}
 
     def _idle_among(self, blocks: list[int]) -> int:
         """Of these cached blocks, how many count as free now (taking them makes them not free)."""
@@ -170,6 +201,7 @@ class Scheduler:
             batch.copies.append((source, seq.block_table[-1]))
         seq.num_computed = seq.cached_tokens = computed
         seq.registered = len(shared)
+        seq.cached_by_tier = {"gpu": computed}
 
     def _make_room(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
         while not self.blocks.can_grow(seq.block_table, tokens):

@@ -36,6 +36,7 @@ class Sequence:
         self.block_keys: list[int] = []
         self.registered = 0
         self.cached_tokens = 0
+        self.cached_by_tier: dict[str, int] = {}  # of cached_tokens: the pool's ("gpu") and a tier's ("host")
         self.counted = False
         self.pending = 0  # places held in output_ids for tokens still being chosen on the device
         self.freed = False  # taken out of the engine (finished or aborted)

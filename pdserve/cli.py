@@ -73,6 +73,8 @@ def _add_engine(p: argparse.ArgumentParser):
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: FP8 weights with per-output-channel scales, activations quantized per token (CUDA, "
                         "compute capability 8.9+); an FP8 checkpoint loads as it is, a bf16 one is quantized at load")
+    p.add_argument("--kv-host-bytes", type=byte_size, default=0, help="each worker's host-memory KV tier, e.g. 80G: "
+                   "blocks its GPU pool evicts stay there and come back on a prefix hit (docs/kv-tiers.md)")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")
@@ -287,18 +289,7 @@ def _bench_parsers(bsub) -> None:
 def _engine_config(args):
     from engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                        threads=args.threads, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                        max_batched_tokens=args.max_batched_tokens, kv_budget_bytes=getattr(args, "kv_budget", 0) or 0,
-                        decode_graphs=args.decode_graphs, prefix_caching=getattr(args, "prefix_caching", True),
-                        engine=args.engine, tp=args.tp, load_format=args.load_format, pp=getattr(args, "pp", 1),
-                        pp_layers=getattr(args, "pp_layers", None), pp_transport=getattr(args, "pp_transport", "tcp"),
-                        pp_placement_group=getattr(args, "pp_placement_group", None),
-                        overlap=getattr(args, "overlap", True), warmup=getattr(args, "warmup", True),
-                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                        quantization=getattr(args, "quantization", None),
-                        step_prefill_tokens=getattr(args, "step_prefill_tokens", None),
-                        slo_tpot_ms=getattr(args, "slo_tpot_ms", None))
+    return EngineConfig.from_options(args)
 
 
 def _transport_config(args, port=0):

@@ -5,7 +5,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # lowest first: each package may import the ones before it, never one after it
-LAYERS = ["control", "kvtransfer", "engine", "prefill", "decode", "planner", "router", "deploy", "bench", "pdserve"]
+LAYERS = ["control", "kvtransfer", "kvcache", "engine", "prefill", "decode", "planner", "router", "deploy", "bench", "pdserve"]
 
 
 def modules() -> dict[str, pathlib.Path]:
