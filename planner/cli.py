@@ -66,6 +66,9 @@ def add_arguments(p):
                    "(GB/s) at least (the profile's own steps alone otherwise)")
     p.add_argument("--save-profile", default=None, help="write the profile as calibrated (with --calibrate or "
                    "--kv-read-gb-s): what `pdserve up --roles auto --roles-profile` then plans on")
+    p.add_argument("--tier-gb", default=None, help="with --trace: instead, what KV tiers of these sizes (GB a worker, "
+                   "comma-separated, e.g. 0,500,1000,2000) buy on the trace: reuse and prompt times (planner.tiers)")
+    p.add_argument("--tier-gb-s", type=float, default=50.0, help="--tier-gb: the tier's read rate into the GPU (GB/s)")
     p.add_argument("--out", default="bench/out/plan")
     kinds = p.add_subparsers(dest="plan_kind")
     from . import placement_cli
@@ -125,6 +128,31 @@ def read_rate(args, profiles: dict) -> dict | str | None:
     return {"kv_read_gb_s": rate, "source": source, "handoff_steps": handoff, "prefill_scale": scale}
 
 
+def tiers_run(args) -> int:
+    from . import tiers
+    from .traces import TRACE_BLOCK, read
+
+    if not args.trace or len(args.profile) != 1:
+        print("error: --tier-gb needs --trace and one --profile")
+        return 2
+    try:
+        requests, profile = read(args.trace), Profile.load(args.profile[0])
+        rows = tiers.tier_rows(requests, profile, [float(x) for x in args.tier_gb.split(",")], TRACE_BLOCK,
+                               args.tier_gb_s)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    md = tiers.table(rows, TRACE_BLOCK)
+    print(md)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"trace": args.trace, "profile": args.profile[0], "tier_gb_s": args.tier_gb_s, "rows": rows}, f,
+                  indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"KV tiers on `{os.path.basename(args.trace)}`, profile `{args.profile[0]}`\n\n{md}\n")
+    return 0
+
+
 def run(args, validate=None) -> int:
     """``validate(best, args, model, slo, gpu)``: measures the best candidates (``bench.plan_validate``, given by
     the ``pdserve`` command: the planner runs no benchmark itself)."""
@@ -132,6 +160,8 @@ def run(args, validate=None) -> int:
         from . import placement_cli
 
         return placement_cli.run(args)
+    if args.tier_gb:
+        return tiers_run(args)
     if not args.profile or not args.gpus:
         print("error: pdserve plan needs --profile and --gpus (or: pdserve plan placement ...)")
         return 2

@@ -20,7 +20,7 @@ def profile(prefill_ms_per_token: float, decode_base_ms: float = 5.0, tp: int = 
     decode = [{"batch": b, "context": c, "step_ms": decode_base_ms + 0.05 * b + 2e-5 * b * c}
               for b in (1, 16, 64, 256) for c in (512, 8192)]
     return Profile(model="synthetic", device="gpu", tp=tp, prefill=prefill, decode=decode,
-                   kv_bytes_per_token=131072, kv_capacity_tokens=1_000_000, **extra)
+                   kv_bytes_per_token=131072, **{"kv_capacity_tokens": 1_000_000, **extra})
 
 
 def test_profiles_interpolate_and_refuse_what_they_are_not():
@@ -343,3 +343,24 @@ def test_the_shifting_workload_is_simulated_in_phases_of_seconds_at_every_rate()
         light = reqs[int(rate * SHIFT_S):]
         assert all(SHIFTING[0][0][0] <= r.prompt <= SHIFTING[0][0][1] for r in heavy)
         assert all(SHIFTING[1][0][0] <= r.prompt <= SHIFTING[1][0][1] for r in light)
+
+
+def test_tiers_buy_reuse_as_the_lru_model_counts_it_and_save_prefill():
+    """``pdserve plan --tier-gb``: each size's capacity is the pool's plus the tier's blocks, its reuse the LRU
+    model's at that capacity, and more memory never computes more."""
+    from pathlib import Path
+
+    from planner import tiers
+    from planner.reuse import reused_tokens
+    from planner.traces import read
+
+    requests = read(str(Path(__file__).with_name("data") / "traces" / "mooncake_conversation_slice.jsonl"))
+    prof = profile(0.05, kv_capacity_tokens=512 * 20)  # a pool of 20 trace blocks
+    rows = tiers.tier_rows(requests, prof, [0, 0.5, 5], 512, 50.0)
+    assert [r["capacity_blocks"] for r in rows] == [20, 20 + int(0.5e9 / 131072) // 512, 20 + int(5e9 / 131072) // 512]
+    for r in rows:
+        want = sum(reused_tokens(requests, 512, r["capacity_blocks"])) / sum(q.prompt_tokens for q in requests)
+        assert r["reused_share"] == pytest.approx(want)
+    assert rows[0]["reused_share"] < rows[2]["reused_share"]
+    assert rows[0]["prefill_gpu_s"] > rows[1]["prefill_gpu_s"] >= rows[2]["prefill_gpu_s"]
+    assert "| 0.5 |" in tiers.table(rows, 512)
