@@ -59,6 +59,8 @@ def engine_args(args) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if getattr(args, "kv_host_bytes", 0):
         out += ["--kv-host-bytes", str(args.kv_host_bytes)]
+    if getattr(args, "kv_disk", None):
+        out += ["--kv-disk", args.kv_disk, "--kv-disk-bytes", str(args.kv_disk_bytes)]
     if args.ray_address:
         out += ["--ray-address", args.ray_address]
     if not getattr(args, "prefix_caching", True):

@@ -26,6 +26,8 @@ class EngineConfig:
     max_batched_tokens: int | None = None
     kv_budget_bytes: int = 0
     kv_host_bytes: int = 0  # a host-memory tier under the pool's prefix cache (kvcache.HostTier); 0: none
+    kv_disk: str | None = None  # a directory for a disk tier under the host tier (kvcache.DiskTier)
+    kv_disk_bytes: int = 0
     num_blocks: int | None = None
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)
@@ -78,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"decode_graphs {self.decode_graphs!r} not in {DECODE_GRAPHS}")
         if type(self.kv_host_bytes) is not int or self.kv_host_bytes < 0:
             raise ValueError("kv_host_bytes must be a size in bytes (0: no host tier)")
+        if type(self.kv_disk_bytes) is not int or self.kv_disk_bytes < 0 or bool(self.kv_disk) != bool(self.kv_disk_bytes):
+            raise ValueError("--kv-disk DIR and --kv-disk-bytes SIZE go together (and need --kv-host-bytes)")
         if self.kv_host_bytes and (self.tp > 1 or self.pp > 1 or not self.prefix_caching):
             raise ValueError("--kv-host-bytes needs the prefix cache on, and works without --tp/--pp for now")
         if type(self.tp) is not int or self.tp < 1:

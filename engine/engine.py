@@ -94,14 +94,16 @@ class Engine:
                            self.kv_dtype, self.device, memory, kv_scales)
         self.kv_scales = self.pool.scales  # FP8: (k_scale, v_scale) per layer; None otherwise
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
-        self.host_tier = attach_host_tier(self.pool.stacked, self.blocks, cfg.kv_host_bytes, self.block_bytes)
+        self.host_tier = attach_host_tier(self.pool.stacked, self.blocks, cfg.kv_host_bytes, self.block_bytes,
+                                          cfg.kv_disk, cfg.kv_disk_bytes)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
         self.scheduler.prefill_cap = self.prefill_budget.tokens()
         self.step_log = StepLog()
         self.profiler, self._last_step_end = None, None  # the worker's step profiler; when the last busy step ended
-        self.prompt_tokens = self.cached_tokens = self.prefix_hits = self.host_cached_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
+        self.tier_tokens = {"host": 0, "disk": 0}  # prompt tokens loaded from each tier
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
@@ -128,7 +130,7 @@ class Engine:
                 "prefix_caching": self.blocks.caching, "prefix_cached_blocks": self.blocks.num_cached,
                 "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
                 "prefix_hits": self.prefix_hits, "vocab_size": self.tokenizer.vocab_size,
-                "prefix_host_cached_tokens": self.host_cached_tokens,
+                **{f"prefix_{tier}_cached_tokens": n for tier, n in self.tier_tokens.items()},
                 **(self.host_tier.info() if self.host_tier is not None else {})}
 
     @property
@@ -227,7 +229,7 @@ class Engine:
                 seq.counted = True
                 self.prompt_tokens += len(seq.prompt_ids)
                 self.cached_tokens += seq.cached_tokens
-                self.host_cached_tokens += seq.cached_by_tier.get("host", 0)
+                self.tier_tokens = {t: n + seq.cached_by_tier.get(t, 0) for t, n in self.tier_tokens.items()}
                 self.prefix_hits += seq.cached_tokens > 0
 
     def release(self, table: list[int]) -> None:

@@ -33,7 +33,7 @@ class Batch:
     chunks: list[int] = field(default_factory=list)
     refused: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, block): KV loaded back before the step
+    loads: list[tuple] = field(default_factory=list)  # ((tier, slot), block): KV loaded back before the step
     decode_rows: int = 0  # sequences this step advances by one generated token
 
     def add(self, seq: Sequence, chunk: int) -> None:
@@ -161,7 +161,7 @@ class Scheduler:
         return self.blocks.match(self.keys(seq, seq.num_tokens))
 
     def _lower_prefix(self, seq: Sequence, hits: list[int]) -> list[int]:
-        """The tier's slots of the full blocks that follow the pool's ``hits`` (at least one token left to compute)."""
+        """The tiers' ``(tier, slot)`` of the full blocks that follow the pool's ``hits`` (a token left to compute)."""
         lower, bs = self.blocks.lower, self.blocks.block_size
         room = (seq.num_tokens - 1) // bs - len(hits)
         if lower is None or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
@@ -172,7 +172,7 @@ class Scheduler:
         return self.blocks.caching and not (seq.num_computed or seq.block_table
                                             or seq.params.prompt_logprobs is not None)
 
-    def _load(self, seq: Sequence, slots: list[int], batch: Batch) -> None:
+    def _load(self, seq: Sequence, slots: list[tuple], batch: Batch) -> None:
         """Continue ``seq`` on new blocks that the tier's ``slots`` are loaded into before this step; registered in
         the prefix cache at once (the loads are queued before anything reads them)."""
         bs, start = self.blocks.block_size, len(seq.block_table)
@@ -184,7 +184,9 @@ class Scheduler:
             self.blocks.register(seq.block_table[start + i], keys[start + i])
         seq.num_computed = seq.cached_tokens = (start + len(slots)) * bs
         seq.registered = start + len(slots)
-        seq.cached_by_tier = {"gpu": start * bs, "host": len(slots) * bs}
+        seq.cached_by_tier = {"gpu": start * bs}
+        for tier, _ in slots:
+            seq.cached_by_tier[tier.name] = seq.cached_by_tier.get(tier.name, 0) + bs
 
     def _idle_among(self, blocks: list[int]) -> int:
         """Of these cached blocks, how many count as free now (taking them makes them not free)."""

@@ -73,7 +73,8 @@ def warm_up(engine) -> float:
                 engine.free(seq)
     finally:
         engine.blocks.caching = caching
-    engine.prompt_tokens = engine.cached_tokens = engine.prefix_hits = engine.host_cached_tokens = 0
+    engine.prompt_tokens = engine.cached_tokens = engine.prefix_hits = 0
+    engine.tier_tokens = dict.fromkeys(engine.tier_tokens, 0)
     engine.scheduler.preemptions = 0
     seconds = time.perf_counter() - start
     log.info("warmed up in %.1fs", seconds)

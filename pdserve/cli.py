@@ -75,6 +75,8 @@ def _add_engine(p: argparse.ArgumentParser):
                         "compute capability 8.9+); an FP8 checkpoint loads as it is, a bf16 one is quantized at load")
     p.add_argument("--kv-host-bytes", type=byte_size, default=0, help="each worker's host-memory KV tier, e.g. 80G: "
                    "blocks its GPU pool evicts stay there and come back on a prefix hit (docs/kv-tiers.md)")
+    p.add_argument("--kv-disk", default=None, help="a directory for a disk KV tier under the host tier")
+    p.add_argument("--kv-disk-bytes", type=byte_size, default=0, help="the disk tier's size, e.g. 2T")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")

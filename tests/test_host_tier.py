@@ -62,9 +62,9 @@ def test_a_block_still_being_written_is_never_read_and_counted():
         tier.offload(key, block)
     copy = Pending()
     tier.writing[tier.slot_of[11]] = copy
-    assert tier.match([10, 11, 12]) == [tier.slot_of[10]] and tier.stats.skipped_in_flight == 1
+    assert tier.match([10, 11, 12]) == [(tier, tier.slot_of[10])] and tier.stats.skipped_in_flight == 1
     copy.done = True
-    assert tier.match([10, 11, 12]) == [tier.slot_of[k] for k in (10, 11, 12)] and not tier.writing
+    assert tier.match([10, 11, 12]) == [(tier, tier.slot_of[k]) for k in (10, 11, 12)] and not tier.writing
     assert torch.equal(tier.slots[tier.slot_of[12]], pool[:, 2])
 
 
@@ -74,11 +74,11 @@ def test_a_slot_about_to_be_loaded_from_is_never_dropped():
     tier = HostTier(pool, 2, on_drop=dropped.append)
     tier.offload(1, 0)
     tier.offload(2, 1)
-    tier.pin([tier.slot_of[1]])  # matched by a sequence admitted this step
+    tier.pin([(tier, tier.slot_of[1])])  # matched by a sequence admitted this step
     assert tier.offload(3, 2) and dropped == [2]  # the unpinned, though more recent
-    tier.pin([tier.slot_of[3]])
+    tier.pin([(tier, tier.slot_of[3])])
     assert not tier.offload(4, 3) and 4 not in tier.slot_of  # every slot pinned: not kept
-    tier.load([(tier.slot_of[1], 5), (tier.slot_of[3], 6)])
+    tier.load([((tier, tier.slot_of[1]), 5), ((tier, tier.slot_of[3]), 6)])
     assert not tier.pinned and tier.offload(4, 3)
 
 
@@ -114,3 +114,38 @@ def test_a_replayed_slice_reuses_what_the_pool_and_the_tier_keep_and_again_nearl
     assert first["reuse"]["workers"]["reused_tokens"] >= 0.95 * first["reuse"]["lru"]["reused_tokens"], first["reuse"]
     assert again["reuse"]["workers"]["share"] >= 0.90, again["reuse"]
     assert first["summary"]["errors"] == again["summary"]["errors"] == 0
+
+
+def test_blocks_the_host_tier_drops_go_to_disk_come_back_and_a_corrupt_one_is_recomputed(tmp_path):
+    """A host tier of 10 blocks over a disk tier of 200: a prompt pushed out of both the pool and host memory comes
+    back from the disk file with the same text; a block whose bytes changed on disk fails its checksum and the
+    prompt's blocks from there on are computed again, with the same text; the file goes with the engine."""
+    import gc
+
+    block = Engine(EngineConfig(device="cpu", threads=1, num_blocks=8, warmup=False)).block_bytes
+    engine = Engine(EngineConfig(device="cpu", threads=1, num_blocks=40, kv_host_bytes=10 * block, warmup=False,
+                                 kv_disk=str(tmp_path), kv_disk_bytes=200 * block))
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 250) for _ in range(300)]
+    cold = generate(engine, prompt)
+    for _ in range(6):
+        generate(engine, [rng.randrange(3, 250) for _ in range(300)])
+    warm = generate(engine, prompt)
+    assert warm.output_ids == cold.output_ids and warm.cached_by_tier.get("disk", 0) > 0
+    assert warm.cached_tokens == 288
+    disk = engine.host_tier.lower
+    for _ in range(6):  # out of the pool and host memory again
+        generate(engine, [rng.randrange(3, 250) for _ in range(300)])
+    first = engine.scheduler.keys(warm, 16)[0]
+    disk.slots[disk.slot_of[first]].view(torch.uint8)[0] ^= 0xFF  # one byte of the prompt's first block, on disk
+    again = generate(engine, prompt)
+    assert again.output_ids == cold.output_ids and disk.stats.corrupt == 1
+    assert again.cached_tokens == 0 and first not in disk.slot_of  # nothing before the bad block to take
+    info = engine.prefix_info()
+    assert info["disk_corrupt"] == 1 and info["prefix_disk_cached_tokens"] == warm.cached_by_tier["disk"]
+    assert engine.blocks.num_free == engine.num_blocks
+    path = disk.path
+    assert Path(path).exists()
+    del engine, disk
+    gc.collect()
+    assert not Path(path).exists()

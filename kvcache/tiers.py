@@ -1,0 +1,235 @@
+"""The tiers under a worker's GPU pool: full KV blocks the pool evicted, in (pinned) host memory and then on disk.
+
+The pool is ``[2 x layers, blocks, block_size, kv_heads, head_dim]`` (``engine.kv_pool.KVPool.stacked``); a slot of
+a tier holds one block of every layer, ``[2 x layers, block_size, kv_heads, head_dim]``, contiguous. A tier's
+slots are pinned host memory (``HostTier``) or a file mapped into memory (``DiskTier``); each tier is LRU over keys
+(a load counts as a use) and may have a ``lower`` one, which gets what it drops.
+
+- ``offload(key, block)``: the pool's ``block``, about to be handed out again, holds the KV keyed ``key``: its
+  copy is queued into a free slot (the least recently used key is dropped, or passed down, when none is free) on
+  the device's current stream, before anything that overwrites the block; an event marks its end. A key held
+  already is only marked as recently used. True: the key lives on here (or below).
+- ``match(keys)``: handles ``(tier, slot)`` of the longest run of ``keys`` held here and then below. A slot still
+  being written is never read: the run stops there (``skipped_in_flight``). A disk slot whose checksum (taken when
+  it was written) no longer matches is dropped and stops the run (``corrupt``): that block is computed again.
+- ``pin(handles)``, then ``load(pairs)``: matched slots are kept from being dropped until their ``(handle, block)``
+  copies back into the pool are queued (before the step that reads the blocks), which unpins them.
+- ``settle()``: waits for every copy queued so far (a caller on another thread or stream needs them done).
+
+``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted)."""
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+import zlib
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class TierStats:
+    offloaded: int = 0  # blocks copied in
+    loaded: int = 0  # blocks copied back to the pool
+    dropped: int = 0  # keys this tier let go (passed down, or gone)
+    skipped_in_flight: int = 0  # matches that stopped at a block still being written
+    corrupt: int = 0  # blocks whose checksum failed (recomputed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def capacity_blocks(nbytes: int, block_bytes: int, flag: str, room: int) -> int:
+    """Blocks of ``block_bytes`` in ``nbytes``; a clear error for sizes this machine cannot give (``room`` bytes)."""
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"{flag} must be a positive size, e.g. 80G (got {nbytes!r})")
+    if nbytes > room:
+        raise ValueError(f"{flag} {nbytes / 2**30:.1f} GiB is more than this machine's {room / 2**30:.1f} GiB")
+    if nbytes < block_bytes:
+        raise ValueError(f"{flag} {nbytes} bytes holds no KV block ({block_bytes} bytes each)")
+    return nbytes // block_bytes
+
+
+def host_capacity_blocks(nbytes: int, block_bytes: int, flag: str = "--kv-host-bytes") -> int:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return capacity_blocks(nbytes, block_bytes, flag + " (of memory)", memory)
+
+
+class Tier:
+    policy = "LRU"
+    name = "tier"
+
+    def __init__(self, pool: torch.Tensor, slots: torch.Tensor, on_drop=None, lower: "Tier | None" = None):
+        self.pool, self.slots, self.lower, self.on_drop = pool, slots, lower, on_drop
+        self.cuda = pool.device.type == "cuda"
+        self.capacity = slots.shape[0]
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently used first
+        self.key_of: dict[int, int] = {}
+        self.free = list(range(self.capacity - 1, -1, -1))
+        self.writing: dict[int, object] = {}  # slot -> the event that ends its copy (CUDA)
+        self.pinned: dict[int, int] = {}  # slot -> loads queued for it in this step
+        self.stats = TierStats()
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def offload(self, key: int, block: int) -> bool:
+        return self.put(key, self.pool[:, block])
+
+    def put(self, key: int, source: torch.Tensor) -> bool:
+        if key in self.slot_of:
+            self.slot_of.move_to_end(key)
+            return True
+        slot = self.free.pop() if self.free else self._drop_oldest()
+        if slot is None:  # every slot is about to be loaded from: this key is not kept
+            return self.lower is not None and self.lower.put(key, source)
+        self._write(slot, source)
+        self.slot_of[key], self.key_of[slot] = slot, key
+        self.stats.offloaded += 1
+        return True
+
+    def _write(self, slot: int, source: torch.Tensor) -> None:
+        self.slots[slot].copy_(source, non_blocking=self.cuda and source.device.type == "cuda")
+        if self.cuda and source.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.writing[slot] = event
+
+    def _drop_oldest(self) -> int | None:
+        key = next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
+        if key is None:
+            return None
+        slot = self.slot_of.pop(key)
+        del self.key_of[slot]
+        self.stats.dropped += 1
+        if self.lower is not None:
+            self._settle(slot)
+            if self.lower.put(key, self.slots[slot]):
+                return slot
+        if self.on_drop is not None:
+            self.on_drop(key)
+        return slot  # a copy into it still in flight is ordered before the next one on the same stream
+
+    def _forget(self, key: int) -> None:
+        slot = self.slot_of.pop(key)
+        del self.key_of[slot]
+        self.free.append(slot)
+        if self.on_drop is not None:
+            self.on_drop(key)
+
+    def match(self, keys: list[int]) -> list[tuple["Tier", int]]:
+        out = []
+        for key in keys:
+            slot = self.slot_of.get(key)
+            if slot is None:
+                break
+            event = self.writing.get(slot)
+            if event is not None:
+                if not event.query():
+                    self.stats.skipped_in_flight += 1
+                    return out
+                del self.writing[slot]
+            if not self._intact(slot):
+                self.stats.corrupt += 1
+                self._forget(key)
+                return out
+            out.append((self, slot))
+        if self.lower is not None and len(out) < len(keys):
+            out += self.lower.match(keys[len(out):])
+        return out
+
+    def _intact(self, slot: int) -> bool:
+        return True
+
+    def pin(self, handles: list[tuple["Tier", int]]) -> None:
+        for tier, slot in handles:
+            tier.pinned[slot] = tier.pinned.get(slot, 0) + 1
+
+    def load(self, pairs: list[tuple[tuple["Tier", int], int]]) -> None:
+        for (tier, slot), block in pairs:
+            tier.pool[:, block].copy_(tier.slots[slot], non_blocking=tier.cuda and tier.slots.is_pinned())
+            tier.slot_of.move_to_end(tier.key_of[slot])
+            tier.pinned[slot] -= 1
+            if not tier.pinned[slot]:
+                del tier.pinned[slot]
+            tier.stats.loaded += 1
+
+    def _settle(self, slot: int) -> None:
+        event = self.writing.pop(slot, None)
+        if event is not None:
+            event.synchronize()
+
+    def settle(self) -> None:
+        for slot in list(self.writing):
+            self._settle(slot)
+
+    def info(self) -> dict:
+        out = {f"{self.name}_blocks": len(self.slot_of), f"{self.name}_capacity_blocks": self.capacity,
+               f"{self.name}_policy": self.policy, **{f"{self.name}_{k}": v for k, v in self.stats.to_dict().items()}}
+        return {**out, **(self.lower.info() if self.lower is not None else {})}
+
+
+class HostTier(Tier):
+    """Slots in host memory, pinned when the pool is on a GPU (copies at the link's full rate, asynchronous)."""
+    name = "host"
+
+    def __init__(self, pool: torch.Tensor, capacity: int, on_drop=None, lower: Tier | None = None):
+        shape = (capacity, pool.shape[0], *pool.shape[2:])
+        super().__init__(pool, torch.empty(shape, dtype=pool.dtype, pin_memory=pool.device.type == "cuda"),
+                         on_drop, lower)
+
+
+class DiskTier(Tier):
+    """Slots in a file under ``directory``, mapped into memory (the page cache in front of the disk), each with the
+    CRC-32 of its bytes as written, checked before it is read. The file is removed when the tier goes."""
+    name = "disk"
+
+    def __init__(self, pool: torch.Tensor, capacity: int, directory: str, on_drop=None):
+        shape = (capacity, pool.shape[0], *pool.shape[2:])
+        nbytes = capacity * pool[:, 0].numel() * pool.element_size()
+        self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{id(self):x}.bin")
+        with open(self.path, "wb") as f:
+            f.truncate(nbytes)
+        weakref.finalize(self, _remove, self.path)
+        raw = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+        super().__init__(pool, raw.view(pool.dtype).view(shape), on_drop)
+        self.sums: dict[int, int] = {}
+
+    def _write(self, slot: int, source: torch.Tensor) -> None:
+        self.slots[slot].copy_(source)
+        self.sums[slot] = self._crc(slot)
+
+    def _crc(self, slot: int) -> int:
+        return zlib.crc32(self.slots[slot].view(torch.uint8).numpy())
+
+    def _intact(self, slot: int) -> bool:
+        return self.sums.get(slot) == self._crc(slot)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def attach(pool: torch.Tensor, blocks, nbytes: int, block_bytes: int, disk: str | None = None,
+           disk_bytes: int = 0) -> HostTier | None:
+    """A host tier of ``nbytes`` under ``blocks`` (the pool's ``engine.blocks.BlockManager``), with a disk tier of
+    ``disk_bytes`` in directory ``disk`` under it when given; None for 0 bytes."""
+    if not nbytes:
+        if disk:
+            raise ValueError("--kv-disk goes under a host tier: give --kv-host-bytes too")
+        return None
+    lower = None
+    if disk:
+        if not os.path.isdir(disk):
+            raise ValueError(f"--kv-disk {disk}: no such directory")
+        room = shutil.disk_usage(disk).free
+        lower = DiskTier(pool, capacity_blocks(disk_bytes, block_bytes, "--kv-disk-bytes (free on disk)", room), disk,
+                         on_drop=blocks.dropped_below)
+    tier = HostTier(pool, host_capacity_blocks(nbytes, block_bytes), on_drop=blocks.dropped_below, lower=lower)
+    blocks.lower = tier
+    return tier
