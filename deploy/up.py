@@ -59,6 +59,8 @@ def engine_args(args) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if getattr(args, "kv_host_bytes", 0):
         out += ["--kv-host-bytes", str(args.kv_host_bytes)]
+    if getattr(args, "kv_pool", None):
+        out += ["--kv-pool", args.kv_pool]
     if getattr(args, "kv_disk", None):
         out += ["--kv-disk", args.kv_disk, "--kv-disk-bytes", str(args.kv_disk_bytes)]
     if args.ray_address:
@@ -317,7 +319,8 @@ def up(args) -> int:
         env[TOKEN_ENV] = new_token()
     env.update(parent_env())  # the children stop when up dies, even by SIGKILL (control.lifetime)
     try:
-        if args.transport == "ray" and not args.ray_address and not args.colocated:
+        pool_needs_ray = getattr(args, "kv_pool", None) == "ray" and not os.environ.get("RAY_ADDRESS")
+        if (args.transport == "ray" and not args.colocated or pool_needs_ray) and not args.ray_address:
             from deploy.raycluster import RayCluster
 
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()

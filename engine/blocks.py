@@ -49,6 +49,7 @@ class BlockManager:
         self.stored: set[int] = set()
         self.evicted: set[int] = set()
         self.lower = None  # a tier below the pool (kvcache), offered what the pool evicts
+        self.remote = None  # a cluster-wide pool (kvcache.pool), offered every block registered, matched last
         self.lock = threading.RLock()
 
     @property
@@ -144,6 +145,8 @@ class BlockManager:
                 self.by_key[key] = block
                 self.evicted.discard(key)
                 self.stored.add(key)
+                if self.remote is not None:
+                    self.remote.publish(key, block)
 
     def dropped_below(self, key: int) -> None:
         """The tier below dropped ``key``: evicted from this worker, unless the pool holds it again."""

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvcache import attach as attach_host_tier
+from kvcache import attach as attach_tiers, load as load_tiers
 from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, free_memory
@@ -94,8 +94,7 @@ class Engine:
                            self.kv_dtype, self.device, memory, kv_scales)
         self.kv_scales = self.pool.scales  # FP8: (k_scale, v_scale) per layer; None otherwise
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
-        self.host_tier = attach_host_tier(self.pool.stacked, self.blocks, cfg.kv_host_bytes, self.block_bytes,
-                                          cfg.kv_disk, cfg.kv_disk_bytes)
+        self.tiers = attach_tiers(self.pool.stacked, self.blocks, self.block_bytes, cfg, self.name)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
@@ -103,7 +102,6 @@ class Engine:
         self.step_log = StepLog()
         self.profiler, self._last_step_end = None, None  # the worker's step profiler; when the last busy step ended
         self.prompt_tokens = self.cached_tokens = self.prefix_hits = 0
-        self.tier_tokens = {"host": 0, "disk": 0}  # prompt tokens loaded from each tier
         self.runner = ModelRunner(self.model, self.pool, self.device, loaded.suppress, engine_graphs(self, cfg))
         self.suppress = self.runner.suppress
         self.hold_after_first = hold_after_first
@@ -130,8 +128,7 @@ class Engine:
                 "prefix_caching": self.blocks.caching, "prefix_cached_blocks": self.blocks.num_cached,
                 "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
                 "prefix_hits": self.prefix_hits, "vocab_size": self.tokenizer.vocab_size,
-                **{f"prefix_{tier}_cached_tokens": n for tier, n in self.tier_tokens.items()},
-                **(self.host_tier.info() if self.host_tier is not None else {})}
+                **self.tiers.info()}
 
     @property
     def block_bytes(self) -> int:
@@ -188,8 +185,7 @@ class Engine:
             if not self.blocks.can_grow(table, tokens + 1):
                 return None
             self.blocks.grow(table, tokens)
-        if self.host_tier is not None:  # blocks it evicted are copied out before the caller's stream writes them
-            self.host_tier.settle()
+        self.tiers.settle()  # blocks it evicted are copied out before the caller's stream writes them
         return table
 
     def pieces(self, table: list[int], tokens: int) -> list:
@@ -229,7 +225,7 @@ class Engine:
                 seq.counted = True
                 self.prompt_tokens += len(seq.prompt_ids)
                 self.cached_tokens += seq.cached_tokens
-                self.tier_tokens = {t: n + seq.cached_by_tier.get(t, 0) for t, n in self.tier_tokens.items()}
+                self.tiers.count(seq.cached_by_tier)
                 self.prefix_hits += seq.cached_tokens > 0
 
     def release(self, table: list[int]) -> None:
@@ -311,7 +307,8 @@ class Engine:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         if batch.loads:
-            self.host_tier.load(batch.loads)
+            load_tiers(batch.loads)
+        self.tiers.end_step()
         self._count_prefix(batch)
         feed = self.inflight.choices.device_tokens if self.inflight is not None else None
         scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None, feed)

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import kvcache
+
 from .blocks import BlockManager
 from .prefix_hash import extend_hashes
 from .sequence import Sequence
@@ -162,11 +164,15 @@ class Scheduler:
 
     def _lower_prefix(self, seq: Sequence, hits: list[int]) -> list[int]:
         """The tiers' ``(tier, slot)`` of the full blocks that follow the pool's ``hits`` (a token left to compute)."""
-        lower, bs = self.blocks.lower, self.blocks.block_size
+        lower, remote, bs = self.blocks.lower, self.blocks.remote, self.blocks.block_size
         room = (seq.num_tokens - 1) // bs - len(hits)
-        if lower is None or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
+        if (lower is None and remote is None) or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
             return []
-        return lower.match(self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room])
+        keys = self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room]
+        found = lower.match(keys) if lower is not None else []
+        if remote is not None and len(found) < len(keys):
+            found += remote.match(keys[len(found):])
+        return found
 
     def _cached_prefix_allowed(self, seq: Sequence) -> bool:
         return self.blocks.caching and not (seq.num_computed or seq.block_table
@@ -176,7 +182,7 @@ class Scheduler:
         """Continue ``seq`` on new blocks that the tier's ``slots`` are loaded into before this step; registered in
         the prefix cache at once (the loads are queued before anything reads them)."""
         bs, start = self.blocks.block_size, len(seq.block_table)
-        self.blocks.lower.pin(slots)
+        kvcache.pin(slots)
         keys = self.keys(seq, (start + len(slots)) * bs)
         self.blocks.grow(seq.block_table, (start + len(slots)) * bs)
         for i, slot in enumerate(slots):

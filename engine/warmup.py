@@ -74,7 +74,7 @@ def warm_up(engine) -> float:
     finally:
         engine.blocks.caching = caching
     engine.prompt_tokens = engine.cached_tokens = engine.prefix_hits = 0
-    engine.tier_tokens = dict.fromkeys(engine.tier_tokens, 0)
+    engine.tiers.tokens = dict.fromkeys(engine.tiers.tokens, 0)
     engine.scheduler.preemptions = 0
     seconds = time.perf_counter() - start
     log.info("warmed up in %.1fs", seconds)

@@ -12,15 +12,15 @@ slots are pinned host memory (``HostTier``) or a file mapped into memory (``Disk
 - ``match(keys)``: handles ``(tier, slot)`` of the longest run of ``keys`` held here and then below. A slot still
   being written is never read: the run stops there (``skipped_in_flight``). A disk slot whose checksum (taken when
   it was written) no longer matches is dropped and stops the run (``corrupt``): that block is computed again.
-- ``pin(handles)``, then ``load(pairs)``: matched slots are kept from being dropped until their ``(handle, block)``
-  copies back into the pool are queued (before the step that reads the blocks), which unpins them.
+- ``pin(handles)``, then ``load(pairs)`` (module functions: a handle names its tier): matched slots are kept from
+  being dropped until their ``(handle, block)`` copies back into the pool are queued (before the step that reads
+  the blocks), which unpins them.
 - ``settle()``: waits for every copy queued so far (a caller on another thread or stream needs them done).
 
 ``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted)."""
 from __future__ import annotations
 
 import os
-import shutil
 import weakref
 import zlib
 from collections import OrderedDict
@@ -143,18 +143,16 @@ class Tier:
     def _intact(self, slot: int) -> bool:
         return True
 
-    def pin(self, handles: list[tuple["Tier", int]]) -> None:
-        for tier, slot in handles:
-            tier.pinned[slot] = tier.pinned.get(slot, 0) + 1
+    def pin_one(self, slot: int) -> None:
+        self.pinned[slot] = self.pinned.get(slot, 0) + 1
 
-    def load(self, pairs: list[tuple[tuple["Tier", int], int]]) -> None:
-        for (tier, slot), block in pairs:
-            tier.pool[:, block].copy_(tier.slots[slot], non_blocking=tier.cuda and tier.slots.is_pinned())
-            tier.slot_of.move_to_end(tier.key_of[slot])
-            tier.pinned[slot] -= 1
-            if not tier.pinned[slot]:
-                del tier.pinned[slot]
-            tier.stats.loaded += 1
+    def load_one(self, slot: int, block: int) -> None:
+        self.pool[:, block].copy_(self.slots[slot], non_blocking=self.cuda and self.slots.is_pinned())
+        self.slot_of.move_to_end(self.key_of[slot])
+        self.pinned[slot] -= 1
+        if not self.pinned[slot]:
+            del self.pinned[slot]
+        self.stats.loaded += 1
 
     def _settle(self, slot: int) -> None:
         event = self.writing.pop(slot, None)
@@ -208,28 +206,20 @@ class DiskTier(Tier):
         return self.sums.get(slot) == self._crc(slot)
 
 
+def pin(handles: list[tuple]) -> None:
+    """Keep each matched ``(tier, slot)`` until it is loaded."""
+    for tier, slot in handles:
+        tier.pin_one(slot)
+
+
+def load(pairs: list[tuple]) -> None:
+    """Each ``((tier, slot), block)``: the tier's block copied into the pool's ``block``, queued on its stream."""
+    for (tier, slot), block in pairs:
+        tier.load_one(slot, block)
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
     except OSError:
         pass
-
-
-def attach(pool: torch.Tensor, blocks, nbytes: int, block_bytes: int, disk: str | None = None,
-           disk_bytes: int = 0) -> HostTier | None:
-    """A host tier of ``nbytes`` under ``blocks`` (the pool's ``engine.blocks.BlockManager``), with a disk tier of
-    ``disk_bytes`` in directory ``disk`` under it when given; None for 0 bytes."""
-    if not nbytes:
-        if disk:
-            raise ValueError("--kv-disk goes under a host tier: give --kv-host-bytes too")
-        return None
-    lower = None
-    if disk:
-        if not os.path.isdir(disk):
-            raise ValueError(f"--kv-disk {disk}: no such directory")
-        room = shutil.disk_usage(disk).free
-        lower = DiskTier(pool, capacity_blocks(disk_bytes, block_bytes, "--kv-disk-bytes (free on disk)", room), disk,
-                         on_drop=blocks.dropped_below)
-    tier = HostTier(pool, host_capacity_blocks(nbytes, block_bytes), on_drop=blocks.dropped_below, lower=lower)
-    blocks.lower = tier
-    return tier

@@ -77,6 +77,8 @@ def _add_engine(p: argparse.ArgumentParser):
                    "blocks its GPU pool evicts stay there and come back on a prefix hit (docs/kv-tiers.md)")
     p.add_argument("--kv-disk", default=None, help="a directory for a disk KV tier under the host tier")
     p.add_argument("--kv-disk-bytes", type=byte_size, default=0, help="the disk tier's size, e.g. 2T")
+    p.add_argument("--kv-pool", choices=["ray"], default=None, help="a cluster-wide KV pool: prefixes any worker "
+                   "computed, fetched from the store (ray: the Ray object store of RAY_ADDRESS, or one up starts)")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")

@@ -14,6 +14,7 @@ import torch
 from engine import EngineConfig, SamplingParams
 from engine.engine import Engine
 from engine.sequence import Sequence
+import kvcache
 from kvcache import HostTier, host_capacity_blocks
 
 SLICE = Path(__file__).with_name("data") / "traces" / "mooncake_conversation_slice.jsonl"
@@ -74,11 +75,11 @@ def test_a_slot_about_to_be_loaded_from_is_never_dropped():
     tier = HostTier(pool, 2, on_drop=dropped.append)
     tier.offload(1, 0)
     tier.offload(2, 1)
-    tier.pin([(tier, tier.slot_of[1])])  # matched by a sequence admitted this step
+    kvcache.pin([(tier, tier.slot_of[1])])  # matched by a sequence admitted this step
     assert tier.offload(3, 2) and dropped == [2]  # the unpinned, though more recent
-    tier.pin([(tier, tier.slot_of[3])])
+    kvcache.pin([(tier, tier.slot_of[3])])
     assert not tier.offload(4, 3) and 4 not in tier.slot_of  # every slot pinned: not kept
-    tier.load([((tier, tier.slot_of[1]), 5), ((tier, tier.slot_of[3]), 6)])
+    kvcache.load([((tier, tier.slot_of[1]), 5), ((tier, tier.slot_of[3]), 6)])
     assert not tier.pinned and tier.offload(4, 3)
 
 
@@ -133,7 +134,7 @@ def test_blocks_the_host_tier_drops_go_to_disk_come_back_and_a_corrupt_one_is_re
     warm = generate(engine, prompt)
     assert warm.output_ids == cold.output_ids and warm.cached_by_tier.get("disk", 0) > 0
     assert warm.cached_tokens == 288
-    disk = engine.host_tier.lower
+    disk = engine.tiers.host.lower
     for _ in range(6):  # out of the pool and host memory again
         generate(engine, [rng.randrange(3, 250) for _ in range(300)])
     first = engine.scheduler.keys(warm, 16)[0]

@@ -1,0 +1,65 @@
+"""The tiers of one engine, attached to its block manager as its options ask (``attach``), and what the engine
+calls on them: ``settle`` (before a block handed to another thread is written), ``end_step`` (after a step's
+loads), ``count`` (a sequence's cached tokens by tier), ``info`` (the worker's report)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from .pool import PoolTier, namespace
+from .tiers import DiskTier, HostTier, capacity_blocks, host_capacity_blocks
+
+POOL_BLOCKS = 1 << 20  # blocks the cluster pool's index holds at most (the store spills or drops beyond)
+
+
+class Tiers:
+    def __init__(self, host: HostTier | None = None, pool: PoolTier | None = None):
+        self.host, self.pool = host, pool
+        self.tokens = {"host": 0, "disk": 0, "pool": 0}  # prompt tokens loaded from each
+
+    def settle(self) -> None:
+        if self.host is not None:
+            self.host.settle()
+
+    def end_step(self) -> None:
+        if self.pool is not None:
+            self.pool.end_step()
+
+    def count(self, by_tier: dict) -> None:
+        for tier in self.tokens:
+            self.tokens[tier] += by_tier.get(tier, 0)
+
+    def info(self) -> dict:
+        return {**{f"prefix_{t}_cached_tokens": n for t, n in self.tokens.items()},
+                **(self.host.info() if self.host is not None else {}),
+                **(self.pool.info() if self.pool is not None else {})}
+
+
+def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str) -> Tiers:
+    """``options``: ``kv_host_bytes``, ``kv_disk`` and ``kv_disk_bytes``, ``kv_pool`` (an engine's config).
+    A host tier under ``blocks`` (the pool's ``engine.blocks.BlockManager``), a disk tier under it, and a
+    cluster-wide pool beside them, each where asked; clear errors for what cannot be."""
+    host_bytes, disk = getattr(options, "kv_host_bytes", 0), getattr(options, "kv_disk", None)
+    if disk and not host_bytes:
+        raise ValueError("--kv-disk goes under a host tier: give --kv-host-bytes too")
+    host = None
+    if host_bytes:
+        lower = None
+        if disk:
+            if not os.path.isdir(disk):
+                raise ValueError(f"--kv-disk {disk}: no such directory")
+            room = shutil.disk_usage(disk).free
+            lower = DiskTier(pool, capacity_blocks(options.kv_disk_bytes, block_bytes, "--kv-disk-bytes (free on "
+                                                   "disk)", room), disk, on_drop=blocks.dropped_below)
+        host = HostTier(pool, host_capacity_blocks(host_bytes, block_bytes), on_drop=blocks.dropped_below,
+                        lower=lower)
+        blocks.lower = host
+    remote = None
+    if getattr(options, "kv_pool", None):
+        from .stores import open_store
+
+        remote = PoolTier(pool, open_store(options.kv_pool, POOL_BLOCKS), namespace(model, pool))
+        blocks.remote = remote
+    return Tiers(host, remote)
