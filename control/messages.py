@@ -2,15 +2,18 @@
 the prompt's token ids and the parameters the prefill side resolved; ``first``/``tokens``/``done`` carry logprobs.
 Version 3: a worker sends what one engine step produced for one router as a single ``batch`` of messages.
 Version 4: a decoding request moves between decode workers (``router.migration``, ``decode.migrate``): ``decode``
-may carry ``earlier`` (the output tokens before ``first_token``), and the ``migrate`` ops below.
+may carry ``earlier`` (the output tokens before ``first_token``), and the ``migrate`` ops below. Optional fields
+added since (a reader ignores what it does not know): ``cached_tokens`` and ``cached_tokens_by_tier`` on ``first``
+and a colocated ``done`` (``prefill.cached``).
 
 router -> prefill   ping | prefill{rid, prompt | messages + chat, params, kv_dest} | abort{rid}
 router -> decode    ping | decode{rid, first_token, prompt_ids, emitted, params (resolved)[, earlier]} | abort{rid}
                     | migrate{rid, kv_dest} | release{rid} | unpause{rid}
 router -> colocated ping | generate{rid, prompt, params} | abort{rid}
 worker -> router    pong{info} | first{rid, token, text, prompt_tokens, prompt_ids, params, finish_reason,
-                          logprobs, timing[, prompt_text, prompt_logprobs]}
-                    | tokens{rid, ids, text, logprobs} | done{rid, finish_reason, completion_tokens, timing, phases, logprobs}
+                          logprobs, timing, cached_tokens, cached_tokens_by_tier[, prompt_text, prompt_logprobs]}
+                    | tokens{rid, ids, text, logprobs} | done{rid, finish_reason, completion_tokens, timing, phases, logprobs
+                          [, cached_tokens, cached_tokens_by_tier: a colocated worker's]}
                     | error{rid, status, message}
                     | paused{rid, resume, kv_tokens, kv_bytes, phases} | moved{rid, phases} | migrate_failed{rid, message}
                     | batch{msgs: [any of the above with its rid, as a map with op and no v]}

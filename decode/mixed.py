@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine import RequestError
 from engine.requests import first_message, new_sequence
 from kvtransfer import PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
+from prefill.cached import prompt_cache
 from prefill.pushes import kv_suffix, push_ended
 
 from .worker import DecodeWorker
@@ -114,7 +115,7 @@ class MixedWorker(DecodeWorker):
         _, dest, skip, received = entry
         now, scheduled = time.perf_counter(), seq.scheduled_at or received
         self.emit(seq.rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - received) * 1e3),
-                  kv_tp=1)
+                  kv_tp=1, **prompt_cache(seq))
         if seq.finished:
             self.engine.free(seq)
             self.reply_to.pop(seq.rid, None)

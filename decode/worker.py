@@ -39,6 +39,7 @@ from kvtransfer import (KVLayout, Landing, PiecewiseKV, PoolRows, TransferError,
 from kvtransfer import spec as transport_spec
 from kvtransfer.convert import convert, needs_convert
 from kvtransfer.tensors import unpack
+from prefill.cached import prompt_cache
 
 from . import holds, local, pp_kv, precopy
 from .group_receive import GroupReceive
@@ -371,7 +372,8 @@ class DecodeWorker(WorkerLoop):
             return
         if live.colocated and tok.first:
             now, scheduled = time.perf_counter(), seq.scheduled_at or live.started
-            self.emit(seq.rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - live.started) * 1e3))
+            self.emit(seq.rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - live.started) * 1e3),
+                      **prompt_cache(seq))
             live.started = time.perf_counter()
             if tok.finish_reason:
                 self._finish(seq.rid)
@@ -387,7 +389,7 @@ class DecodeWorker(WorkerLoop):
         phases = live.phases if isinstance(live.phases, dict) or live.phases is None else live.phases.to_dict()
         self.emit(seq.rid, "done", ids=[tok.token], text=tok.text, finish_reason=tok.finish_reason,
                   completion_tokens=tok.index + 1, timing={"decode": decode_ms, **pp_timing(seq)}, phases=phases,
-                  logprobs=tok.logprobs, index=tok.index)
+                  logprobs=tok.logprobs, index=tok.index, **(prompt_cache(seq) if live.colocated else {}))
 
     def close(self):
         self.moves.close()

@@ -3,7 +3,8 @@
 Each ``prefill`` request becomes a sequence in the engine, which batches
 queued prompts into one forward pass up to its token budget (longer prompts
 go in chunks). When a sequence's first token is chosen the worker sends
-``first`` (token + text) to the router at once and pushes the prompt's KV
+``first`` (token + text, and how many prompt tokens came from its prefix
+cache: ``prefill.cached``) to the router at once and pushes the prompt's KV
 to the decode worker at ``kv_dest`` in a sender thread: transports that
 send pieces (tcp, shm and nixl, whose agent registers the pool once, from a
 pool in host memory; nccl from one on its GPU) move it straight from the
@@ -43,6 +44,7 @@ from engine.requests import first_message, new_sequence
 from kvtransfer import KVLayout, PiecewiseKV, PoolRows, TransferError, TransportConfig, make_sender
 from kvtransfer import spec as transport_spec
 
+from .cached import prompt_cache
 from .pushes import kv_suffix, push_ended
 from .tp_kv import GroupPushes, cancel_slices, kv_spans, layer_dest, push_group, push_whole
 
@@ -275,7 +277,7 @@ class PrefillWorker(WorkerLoop):
         scheduled = seq.scheduled_at or queued_at
         self.emit(rid, "first", **first_message(tok, (now - scheduled) * 1e3, (scheduled - queued_at) * 1e3),
                   kv_tp=self.engine.group.size if self.paged else 1,  # the mlx engine sends whole heads
-                  **kv_spans(self.engine, dest))
+                  **kv_spans(self.engine, dest), **prompt_cache(seq))
         if rid in self.sending:  # streaming since the step began; the push frees the blocks when it ends
             if seq.finished:
                 self.reply_to.pop(rid, None)

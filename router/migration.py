@@ -153,6 +153,7 @@ class Migrations:
         log.warning("request %s: %s was lost while it moved; %s computes its %d tokens again", run.rid,
                     move.source.address, move.target.address, len(r["prompt_ids"]) + len(r["earlier"]) + 1)
         move.recomputed = True
+        run.cached_tokens = run.cached_by_tier = None  # the target's done says what it took from its cache
         if move.source in run.involved:
             run.involved.remove(move.source)
             move.source.release(rid)

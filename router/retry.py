@@ -64,6 +64,8 @@ class RequestRun:
     local: bool = False  # this attempt's prompt is computed where it decodes (colocated, or --disagg local)
     warm: bool = False  # a pair's warm-up (router.warmup): pinned by ``avoid``, counted in no metric
     uncached: int = 0  # prompt tokens the decode worker does not hold (``--disagg auto`` only; else 0)
+    cached_tokens: int | None = None  # prompt tokens the worker that computed the KV in use took from its cache
+    cached_by_tier: dict | None = None  # the same by tier; both None until it said (``router.timing.note_cached``)
     state: str = "queued"  # where the current attempt stands (``router.waits``)
     where: object = None  # the worker client it waits on
     since: float = 0.0  # when the current attempt began (monotonic)

@@ -27,7 +27,7 @@ from .migration import OPS as MOVE_OPS, Migrations
 from .retry import RequestRun, StreamError, WorkerFailure
 from .waits import DECODING, PREFILLING, QUEUED, WAITING_KV, Stalled, Waits, check_index
 from .inbox import coalesce
-from .timing import await_kv_sent, close_timing, kv_sent, note_hops
+from .timing import await_kv_sent, close_timing, kv_sent, note_cached, note_hops
 from .warmup import PairWarmer
 from .workers import PICK_WAIT_S, pair_mismatch
 
@@ -182,6 +182,7 @@ class Service:
         inbox = self.inboxes[rid] = asyncio.Queue()
         self.waits.track(rid, run)
         run.workers, run.involved, run.move, run.ignore, finished = {}, [], None, set(), False
+        run.cached_tokens = run.cached_by_tier = None  # this attempt's prompt computation says
         involved = run.involved
         released = set()  # involved workers whose part is done (counted out of ``outstanding`` already)
         try:
@@ -189,6 +190,7 @@ class Service:
             fresh = None
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
                 fresh = await self._first(inbox, run, first_worker)
+                note_cached(run, fresh)  # the KV decode goes on from is this prefill's
             if not run.local and first_worker in involved:
                 first_worker.release(rid)  # its prompt is done: a prefill worker's load is prompts, not streams
                 released.add(first_worker)
@@ -199,7 +201,7 @@ class Service:
                               ttft=(time.perf_counter() - run.t0) * 1e3)
                 note_hops(run, "prefill", first["timing"])
                 yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
-                            first.get("prompt_logprobs"), first["prompt_tokens"])
+                            first.get("prompt_logprobs"), first["prompt_tokens"], run.cached_tokens)
             elif fresh is not None and fresh["token"] != run.first["token"]:
                 log.info("request %s: the retry's prefill chose token %d, decode goes on from the client's %d",
                          rid, fresh["token"], run.first["token"])
@@ -212,7 +214,7 @@ class Service:
                 if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
                 yield Finished(first["finish_reason"], first["prompt_tokens"], 1,
-                               close_timing(run, self._metrics(run)))
+                               close_timing(run, self._metrics(run)), run.cached_tokens or 0)
                 return
             run.state = DECODING
             if decode_worker is not None:
@@ -372,6 +374,8 @@ class Service:
                 run.streamed = True
                 yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
                 timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
+                if run.cached_tokens is None:  # a prompt computed again where it decodes, without a first
+                    note_cached(run, msg)
                 note_hops(run, "decode", msg.get("timing"))
                 if msg.get("phases") and "migrations" not in timing:  # a moved one's came with its pause
                     timing["kv"] = msg["phases"]
@@ -380,7 +384,7 @@ class Service:
                 if not run.local and "overlap" not in timing:
                     await await_kv_sent(inbox, run, self._metrics(run))
                 yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
-                               close_timing(run, self._metrics(run)))
+                               close_timing(run, self._metrics(run)), run.cached_tokens or 0)
                 return
             else:
                 log.warning("request %s: unexpected %r from a worker while decoding", msg["rid"], msg["op"])

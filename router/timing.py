@@ -1,7 +1,8 @@
 """The ``pdserve`` block's timing of a finished request: the phases of its KV transfer (the slowest rank's, each
 rank's under ``kv_ranks``) and, for workers that run a pipeline (``--pp``), ``pp_hops``: per hop between stages
 (``0->1``, ..., the last back to ``0``), the phases summed over the steps that carried this request (``steps``), for
-the prefill worker's pipeline and the decode (or colocated) worker's."""
+the prefill worker's pipeline and the decode (or colocated) worker's. ``cached_tokens_by_tier``: the prompt's tokens
+the worker that computed the KV in use took from its cache, by tier (``note_cached``)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +23,16 @@ def note_hops(run, role: str, timing) -> None:
         held.pop("prefill", None)  # one worker computed the prompt and decoded: its done covers both
         role = "colocated"
     held[role] = [hop_entry(i, len(hops), h) for i, h in enumerate(hops) if isinstance(h, dict)]
+
+
+def note_cached(run, msg: dict) -> None:
+    """What the worker that computed the prompt's KV took from its cache (``prefill.cached``): from its ``first``, or
+    from the ``done`` of a prompt computed again without one (a local retry, a move whose source was lost)."""
+    n = msg.get("cached_tokens")
+    if type(n) is not int or n < 0:
+        return
+    tiers = msg.get("cached_tokens_by_tier")
+    run.cached_tokens, run.cached_by_tier = n, tiers if isinstance(tiers, dict) else {"gpu": n}
 
 
 def hop_entry(i: int, n: int, hop: dict) -> dict:
@@ -51,6 +62,7 @@ def close_timing(run, metrics=None) -> dict:
         if metrics is not None:
             metrics.observe_hops(timing["pp_hops"])
     timing.setdefault("decode", 0.0)
+    timing["cached_tokens_by_tier"] = run.cached_by_tier or {"gpu": run.cached_tokens or 0}
     return timing
 
 
