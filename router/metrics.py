@@ -24,6 +24,15 @@ WORKER_GAUGES = {
     "kv_pairs_aborted": ("pdserve_worker_kv_pairs_aborted", "NCCL pairs a worker's transport aborted (each costs the "
                          "next transfer between the two a new communicator)"),
 }
+TIER_GAUGES = {  # kvcache: each tier's blocks and movements, and the prompt tokens taken from each (docs/kv-tiers.md)
+    f"{tier}_{what}": (f"pdserve_worker_kv_{tier}_{what}", f"A worker's KV {tier} tier: {doc}")
+    for tier, whats in (("host", ("blocks", "capacity_blocks", "offloaded", "loaded", "dropped", "skipped_in_flight")),
+                        ("disk", ("blocks", "capacity_blocks", "offloaded", "loaded", "dropped", "corrupt")),
+                        ("pool", ("published", "unpublished", "loaded", "missing")))
+    for what, doc in ((w, w.replace("_", " ")) for w in whats)}
+TIER_GAUGES.update({f"prefix_{tier}_cached_tokens": (f"pdserve_worker_prefix_tokens_from_{tier}", f"Prompt tokens a "
+                    f"worker loaded from its KV {tier} tier instead of computing them") for tier in ("host", "disk", "pool")})
+WORKER_GAUGES.update(TIER_GAUGES)
 
 
 class Metrics:

@@ -3,6 +3,7 @@ twice is computed in full the first time (0 cached) and from the prefix cache th
 worker that computed it says it took from its cache (the growth of its ``prefix_cached_tokens``), and the
 ``pdserve`` block's ``cached_tokens_by_tier`` adds up to it. Colocated and disaggregated (1 prefill + 1 decode over
 tcp), completions and chat, whole and streamed with ``include_usage``."""
+import re
 import time
 
 import httpx
@@ -82,5 +83,11 @@ def test_tokens_from_the_host_tier_are_counted_and_named_by_tier():
         usage, pdserve = ask(cluster.url, "completions", False, prompt)
         assert usage.prompt_tokens_details.cached_tokens > 0
         assert pdserve["cached_tokens_by_tier"].get("host") == usage.prompt_tokens_details.cached_tokens
+        end = time.monotonic() + 10  # the worker's counters reach the router's /metrics with its next pong
+        while not re.search(r"pdserve_worker_prefix_tokens_from_host\{[^}]*\} [1-9]",
+                            metrics := httpx.get(cluster.url + "/metrics", timeout=10).text):
+            assert time.monotonic() < end, metrics[-3000:]
+            time.sleep(0.2)
+        assert re.search(r"pdserve_worker_kv_host_loaded\{[^}]*\} [1-9]", metrics)
     finally:
         cluster.stop()
