@@ -8,12 +8,13 @@
 #   disagg   conditional disaggregation and the planner                  guided   structured output on the GPU
 #   migrate  decoding requests moved off a drained decode worker (2 GPUs)
 #   traffic  real traffic and long prompts: prefill by length, the planner's profile, a trace replay, 100k prompts
+#   tiers    KV tiers: copy rates against pinned memory, a prefix from host memory, a trace replayed twice, chaos
 #   engine, nccl, fast, arrow: the engine and the nccl/arrow transports' first checks (OUT as the first argument)
 set -uo pipefail
 here=$(dirname "$0")
 name=${1:-}
 if [ -z "$name" ] || [ ! -f "$here/$name.sh" ] || [ "$name" = common ] || [ "$name" = run ]; then
-  sed -n '2,11p' "$0"; exit 2
+  sed -n '2,12p' "$0"; exit 2
 fi
 shift
 exec bash "$here/$name.sh" "$@"

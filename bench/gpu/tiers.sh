@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# KV tiers on one GPU (Llama-3.1-8B shape, dummy bf16 weights). Steps (default all):
+#   copy     the host tier's block copies against the pinned copy limit, and a 16k prefix from host memory
+#            against computing it (python -m bench.lab.tier_copy): bars 80% of pinned, TTFT ratio <= 0.15
+#   replay   the first 60 requests of the conversation trace that fit 30k tokens, replayed twice with
+#            --kv-budget 16G, without and with a 64G host tier: the second pass's reuse (bar 90%) and wall time
+#            (bar: 3x sooner with the tier)
+#   suite    the GPU suite's cases on a colocated worker with a small pool and a host tier (traffic that returns to
+#            evicted prefixes), then bench chaos on it for CHAOS_S seconds (default 120), a worker killed every 30 s
+#   OUT=bench/out/tiers TAG=h200-DATE TRACES=../shared/traces bash bench/gpu/run.sh tiers [steps...]
+set -uo pipefail
+OUT=${OUT:-bench/out/tiers}; TAG=${TAG:-gpu}
+source "$(dirname "$0")/common.sh"
+TRACES=${TRACES:-../shared/traces}
+llama="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 32768"
+for step in ${*:-copy replay suite}; do
+  case $step in
+    copy)
+      $PY -m bench.lab.tier_copy --tokens 16384 --out "$OUT/tier-copy-$TAG.json" 2>&1 | grep -v Warning ;;
+    replay)
+      for tier in none:: host:--kv-host-bytes=64G; do
+        name=${tier%%:*}; extra=${tier#*:}
+        timeout 500 $PY -m pdserve bench replay "$TRACES/mooncake_conversation.jsonl" --count 60 --max-context 30000 \
+          --output-tokens 16 --concurrency 16 --speeds 1000,1000 --same-prompts --ready-timeout 600 \
+          --up-args "--colocated $llama --kv-budget 16G ${extra/=/ }" --out "$OUT/replay-twice-$name-$TAG" 2>&1 \
+          | grep -E "^\| [0-9.]+ \|"
+      done ;;
+    suite)
+      up="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 --kv-budget 2G --kv-host-bytes 32G"
+      $PY -m bench.gpu_suite --modes colocated --out "$OUT/gpu-suite-tiers-$TAG.json" $up
+      $PY -m pdserve bench chaos --duration "${CHAOS_S:-120}" --kill-every 30 --streams 16 \
+        --up-args "--colocated --decode 2 --gpus 1 $up" --out "$OUT/chaos-tiers-$TAG" > "$OUT/chaos-tiers-$TAG.log" 2>&1
+      echo "chaos exited $?"; tail -n +3 "$OUT/chaos-tiers-$TAG.md" 2>/dev/null | grep -E "requests|leaked|verdict" ;;
+  esac
+done
