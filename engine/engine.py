@@ -307,7 +307,7 @@ class Engine:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         if batch.loads:
-            load_tiers(batch.loads)
+            load_tiers(batch.loads, batch.loaded)
         self.tiers.end_step()
         self._count_prefix(batch)
         feed = self.inflight.choices.device_tokens if self.inflight is not None else None

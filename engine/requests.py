@@ -6,6 +6,8 @@ one process would: the prompt's token ids and the fully resolved sampling
 parameters (``max_tokens`` settled against the context limit)."""
 from __future__ import annotations
 
+import kvcache
+
 from .emitted import Emitted
 from .errors import RequestError
 from .sampling import SamplingParams
@@ -82,7 +84,7 @@ def first_message(tok: Emitted, prefill_ms: float, queue_ms: float) -> dict:
         "logprobs": tok.logprobs,
         "timing": {"queue": queue_ms, "prefill": prefill_ms},
     }
-    out["timing"].update(pp_timing(seq))
+    out["timing"].update(pp_timing(seq), **kvcache.phases(seq))
     if seq.params.echo:
         out["prompt_text"] = seq.tokenizer.decode(seq.prompt_ids)
         plp = seq.prompt_logprob_list

@@ -36,6 +36,7 @@ class Batch:
     refused: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple] = field(default_factory=list)  # ((tier, slot), block): KV loaded back before the step
+    loaded: list = field(default_factory=list)  # the sequences those loads are for
     decode_rows: int = 0  # sequences this step advances by one generated token
 
     def add(self, seq: Sequence, chunk: int) -> None:
@@ -168,10 +169,11 @@ class Scheduler:
         room = (seq.num_tokens - 1) // bs - len(hits)
         if (lower is None and remote is None) or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
             return []
-        keys = self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room]
+        start, keys = time.perf_counter(), self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room]
         found = lower.match(keys) if lower is not None else []
         if remote is not None and len(found) < len(keys):
             found += remote.match(keys[len(found):])
+        seq.tier_fetch_ms = (time.perf_counter() - start) * 1e3 if found else None
         return found
 
     def _cached_prefix_allowed(self, seq: Sequence) -> bool:
@@ -185,6 +187,7 @@ class Scheduler:
         kvcache.pin(slots)
         keys = self.keys(seq, (start + len(slots)) * bs)
         self.blocks.grow(seq.block_table, (start + len(slots)) * bs)
+        batch.loaded.append(seq)
         for i, slot in enumerate(slots):
             batch.loads.append((slot, seq.block_table[start + i]))
             self.blocks.register(seq.block_table[start + i], keys[start + i])

@@ -9,7 +9,7 @@ that reads them. This package knows tensors and block keys,
 not models: the engine hands it the pool's memory and calls it from its block manager and scheduler."""
 from .attach import Tiers, attach
 from .pool import PoolTier
-from .tiers import DiskTier, HostTier, Tier, TierStats, host_capacity_blocks, load, pin
+from .tiers import DiskTier, HostTier, LoadTime, Tier, TierStats, host_capacity_blocks, load, phases, pin
 
-__all__ = ["DiskTier", "HostTier", "PoolTier", "Tier", "Tiers", "TierStats", "attach", "host_capacity_blocks", "load",
-           "pin"]
+__all__ = ["DiskTier", "HostTier", "LoadTime", "PoolTier", "Tier", "Tiers", "TierStats", "attach",
+           "host_capacity_blocks", "load", "phases", "pin"]

@@ -50,6 +50,9 @@ class Metrics:
                                 "(overlap) and left after it (exposed)", ["transport", "part"], buckets=PHASE_BUCKETS,
                                 registry=r)
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred", ["transport"], registry=r)
+        self.tier_phase = Histogram("pdserve_kv_tier_phase_seconds", "A prompt's prefix out of the KV tiers and the "
+                                    "cluster pool: fetch (found and fetched), load (copied into the GPU pool)",
+                                    ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.rank_wire = Histogram("pdserve_kv_transfer_rank_wire_seconds", "KV wire time of each rank of a "
                                    "tensor-parallel decode group", ["transport", "rank"], buckets=PHASE_BUCKETS, registry=r)
         self.pp_hop = Histogram("pdserve_pp_hop_seconds", "Time a pipeline hop (hidden states from one stage to the "
@@ -99,6 +102,11 @@ class Metrics:
         for rank, own in enumerate(ranks if isinstance(ranks, list) and len(ranks) <= 64 else []):
             if isinstance(own, dict) and isinstance(own.get("wire"), (int, float)):
                 self.rank_wire.labels(transport, str(rank)).observe(own["wire"] / 1e3)
+
+    def observe_tiers(self, timing: dict):
+        for phase in ("fetch", "load"):
+            if isinstance(timing.get(f"kv_tier_{phase}"), (int, float)):
+                self.tier_phase.labels(phase).observe(timing[f"kv_tier_{phase}"] / 1e3)
 
     def observe_hops(self, hops: list):
         for h in hops:

@@ -200,6 +200,7 @@ class Service:
                 timing.update({k: first["timing"].get(k, 0.0) for k in ("queue", "prefill")},
                               ttft=(time.perf_counter() - run.t0) * 1e3)
                 note_hops(run, "prefill", first["timing"])
+                timing.update({k: v for k, v in first["timing"].items() if k.startswith("kv_tier_")})
                 yield Delta(first["text"], [first["token"]], first.get("logprobs"), first.get("prompt_text"),
                             first.get("prompt_logprobs"), first["prompt_tokens"], run.cached_tokens)
             elif fresh is not None and fresh["token"] != run.first["token"]:

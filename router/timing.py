@@ -63,6 +63,8 @@ def close_timing(run, metrics=None) -> dict:
             metrics.observe_hops(timing["pp_hops"])
     timing.setdefault("decode", 0.0)
     timing["cached_tokens_by_tier"] = run.cached_by_tier or {"gpu": run.cached_tokens or 0}
+    if metrics is not None:
+        metrics.observe_tiers(timing)
     return timing
 
 

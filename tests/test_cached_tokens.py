@@ -89,5 +89,7 @@ def test_tokens_from_the_host_tier_are_counted_and_named_by_tier():
             assert time.monotonic() < end, metrics[-3000:]
             time.sleep(0.2)
         assert re.search(r"pdserve_worker_kv_host_loaded\{[^}]*\} [1-9]", metrics)
+        assert pdserve["kv_tier_fetch"] > 0 and pdserve["kv_tier_load"] > 0  # its prefix's movements, ms
+        assert re.search(r'pdserve_kv_tier_phase_seconds_count\{phase="load"\} [1-9]', metrics)
     finally:
         cluster.stop()

@@ -48,5 +48,6 @@ def test_a_prefix_computed_on_one_prefill_worker_is_fetched_by_the_other(ray_clu
         assert after[other]["prefix_pool_cached_tokens"] - middle[other]["prefix_pool_cached_tokens"] == 288
         assert after[other]["pool_loaded"] - middle[other]["pool_loaded"] == 18
         assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert warm["pdserve"]["cached_tokens_by_tier"]["pool"] == 288 and warm["pdserve"]["kv_tier_fetch"] > 0
     finally:
         cluster.stop()
