@@ -11,9 +11,8 @@ grouped matmuls (no K/V repeat for GQA); sequences with prompt chunks attend
 one by one with SDPA, causal, offset by any cached prefix (on CUDA a chunk after a prefix attends to the prefix
 and to itself in two cuDNN calls merged by their log-sum-exps: ``kernels.prefix_split``; a batch
 of three or more fresh prompts goes to FlashAttention's varlen kernel in one
-call instead: ``varlen``; the prompt CUDA graphs take short chunks after cached
-prefixes to it too, their whole context's keys gathered from the pool first:
-``varlen_cached``). A mixed step (``mixed``) puts its one-token
+call instead: ``varlen``; chunks after cached prefixes too, their whole
+context's keys gathered from the pool first: ``varlen_cached``). A mixed step (``mixed``) puts its one-token
 decode rows first and attends them with the decode graphs' kernels, the
 prompt chunks after them as above, in one forward. Each layer first
 writes the new K/V into their slots. This is the portable backend (CPU, and
@@ -37,6 +36,7 @@ log = logging.getLogger(__name__)
 
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
 USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
+USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
 VARLEN_MIN_PROMPTS = 3  # measured (bench.lab.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
 
 
@@ -168,6 +168,10 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
         meta.varlen = (starts, max(context_lens))
         meta.window = window
         return meta
+    if varlen and _varlen_takes(query_starts, context_lens, window, cached=True):
+        meta.varlen_cached = _cached_varlen(query_starts, context_lens, tables, block_size, device)
+        meta.window = window
+        return meta
     meta.window = window or 0  # the segments' masks hold it; kernels.prefix_split must not take a window
     for i, ctx in enumerate(context_lens):
         n = query_starts[i + 1] - query_starts[i]
@@ -183,12 +187,24 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
     return meta
 
 
-def _varlen_takes(query_starts, context_lens, window) -> bool:
-    """Enough prompts to beat one SDPA call each, a kernel that has the window, and fresh prompts only (chunks after
-    cached keys attend one by one: bench/RESULTS.md, the trace's steps)."""
+def _varlen_takes(query_starts, context_lens, window, cached: bool = False) -> bool:
+    """Enough prompts to beat one SDPA call each, a kernel that has the window, and: fresh prompts only; or
+    (``cached``) some chunks after a prefix already in the pool."""
     kernel = varlen_kernel() if USE_VARLEN and len(context_lens) >= VARLEN_MIN_PROMPTS else None
     fresh = all(e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
-    return kernel is not None and (not window or kernel.windows) and fresh
+    return kernel is not None and (not window or kernel.windows) and fresh != (cached and USE_VARLEN_CACHED)
+
+
+def _cached_varlen(query_starts, context_lens, tables, block_size, device) -> tuple:
+    """What one varlen call over prompt chunks with cached prefixes needs: the pool slots of every sequence's
+    whole context (gathered into packed keys per layer), cumulative query and key starts, the longest of each."""
+    slots = torch.cat([block_slots(tables[i], block_size, ctx) for i, ctx in enumerate(context_lens)])
+    k_starts = [0]
+    for ctx in context_lens:
+        k_starts.append(k_starts[-1] + ctx)
+    starts = torch.tensor([query_starts, k_starts], dtype=torch.int32).to(device, non_blocking=True)
+    longest = max(e - s for s, e in zip(query_starts, query_starts[1:]))
+    return slots, starts[0], starts[1], longest, max(context_lens)
 
 
 def write_kv(k_cache, v_cache, k, v, slots, scales=None) -> None:

@@ -216,9 +216,8 @@ def test_varlen_prefill_matches_one_sdpa_per_prompt(window):
 @pytest.mark.parametrize("window", [0, 7])
 def test_varlen_over_cached_prefixes_matches_one_sdpa_per_chunk(window):
     """Prompt chunks after prefixes already in the pool (prefix-cache hits, later chunks of long prompts): one
-    varlen call over keys gathered from the pool (what the prompt CUDA graphs run) gives what one SDPA call per
-    chunk gives (the eager step's path)."""
-    from engine.attention import attend, block_slots, build_meta, token_slot, varlen_kernel
+    varlen call over keys gathered from the pool gives what one SDPA call per chunk gives."""
+    from engine.attention import attend, build_meta, token_slot, varlen_kernel
 
     if varlen_kernel() is None:
         pytest.skip("this torch has no varlen_attn")
@@ -236,16 +235,11 @@ def test_varlen_over_cached_prefixes_matches_one_sdpa_per_chunk(window):
     k, v = k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots]
     t = torch.tensor(tables, device=DEVICE)
     lens = torch.tensor(ctx, device=DEVICE)
-    slow = build_meta(slots, starts, ctx, t, lens, block, window, None, None, varlen=True)
-    assert slow.varlen is None and slow.varlen_cached is None  # chunks after cached keys attend one by one
+    fast = build_meta(slots, starts, ctx, t, lens, block, window, None, None, varlen=True)
+    slow = build_meta(slots, starts, ctx, t, lens, block, window, None, None, varlen=False)
+    assert fast.varlen_cached is not None and slow.varlen_cached is None
+    got = attend(q, k, v, k_cache, v_cache, fast, dim ** -0.5)
     want = attend(q, k, v, k_cache, v_cache, slow, dim ** -0.5)
-    context = torch.cat([block_slots(t[i], block, c) for i, c in enumerate(ctx)])
-    k_starts = [0]
-    for c in ctx:
-        k_starts.append(k_starts[-1] + c)
-    q_at, k_at = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (starts, k_starts))
-    keys, values = (cache.view(-1, kv_heads, dim)[context] for cache in (k_cache, v_cache))
-    got = varlen_kernel()(q, keys, values, q_at, max(new), dim ** -0.5, window, k_at, max(ctx))
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
