@@ -127,12 +127,12 @@ class Scheduler:
                 batch.refused.append(seq)
                 continue
             hits = self._cached_prefix(seq)
+            plan = self._plan(seq, hits, [], budget, prompt_left)
+            if not plan[2]:
+                break  # blocks from the tiers would need as many new blocks or more: look there only if it fits
             slots = self._lower_prefix(seq, hits)
-            cached = len(hits) + len(slots)
-            computed = min(cached * self.blocks.block_size, seq.num_tokens - 1) if cached else seq.num_computed
-            chunk = min(seq.num_tokens - computed, budget, prompt_left)
-            shared = min(len(hits), computed // self.blocks.block_size) if cached else len(seq.block_table)
-            if self.blocks.blocks_for(computed + chunk) - shared > self.blocks.num_free - self._idle_among(hits):
+            computed, chunk, fits = self._plan(seq, hits, slots, budget, prompt_left) if slots else plan
+            if not fits:
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -146,6 +146,16 @@ class Scheduler:
             budget -= chunk
             prompt_left -= chunk
         return batch
+
+    def _plan(self, seq: Sequence, hits: list[int], slots: list, budget: int, prompt_left: int) -> tuple:
+        """``(computed, chunk, fits)`` of admitting ``seq`` on the pool's ``hits`` and the tiers' ``slots``: the
+        tokens it starts with, its first chunk, and whether the free blocks hold what that needs."""
+        bs, cached = self.blocks.block_size, len(hits) + len(slots)
+        computed = min(cached * bs, seq.num_tokens - 1) if cached else seq.num_computed
+        chunk = min(seq.num_tokens - computed, budget, prompt_left)
+        shared = min(len(hits), computed // bs) if cached else len(seq.block_table)
+        return computed, chunk, self.blocks.blocks_for(computed + chunk) - shared <= (self.blocks.num_free
+                                                                                      - self._idle_among(hits))
 
     def _prompt_tokens_left(self) -> int:
         """Prompt tokens this step may take: ``prefill_cap`` while a running sequence decodes, else the budget."""
@@ -167,7 +177,7 @@ class Scheduler:
         """The tiers' ``(tier, slot)`` of the full blocks that follow the pool's ``hits`` (a token left to compute)."""
         lower, remote, bs = self.blocks.lower, self.blocks.remote, self.blocks.block_size
         room = (seq.num_tokens - 1) // bs - len(hits)
-        if (lower is None and remote is None) or room <= 0 or (not hits and not self._cached_prefix_allowed(seq)):
+        if (lower is None and remote is None) or room <= 0 or not self._cached_prefix_allowed(seq):
             return []
         start, keys = time.perf_counter(), self.keys(seq, seq.num_tokens)[len(hits):len(hits) + room]
         found = lower.match(keys) if lower is not None else []

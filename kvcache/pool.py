@@ -90,11 +90,6 @@ class PoolTier:
             finally:
                 with self.lock:
                     self.free.append(slot)
-                self.queue.task_done()
-
-    def flush(self) -> None:
-        """Waits until every block queued so far is in the store."""
-        self.queue.join()
 
     def match(self, keys: list[int]) -> list[tuple["PoolTier", int]]:
         names = [self._name(k) for k in keys]

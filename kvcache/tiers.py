@@ -73,9 +73,6 @@ class Tier:
         self.pinned: dict[int, int] = {}  # slot -> loads queued for it in this step
         self.stats = TierStats()
 
-    def __len__(self) -> int:
-        return len(self.slot_of)
-
     def offload(self, key: int, block: int) -> bool:
         return self.put(key, self.pool[:, block])
 

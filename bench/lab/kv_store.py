@@ -39,25 +39,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib.metadata
 import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 import numpy as np
 
+from .kv_store_clients import CLIENTS
+from .kv_store_servers import mooncake_daemon, mooncake_master, ray_cluster
+
 log = logging.getLogger("bench.lab.kv_store")
-NAMESPACE, INDEX = "kvlab", "kvlab-index"
 EXIST_KEYS, TTFB_BLOCKS = 64, 8
 TIMEOUT_S = 600.0
 
@@ -81,126 +78,6 @@ def ms_stats(seconds: list[float]) -> dict:
     ms = sorted(s * 1e3 for s in seconds)
     return {"p50": round(statistics.median(ms), 3), "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3),
             "n": len(ms)}
-
-
-# -- clients: the same four calls on each store --------------------------------------------------------------
-
-class Index:
-    """The Ray store's index, a named detached actor: keys to ``[ObjectRef]`` (the list keeps the ref a ref)."""
-
-    def __init__(self):
-        self.refs = {}
-
-    def add(self, refs: dict) -> int:
-        self.refs.update(refs)
-        return len(self.refs)
-
-    def exist(self, keys: list[int]) -> list[bool]:
-        return [k in self.refs for k in keys]
-
-    def lookup(self, keys: list[int]) -> list:
-        return [self.refs[k][0] for k in keys]
-
-
-class RayClient:
-    def __init__(self, spec: dict, role: str):
-        import ray
-
-        self.ray = ray
-        ray.init(address=spec["ray_address"], namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
-        self.index = ray.get_actor(INDEX, namespace=NAMESPACE)
-        self.copy_s = 0.0
-
-    def buffer(self, shape: tuple[int, int]) -> np.ndarray:
-        return np.zeros(shape, dtype=np.uint8)
-
-    def put(self, keys: list[int], blocks: np.ndarray) -> None:
-        refs = [self.ray.put(b) for b in blocks]
-        self.ray.get(self.index.add.remote({k: [r] for k, r in zip(keys, refs)}))
-
-    def exist(self, keys: list[int]) -> list[bool]:
-        return self.ray.get(self.index.exist.remote(keys))
-
-    def get_into(self, keys: list[int], out: np.ndarray) -> None:
-        arrays = self.ray.get(self.ray.get(self.index.lookup.remote(keys)), timeout=30)
-        start = time.perf_counter()
-        for row, array in zip(out, arrays):
-            np.copyto(row, array)
-        self.copy_s += time.perf_counter() - start
-
-    def clear(self) -> None:
-        """Nothing to do: Ray freed the blocks with their owner, the writer."""
-
-    def close(self) -> None:
-        self.ray.shutdown()
-
-
-class MooncakeClient:
-    """An embedded client (``setup``): this process's transfer engine serves the segment it mounts."""
-
-    def __init__(self, spec: dict, role: str):
-        from mooncake.store import MooncakeDistributedStore
-
-        self.store = MooncakeDistributedStore()
-        if (rc := self.store.setup(*spec[f"{role}_setup"])) != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.setup{tuple(spec[f'{role}_setup'])} returned {rc}")
-        self.copy_s = 0.0
-
-    def buffer(self, shape: tuple[int, int]) -> np.ndarray:
-        return self.register(np.zeros(shape, dtype=np.uint8))
-
-    def register(self, buf: np.ndarray) -> np.ndarray:
-        if (rc := self.store.register_buffer(buf.ctypes.data, buf.nbytes)) != 0:
-            raise RuntimeError(f"register_buffer({buf.nbytes} bytes) returned {rc}")
-        return buf
-
-    def put(self, keys: list[int], blocks: np.ndarray) -> None:
-        rcs = self.store.batch_put_from([str(k) for k in keys], [b.ctypes.data for b in blocks],
-                                        [b.nbytes for b in blocks])
-        if any(rc != 0 for rc in rcs):
-            raise RuntimeError(f"batch_put_from: codes {sorted(set(rcs))}")
-
-    def exist(self, keys: list[int]) -> list[bool]:
-        codes = self.store.batch_is_exist([str(k) for k in keys])
-        if any(c < 0 for c in codes):
-            raise RuntimeError(f"batch_is_exist: codes {sorted(set(codes))}")
-        return [c == 1 for c in codes]
-
-    def get_into(self, keys: list[int], out: np.ndarray) -> None:
-        sizes = self.store.batch_get_into([str(k) for k in keys], [r.ctypes.data for r in out], [r.nbytes for r in out])
-        if any(s != r.nbytes for s, r in zip(sizes, out)):
-            raise RuntimeError(f"batch_get_into: sizes or codes {sorted(set(sizes))}, wanted {out[0].nbytes}")
-
-    def clear(self) -> None:
-        """Removes every block (leases ignored), so the next run finds a segment as empty as this one did."""
-        self.store.remove_all(True)
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class MooncakeDaemonClient(MooncakeClient):
-    """A dummy client (``setup_dummy``) of the host's ``mooncake_client`` process, which mounts the segment: blocks
-    go in and out through a shared-memory pool, and outlive the worker that wrote them."""
-
-    def __init__(self, spec: dict, role: str):
-        from mooncake.store import MooncakeDistributedStore
-
-        self.store = MooncakeDistributedStore()
-        if (rc := self.store.setup_dummy(*spec["dummy_setup"])) != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.setup_dummy{tuple(spec['dummy_setup'])} returned {rc}")
-        self.copy_s = 0.0
-
-    def buffer(self, shape: tuple[int, int]) -> np.ndarray:
-        nbytes = shape[0] * shape[1]
-        if not (address := self.store.alloc_from_mem_pool(nbytes)):
-            raise RuntimeError(f"alloc_from_mem_pool({nbytes}) failed")
-        buf = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)).reshape(shape)
-        buf[:] = 0
-        return self.register(buf)  # allocated in the pool is not enough: puts from it fail (-600) unregistered
-
-
-CLIENTS = {"ray": RayClient, "mooncake": MooncakeClient, "mooncake-daemon": MooncakeDaemonClient}
 
 
 # -- the two processes ----------------------------------------------------------------------------------------
@@ -330,115 +207,6 @@ def run_pair(spec: dict) -> dict:
                 proc.join(10)
             if proc.is_alive():
                 proc.kill()
-
-
-# -- servers --------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, logfile: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(logfile) as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode}:\n{tail}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.args[0]}: port {port} not open after {timeout:.0f} s")
-
-
-@contextlib.contextmanager
-def server(cmd: list[str], ports: list[int], env: dict | None = None):
-    """A server process, its output in a temporary log, ready once ``ports`` accept; ended on the way out."""
-    temp = tempfile.mkdtemp(prefix="kvlab-server-")
-    logfile = os.path.join(temp, "server.log")
-    with open(logfile, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        for port in ports:
-            wait_port(port, proc, logfile)
-        log.info("%s: pid %d, ports %s", os.path.basename(cmd[0]), proc.pid, ports)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def ray_cluster(object_store_bytes: int):
-    """A local Ray cluster of its own (``address="local"``: not one a stale /tmp/ray file names) and the index actor."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the node advertises 127.0.0.1, not its first interface
-    import ray
-
-    temp = tempfile.mkdtemp(prefix="kvlab-ray-")
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=object_store_bytes,
-                 _temp_dir=temp, logging_level=logging.WARNING, log_to_driver=False)
-        index = ray.remote(num_cpus=0)(Index).options(name=INDEX, namespace=NAMESPACE, lifetime="detached").remote()
-        ray.get(index.exist.remote([]))
-        address = ray.get_runtime_context().gcs_address
-        log.info("ray %s: local cluster at %s", ray.__version__, address)
-        yield {"ray_address": address, "client_env": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
-               "ray_init": f'ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory='
-                           f'{object_store_bytes}); clients: ray.init(address="{address}", namespace="{NAMESPACE}")'}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def mooncake_binary(name: str) -> str:
-    """The wheel's console script (it execs the binary in the package, so the pid stays the server's)."""
-    beside = os.path.join(os.path.dirname(sys.executable), name)
-    if found := beside if os.path.exists(beside) else shutil.which(name):
-        return found
-    raise FileNotFoundError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda")
-
-
-# every Mooncake process advertises 127.0.0.1 (not its first interface's address); INFO lines off
-MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING"}
-
-
-@contextlib.contextmanager
-def mooncake_master(segment_bytes: int, local_buffer_bytes: int):
-    """``mooncake_master`` on free loopback ports with its HTTP metadata server. Embedded clients: the writer mounts
-    a segment that holds every block; the reader mounts none, so all it reads lives in the writer's."""
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    cmd = [mooncake_binary("mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-           f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-           "--enable_metric_reporting=false"]
-    with server(cmd, [rpc, http]):
-        metadata, master = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
-        yield {"master_cmd": " ".join(cmd), "metadata": metadata, "master": master, "client_env": MOONCAKE_ENV,
-               "writer_setup": ["127.0.0.1", metadata, segment_bytes, local_buffer_bytes, "tcp", "", master],
-               "reader_setup": ["127.0.0.1", metadata, 0, local_buffer_bytes, "tcp", "", master]}
-
-
-@contextlib.contextmanager
-def mooncake_daemon(segment_bytes: int, pool_bytes: int):
-    """The master, and one ``mooncake_client`` for the host that mounts the segment; the workers are its dummy
-    clients, each with a shared-memory pool of ``pool_bytes``."""
-    with mooncake_master(segment_bytes, 64 << 20) as master:
-        port = free_port()
-        cmd = [mooncake_binary("mooncake_client"), "--host=127.0.0.1", f"--port={port}",
-               f"--global_segment_size={segment_bytes}", f"--local_buffer_size={64 << 20}",
-               f"--master_server_address={master['master']}", f"--metadata_server={master['metadata']}",
-               "--protocol=tcp"]
-        with server(cmd, [port], env=MOONCAKE_ENV):
-            yield {"master_cmd": master["master_cmd"], "client_cmd": " ".join(cmd), "client_env": MOONCAKE_ENV,
-                   "dummy_setup": [pool_bytes, 64 << 20, f"127.0.0.1:{port}"]}
 
 
 def versions() -> dict:
