@@ -3,7 +3,11 @@
 The pool is ``[2 x layers, blocks, block_size, kv_heads, head_dim]`` (``engine.kv_pool.KVPool.stacked``); a slot of
 a tier holds one block of every layer, ``[2 x layers, block_size, kv_heads, head_dim]``, contiguous. A tier's
 slots are pinned host memory (``HostTier``) or a file mapped into memory (``DiskTier``); each tier is LRU over keys
-(a load counts as a use) and may have a ``lower`` one, which gets what it drops.
+and may have a ``lower`` one, which gets what it drops. A key loaded back into the pool is held twice, so it goes to
+the front of the order: the first dropped when room is needed (not passed down: the pool offers it again when it
+evicts it). The pool and the tiers then hold as many distinct blocks as they have room for together. (Kept as the
+most recent use instead, a copy held twice cost room, and a window a little larger than the tier replayed again
+lost a third of its hits: each miss dropped the block a later request needed.)
 
 - ``offload(key, block)``: the pool's ``block``, about to be handed out again, holds the KV keyed ``key``: its
   copy is queued into a free slot (the least recently used key is dropped, or passed down, when none is free) on
@@ -59,7 +63,7 @@ def host_capacity_blocks(nbytes: int, block_bytes: int, flag: str = "--kv-host-b
 
 
 class Tier:
-    policy = "LRU"
+    policy = "LRU, blocks loaded back into the pool dropped first"
     name = "tier"
 
     def __init__(self, pool: torch.Tensor, slots: torch.Tensor, on_drop=None, lower: "Tier | None" = None):
@@ -71,6 +75,7 @@ class Tier:
         self.free = list(range(self.capacity - 1, -1, -1))
         self.writing: dict[int, object] = {}  # slot -> the event that ends its copy (CUDA)
         self.pinned: dict[int, int] = {}  # slot -> loads queued for it in this step
+        self.above: set[int] = set()  # keys loaded back into the pool (held there too) and not offered since
         self.stats = TierStats()
 
     def offload(self, key: int, block: int) -> bool:
@@ -79,6 +84,7 @@ class Tier:
     def put(self, key: int, source: torch.Tensor) -> bool:
         if key in self.slot_of:
             self.slot_of.move_to_end(key)
+            self.above.discard(key)
             return True
         slot = self.free.pop() if self.free else self._drop_oldest()
         if slot is None:  # every slot is about to be loaded from: this key is not kept
@@ -102,6 +108,11 @@ class Tier:
         slot = self.slot_of.pop(key)
         del self.key_of[slot]
         self.stats.dropped += 1
+        if key in self.above:  # the pool holds it: it comes back when the pool evicts it
+            self.above.discard(key)
+            if self.on_drop is not None:
+                self.on_drop(key)
+            return slot
         if self.lower is not None:
             self._settle(slot)
             if self.lower.put(key, self.slots[slot]):
@@ -113,6 +124,7 @@ class Tier:
     def _forget(self, key: int) -> None:
         slot = self.slot_of.pop(key)
         del self.key_of[slot]
+        self.above.discard(key)
         self.free.append(slot)
         if self.on_drop is not None:
             self.on_drop(key)
@@ -146,7 +158,9 @@ class Tier:
 
     def load_one(self, slot: int, block: int) -> None:
         self.pool[:, block].copy_(self.slots[slot], non_blocking=self.cuda and self.slots.is_pinned())
-        self.slot_of.move_to_end(self.key_of[slot])
+        key = self.key_of[slot]
+        self.slot_of.move_to_end(key, last=False)
+        self.above.add(key)
         self.pinned[slot] -= 1
         if not self.pinned[slot]:
             del self.pinned[slot]
