@@ -6,7 +6,7 @@
   (``unpublished``). Keys fetched from the pool, or published already, are not published again.
 - ``match(keys)``: the longest run of ``keys`` the store holds, fetched at once; handles ``(pool, key)``. A block
   gone by the time it is fetched (dropped by the store, its owner gone) ends the run: the rest is computed again.
-- ``load_one(key, block)``: the fetched bytes into the pool's ``block`` (``kvcache.load``); ``end_step`` drops what
+- ``load_many(pairs)``: each ``(key, block)``, the fetched bytes into the pool's ``block`` (``kvcache.load``); ``end_step`` drops what
   was fetched for a sequence that was not admitted after all.
 
 Keys are named by the model and the block's shape and dtype (``namespace``): only workers of one model, with one
@@ -107,11 +107,12 @@ class PoolTier:
     def pin_one(self, key: int) -> None:
         pass  # fetched already
 
-    def load_one(self, key: int, block: int) -> None:
-        data = torch.from_numpy(np.asarray(self.fetched.pop(key))).view(self.pool.dtype)
-        self.pool[:, block].copy_(data.view(self.pool[:, block].shape))
-        self.known.add(key)
-        self.stats.loaded += 1
+    def load_many(self, pairs: list[tuple[int, int]]) -> None:
+        for key, block in pairs:
+            data = torch.from_numpy(np.asarray(self.fetched.pop(key))).view(self.pool.dtype)
+            self.pool[:, block].copy_(data.view(self.pool[:, block].shape))
+            self.known.add(key)
+            self.stats.loaded += 1
 
     def end_step(self) -> None:
         self.fetched.clear()

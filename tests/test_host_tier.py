@@ -104,6 +104,30 @@ def test_a_block_loaded_back_into_the_pool_is_dropped_first_and_not_passed_down(
     assert 2 in tier.slot_of and 4 not in tier.slot_of and 4 in lower.slot_of
 
 
+def test_idle_blocks_next_to_be_evicted_are_written_ahead_and_their_eviction_copies_nothing():
+    from engine.blocks import BlockManager
+    from kvcache.attach import AHEAD_TOKENS, Tiers
+
+    bs = AHEAD_TOKENS // 4  # room for four blocks kept free or written ahead
+    pool = torch.randn(2, 8, bs, 1, 1)
+    blocks = BlockManager(8, bs, caching=True)
+    tier = HostTier(pool, 16, on_drop=blocks.dropped_below)
+    blocks.lower, tiers = tier, Tiers(tier, None, blocks)
+    table = []
+    blocks.grow(table, 6 * bs)  # six of eight taken, cached, let go: two free, six idle
+    for i, block in enumerate(table):
+        blocks.register(block, 100 + i)
+    order = list(reversed(table))  # released last first: the tail is evicted first
+    blocks.release(table)
+    assert tiers.write_ahead() == 2 and set(tier.slot_of) == {blocks.key_of[b] for b in order[:2]}
+    assert tiers.write_ahead() == 0 and tier.stats.written_ahead == 2  # held already
+    blocks.grow([], 4 * bs)  # two free, then the two idle blocks written ahead
+    assert tier.stats.offloaded == 2 and not blocks.evicted  # their eviction copied nothing
+    assert tiers.write_ahead() == 4  # no block free now: four more
+    key, block = blocks.key_of[order[2]], order[2]
+    assert torch.equal(tier.slots[tier.slot_of[key]], pool[:, block])
+
+
 def test_bad_sizes_are_refused_with_a_clear_error():
     for size in (0, -5):
         with pytest.raises(ValueError, match="positive"):

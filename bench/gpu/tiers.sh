@@ -18,12 +18,13 @@ for step in ${*:-copy replay suite}; do
     copy)
       $PY -m bench.lab.tier_copy --tokens 16384 --out "$OUT/tier-copy-$TAG.json" 2>&1 | grep -v Warning ;;
     replay)
-      for tier in none:: host:--kv-host-bytes=64G; do
+      for tier in none: host:--kv-host-bytes=64G; do
         name=${tier%%:*}; extra=${tier#*:}
         timeout 500 $PY -m pdserve bench replay "$TRACES/mooncake_conversation.jsonl" --count 60 --max-context 30000 \
           --output-tokens 16 --concurrency 16 --speeds 1000,1000 --same-prompts --ready-timeout 600 \
-          --up-args "--colocated $llama --kv-budget 16G ${extra/=/ }" --out "$OUT/replay-twice-$name-$TAG" 2>&1 \
-          | grep -E "^\| [0-9.]+ \|"
+          --up-args "--colocated $llama --kv-budget 16G ${extra/=/ }" --out "$OUT/replay-twice-$name-$TAG" \
+          > "$OUT/replay-twice-$name-$TAG.log" 2>&1
+        echo "$name: exited $?"; grep -E "^\| [0-9.]+ \|" "$OUT/replay-twice-$name-$TAG.log"
       done ;;
     suite)
       up="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 --kv-budget 2G --kv-host-bytes 32G"

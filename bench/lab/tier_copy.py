@@ -97,9 +97,10 @@ def main(argv=None) -> int:
     print(json.dumps(report["copy"]), flush=True)
     host = engine.tiers.host  # the copy test's keys go; the prompts' come
     host.settle()
-    host.slot_of.clear(), host.key_of.clear(), host.pinned.clear()
+    host.slot_of.clear(), host.key_of.clear(), host.pinned.clear(), host.above.clear()
     host.free = list(range(host.capacity - 1, -1, -1))
     report["ttft"] = ttft(engine, args.tokens, random.Random(0))
+    report["tiers"] = engine.tiers.info()
     print(json.dumps(report["ttft"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
