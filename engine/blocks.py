@@ -19,7 +19,8 @@ keys stored and evicted since the last call (workers report them to routers).
 A tier below (``lower``, e.g. ``kvcache.HostTier``) is offered every block the
 pool evicts (``lower.offload(key, block)``) before the block is handed out
 again; a key it keeps is not reported evicted until the tier drops it too
-(``dropped_below``).
+(``dropped_below``); it is told when a cached block it may hold a copy of is
+handed out again (``lower.taken(key)``).
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
 whole step's planning)."""
@@ -98,6 +99,9 @@ class BlockManager:
     def _ref(self, block: int) -> None:
         if self.refs[block] == 0:
             self.idle.pop(block, None)
+            key = self.key_of[block]
+            if key is not None and self.lower is not None:
+                self.lower.taken(key)
         self.refs[block] += 1
 
     def release(self, table: list[int]) -> None:

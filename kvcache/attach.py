@@ -2,9 +2,9 @@
 calls on them: ``settle`` (before a block handed to another thread is written), ``end_step`` (after a step's
 loads, before its forward), ``count`` (a sequence's cached tokens by tier), ``info`` (the worker's report).
 
-On a GPU ``end_step`` also writes ahead: the idle blocks next in line to be evicted (after the free ones), up to
-``AHEAD_TOKENS`` of them, are copied into the host tier on its own stream while the step computes, so that a
-prompt that evicts them waits for no copy. (Copied at eviction, 2 GB of blocks put 40-70 ms of copies in front of
+``end_step`` also writes ahead: the idle blocks next in line to be evicted (after the free ones), up to
+``AHEAD_TOKENS`` or an eighth of the pool, are copied into the host tier (on a GPU on its own stream while the
+step computes), so that a prompt that evicts them waits for no copy. (Copied at eviction, 2 GB of blocks put 40-70 ms of copies in front of
 the prompt that needed the room.)"""
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ class Tiers:
     def end_step(self) -> None:
         if self.pool is not None:
             self.pool.end_step()
-        if self.host is not None and self.host.cuda:
+        if self.host is not None:
             self.write_ahead()
 
     def write_ahead(self) -> int:
         blocks = self.blocks
         with blocks.lock:
-            want = AHEAD_TOKENS // blocks.block_size - len(blocks.free)
+            want = min(AHEAD_TOKENS // blocks.block_size, blocks.num_blocks // 8) - len(blocks.free)
             if want <= 0:
                 return 0
             pairs = [(blocks.key_of[b], b) for b in itertools.islice(blocks.idle, want)]

@@ -24,6 +24,7 @@ lost a third of its hits: each miss dropped the block a later request needed.)
 ``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -72,6 +73,7 @@ class Tier:
         self.pool, self.slots, self.lower, self.on_drop = pool, slots, lower, on_drop
         self.cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None  # copies into the tier
+        self.buffers: dict[str, torch.Tensor] = {}  # staging on the pool's device (``_staging``)
         self.capacity = slots.shape[0]
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently used first
         self.key_of: dict[int, int] = {}
@@ -92,12 +94,59 @@ class Tier:
 
     def write_ahead(self, pairs: list[tuple[int, int]]) -> int:
         """Each ``(key, block)``: an idle block next in line to be evicted, copied out now (on a GPU beside the step
-        that follows), so that its eviction copies nothing. Returns how many were copied."""
-        fresh = [(k, b) for k, b in pairs if k not in self.slot_of]
-        for key, block in fresh:
-            self.put(key, self.pool[:, block])
-        self.stats.written_ahead += len(fresh)
-        return len(fresh)
+        that follows), so that its eviction copies nothing. The blocks are gathered on the device ``STAGING_BYTES``
+        at a time and copied out from there (a run of slots as one copy), with one event for all: one copy a block,
+        each with its own event, held the engine's thread for a tenth of a prefill step. Returns how many."""
+        todo = []
+        for key, block in pairs:
+            if key in self.slot_of:
+                continue
+            slot = self.free.pop() if self.free else self._drop_oldest()
+            if slot is None:
+                break
+            self.slot_of[key], self.key_of[slot] = slot, key
+            todo.append((slot, block))
+        if not todo:
+            return 0
+        with self._writes() as event:
+            staging = self._staging("write")
+            pool = self.pool.view(torch.uint8)
+            for start in range(0, len(todo), len(staging)):
+                chunk = todo[start:start + len(staging)]
+                blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(pool.device, non_blocking=True)
+                staging[:len(chunk)].copy_(pool.index_select(1, blocks).transpose(0, 1))
+                for i, j in _runs([s for s, _ in chunk]):
+                    first = chunk[i][0]
+                    self.slots[first:first + j - i].view(torch.uint8).copy_(staging[i:j], non_blocking=self.cuda)
+        for slot, _ in todo:
+            if event is not None:
+                self.writing[slot] = event
+        self.stats.offloaded += len(todo)
+        self.stats.written_ahead += len(todo)
+        return len(todo)
+
+    @contextlib.contextmanager
+    def _writes(self):
+        """Copies into the tier: on a GPU on the tier's own stream, after all the current stream has queued (the
+        blocks' KV is written, earlier loads out of the slots have read them); yields the event that will mark
+        their end (None on the CPU, where they end before the call returns)."""
+        if not self.cuda:
+            yield None
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        self.stream.wait_event(ready)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            yield event
+            event.record(self.stream)
+
+    def taken(self, key: int) -> None:
+        """The pool hands out again an idle block it had kept (a prefix hit): a copy held here is held twice, and
+        goes to the front of the order, as a loaded one does."""
+        if key in self.slot_of:
+            self.slot_of.move_to_end(key, last=False)
+            self.above.add(key)
 
     def put(self, key: int, source: torch.Tensor) -> bool:
         if key in self.slot_of:
@@ -113,18 +162,11 @@ class Tier:
         return True
 
     def _write(self, slot: int, source: torch.Tensor) -> None:
-        if not (self.cuda and source.device.type == "cuda"):
+        if source.device.type != "cuda":
             self.slots[slot].copy_(source)
             return
-        # On the tier's own stream, after all the current stream has queued: the block's KV is written, and earlier
-        # loads out of this slot have read it.
-        ready = torch.cuda.Event()
-        ready.record()
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
+        with self._writes() as event:
             self.slots[slot].copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
         self.writing[slot] = event
 
     def _drop_oldest(self) -> int | None:
@@ -187,30 +229,26 @@ class Tier:
         into a staging buffer on the pool's device (a run of consecutive slots as one copy), ``STAGING_BYTES`` at a
         time, and from there into their blocks by one indexed copy: a slot copied straight into its block, which is
         strided over the layers, took a temporary, a copy and a kernel each, at 61% of the pinned rate."""
-        staging = self._staging()
+        staging = self._staging("load")
         pool = self.pool.view(torch.uint8)
         blocking = not (self.cuda and self.slots.is_pinned())
         for start in range(0, len(pairs), len(staging)):
             chunk = pairs[start:start + len(staging)]
-            i = 0
-            while i < len(chunk):
-                j = i + 1
-                while j < len(chunk) and chunk[j][0] == chunk[j - 1][0] + 1:
-                    j += 1
+            for i, j in _runs([s for s, _ in chunk]):
                 first = chunk[i][0]
                 staging[i:j].copy_(self.slots[first:first + j - i].view(torch.uint8), non_blocking=not blocking)
-                i = j
             blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(pool.device, non_blocking=True)
             pool.index_copy_(1, blocks, staging[:len(chunk)].transpose(0, 1))
         for slot, _ in pairs:
             self._loaded(slot)
 
-    def _staging(self) -> torch.Tensor:
-        if getattr(self, "staging", None) is None:
+    def _staging(self, use: str) -> torch.Tensor:
+        """A buffer on the pool's device for ``use`` ("load", on the engine's stream; "write", on the tier's)."""
+        if use not in self.buffers:
             count = max(1, min(self.capacity, STAGING_BYTES // self.slots[0].view(torch.uint8).numel()))
-            self.staging = torch.empty((count, *self.slots[0].view(torch.uint8).shape), dtype=torch.uint8,
-                                       device=self.pool.device)
-        return self.staging
+            self.buffers[use] = torch.empty((count, *self.slots[0].view(torch.uint8).shape), dtype=torch.uint8,
+                                            device=self.pool.device)
+        return self.buffers[use]
 
     def _loaded(self, slot: int) -> None:
         key = self.key_of[slot]
@@ -271,6 +309,17 @@ class DiskTier(Tier):
 
     def _intact(self, slot: int) -> bool:
         return self.sums.get(slot) == self._crc(slot)
+
+
+def _runs(slots: list[int]):
+    """``(i, j)`` for each run ``slots[i:j]`` of consecutive slots."""
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        yield i, j
+        i = j
 
 
 def pin(handles: list[tuple]) -> None:

@@ -108,13 +108,13 @@ def test_idle_blocks_next_to_be_evicted_are_written_ahead_and_their_eviction_cop
     from engine.blocks import BlockManager
     from kvcache.attach import AHEAD_TOKENS, Tiers
 
-    bs = AHEAD_TOKENS // 4  # room for four blocks kept free or written ahead
-    pool = torch.randn(2, 8, bs, 1, 1)
-    blocks = BlockManager(8, bs, caching=True)
+    bs = AHEAD_TOKENS // 4  # room for four blocks kept free or written ahead (an eighth of the pool)
+    pool = torch.randn(2, 32, bs, 1, 1)
+    blocks = BlockManager(32, bs, caching=True)
     tier = HostTier(pool, 16, on_drop=blocks.dropped_below)
     blocks.lower, tiers = tier, Tiers(tier, None, blocks)
     table = []
-    blocks.grow(table, 6 * bs)  # six of eight taken, cached, let go: two free, six idle
+    blocks.grow(table, 30 * bs)  # 30 of 32 taken, cached, let go: two free, 30 idle
     for i, block in enumerate(table):
         blocks.register(block, 100 + i)
     order = list(reversed(table))  # released last first: the tail is evicted first
@@ -126,6 +126,8 @@ def test_idle_blocks_next_to_be_evicted_are_written_ahead_and_their_eviction_cop
     assert tiers.write_ahead() == 4  # no block free now: four more
     key, block = blocks.key_of[order[2]], order[2]
     assert torch.equal(tier.slots[tier.slot_of[key]], pool[:, block])
+    blocks.take([block])  # a prefix hit on it: its copy here is held twice, the first to go
+    assert next(iter(tier.slot_of)) == key and key in tier.above
 
 
 def test_bad_sizes_are_refused_with_a_clear_error():

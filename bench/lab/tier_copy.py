@@ -6,11 +6,12 @@ One engine (``--model``, dummy bf16 weights, a pool of ``--kv-budget`` and a hos
 
 - ``pinned``: one contiguous pinned host buffer of a prefix's KV bytes copied to the GPU and back (the link's
   limit as torch reaches it);
-- ``offload`` / ``load``: the same bytes as the tier moves them, block by block (``kvcache.HostTier``), timed with
-  the device synchronized, and their rate as a fraction of ``pinned``;
+- ``offload`` / ``write_ahead`` / ``load``: the same bytes as the tier moves them (``kvcache.HostTier``: a block at
+  a time as the pool evicts it, in a batch of idle blocks written ahead, in a batch loaded back), timed with the
+  device synchronized, and their rate as a fraction of ``pinned``;
 - ``ttft``: a prompt of ``--tokens`` tokens computed (cold), then, its blocks pushed out of the pool into the tier
   by other prompts, the same prompt again (its prefix loaded from host memory): time to first token, and the
-  ratio (the issue's bar: at most 0.15)."""
+  ratio (the bar: at most 0.15), twice with new prompts, the second the figure."""
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,16 @@ def copy_rates(engine, blocks: int) -> dict:
     d2h = min(timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(3))
     ids = list(range(blocks))
     offload = timed(lambda: [tier.offload(1_000_000 + b, b) for b in ids])
+    ahead = timed(lambda: tier.write_ahead([(2_000_000 + b, b) for b in ids]))
     handles = tier.match([1_000_000 + b for b in ids])
     kvcache.pin(handles)
     load = timed(lambda: kvcache.load([(h, b) for h, b in zip(handles, ids)]))
     rates = {"bytes": nbytes, "pinned_h2d_gb_s": nbytes / h2d / 1e9, "pinned_d2h_gb_s": nbytes / d2h / 1e9,
-             "offload_gb_s": nbytes / offload / 1e9, "load_gb_s": nbytes / load / 1e9}
+             "offload_gb_s": nbytes / offload / 1e9, "write_ahead_gb_s": nbytes / ahead / 1e9,
+             "load_gb_s": nbytes / load / 1e9}
     rates["load_of_pinned"] = rates["load_gb_s"] / rates["pinned_h2d_gb_s"]
     rates["offload_of_pinned"] = rates["offload_gb_s"] / rates["pinned_d2h_gb_s"]
+    rates["write_ahead_of_pinned"] = rates["write_ahead_gb_s"] / rates["pinned_d2h_gb_s"]
     return rates
 
 
@@ -68,15 +72,20 @@ def first_token_s(engine, prompt: list[int]) -> tuple[float, dict]:
 
 
 def ttft(engine, tokens: int, rng) -> dict:
+    """Twice, each time with a new prompt: computed cold, pushed out of the pool, again from host memory. The
+    second time is the figure (the first pays for what a worker does once, e.g. attention plans for new shapes)."""
     vocab = min(engine.model.spec.vocab_size, engine.tokenizer.vocab_size)
-    prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
     first_token_s(engine, [rng.randrange(3, vocab) for _ in range(tokens)])  # compiles, plans, allocator
-    cold, _ = first_token_s(engine, prompt)
-    pool_tokens = engine.num_blocks * engine.block_size
-    for _ in range(pool_tokens // tokens + 2):  # enough other prompts to push it out of the pool
-        first_token_s(engine, [rng.randrange(3, vocab) for _ in range(tokens)])
-    warm, tiers = first_token_s(engine, prompt)
-    return {"tokens": tokens, "cold_s": cold, "from_host_s": warm, "ratio": warm / cold, "cached_by_tier": tiers}
+    runs = []
+    for _ in range(2):
+        prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
+        cold, _ = first_token_s(engine, prompt)
+        pool_tokens = engine.num_blocks * engine.block_size
+        for _ in range(pool_tokens // tokens + 2):  # enough other prompts to push it out of the pool
+            first_token_s(engine, [rng.randrange(3, vocab) for _ in range(tokens)])
+        warm, tiers = first_token_s(engine, prompt)
+        runs.append({"cold_s": cold, "from_host_s": warm, "ratio": warm / cold, "cached_by_tier": tiers})
+    return {"tokens": tokens, **runs[1], "first": runs[0]}
 
 
 def main(argv=None) -> int:
