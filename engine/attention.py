@@ -35,8 +35,6 @@ from .quant import kv_fp8
 log = logging.getLogger(__name__)
 
 FORCE_DECODE: str | None = None  # "sdpa" | "matmul": the decode kernel on any device (tests run both on the CPU)
-USE_VARLEN = True  # fresh prompts on CUDA through varlen_attn where this torch has it
-USE_VARLEN_CACHED = True  # prompt chunks after cached prefixes too (their keys gathered from the pool)
 VARLEN_MIN_PROMPTS = 3  # measured (bench.lab.attention_choice, H200): 16x512 3.4x faster than a loop; 1x8192 1.7x slower
 
 
@@ -190,9 +188,9 @@ def build_meta(slot_mapping, query_starts, context_lens, tables, lens, block_siz
 def _varlen_takes(query_starts, context_lens, window, cached: bool = False) -> bool:
     """Enough prompts to beat one SDPA call each, a kernel that has the window, and: fresh prompts only; or
     (``cached``) some chunks after a prefix already in the pool."""
-    kernel = varlen_kernel() if USE_VARLEN and len(context_lens) >= VARLEN_MIN_PROMPTS else None
+    kernel = varlen_kernel() if len(context_lens) >= VARLEN_MIN_PROMPTS else None
     fresh = all(e - s == ctx for s, e, ctx in zip(query_starts, query_starts[1:], context_lens))
-    return kernel is not None and (not window or kernel.windows) and fresh != (cached and USE_VARLEN_CACHED)
+    return kernel is not None and (not window or kernel.windows) and fresh != cached
 
 
 def _cached_varlen(query_starts, context_lens, tables, block_size, device) -> tuple:

@@ -1,23 +1,19 @@
-"""The engine alone on a trace window, where its time goes, with the attention paths of a batch of several prompt
-chunks switched (an A/B before one path is kept).
+"""The engine alone on a trace window: where its time goes, by kind of step (fresh prompt chunks, chunks after
+cached keys, decode rows), with TFLOP/s for each.
 
     python -m bench.lab.trace_engine TRACE --count 100 --max-context 30000 --output-tokens 16 --concurrency 16 \\
         --engine "--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 32768" \\
-        --varlen on --out bench/out/trace-engine-on.json
+        --out bench/out/trace-engine.json
 
-``--varlen on``: the packed FlashAttention varlen kernel for three or more prompt chunks in a step, fresh ones and
-ones after cached keys alike (``engine.attention.USE_VARLEN*``); ``off``: each chunk on its own (cuDNN, the prefix
-split after cached keys). Run one value a process: a second engine in the same process finds the kernels compiled
-and the cuDNN plans built that the first paid for (the A/B of 2026-11-29 that ran both in one process compared a
-cold engine with a warm one: bench/RESULTS.md). Block tokens come from a 256-token vocabulary (any vocabulary gives
-the same work)."""
+Run one engine a process: a second engine in the same process finds the kernels compiled and the cuDNN plans built
+that the first paid for (an A/B of 2026-11-29 that ran two in one process compared a cold engine with a warm one:
+bench/RESULTS.md). Block tokens come from a 256-token vocabulary (any vocabulary gives the same work)."""
 from __future__ import annotations
 
 import argparse
 import json
 
 from bench import replay, replay_engine
-from engine import attention
 
 
 def main(argv=None) -> int:
@@ -30,20 +26,15 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="--model llama-3.1-8b --load-format dummy --dtype bfloat16 "
                     "--max-model-len 32768")
     ap.add_argument("--block-size", type=int, default=512, help="tokens a block id becomes (as bench replay's)")
-    ap.add_argument("--varlen", default="on", help="on | off (one a process; see above)")
     ap.add_argument("--out", default="bench/out/trace-engine.json")
     args = ap.parse_args(argv)
     window = argparse.Namespace(trace=args.trace, block_size=args.block_size, trace_block=512, start=0, count=args.count,
                                 duration=None, too_long="skip", output_tokens=args.output_tokens)
     requests, _ = replay.window(window, args.max_context)
-    runs = []
-    for choice in args.varlen.split(","):
-        attention.USE_VARLEN = attention.USE_VARLEN_CACHED = choice == "on"
-        prompts = replay.Prompts(args.block_size, 256, "0:0")
-        run = replay_engine.run(args.engine, requests, prompts.ids, args.concurrency)
-        run["varlen"] = choice
-        runs.append(run)
-        print(json.dumps({k: v for k, v in run.items() if k != "config"}, indent=1), flush=True)
+    prompts = replay.Prompts(args.block_size, 256, "0:0")
+    run = replay_engine.run(args.engine, requests, prompts.ids, args.concurrency)
+    print(json.dumps({k: v for k, v in run.items() if k != "config"}, indent=1), flush=True)
+    runs = [run]
     with open(args.out, "w") as f:
         json.dump({"argv": argv, "requests": len(requests), "runs": runs}, f, indent=1)
     return 0
