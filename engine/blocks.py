@@ -16,8 +16,8 @@ again to a sequence whose prompt starts with the same tokens (``match`` +
 is left the least recently used one is evicted, and of one sequence's blocks
 the last first (its head stays matchable longest). ``drain_events`` returns the
 keys stored and evicted since the last call (workers report them to routers).
-A tier below (``lower``, e.g. ``kvcache.HostTier``) is offered every block the
-pool evicts (``lower.offload(key, block)``) before the block is handed out
+A tier below (``lower``, e.g. ``kvcache.HostTier``) is offered the blocks one
+``grow`` evicts (``lower.offload_many(pairs)``) before they are handed out
 again; a key it keeps is not reported evicted until the tier drops it too
 (``dropped_below``); it is told when a cached block it may hold a copy of is
 handed out again (``lower.taken(key)``).
@@ -67,7 +67,7 @@ class BlockManager:
     def can_grow(self, table: list[int], tokens: int) -> bool:
         return self.blocks_for(tokens) - len(table) <= self.num_free
 
-    def _pop_free(self) -> int:
+    def _pop_free(self, evicting: list) -> int:
         if self.free:
             return heapq.heappop(self.free)
         block, _ = self.idle.popitem(last=False)
@@ -75,9 +75,14 @@ class BlockManager:
         self.key_of[block] = None
         del self.by_key[key]
         self.stored.discard(key)
-        if self.lower is None or not self.lower.offload(key, block):
-            self.evicted.add(key)
+        evicting.append((key, block))
         return block
+
+    def _evict(self, evicting: list) -> None:
+        """The cached blocks just taken back: offered to the tier below in one batch; what it does not keep is
+        evicted from this worker."""
+        kept = self.lower.offload_many(evicting) if self.lower is not None and evicting else set()
+        self.evicted.update(key for key, _ in evicting if key not in kept)
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Append blocks to ``table`` until it holds ``tokens`` tokens."""
@@ -85,7 +90,9 @@ class BlockManager:
             need = self.blocks_for(tokens) - len(table)
             if need > self.num_free:
                 raise OutOfBlocks(f"{need} blocks needed, {self.num_free} free")
-            taken = sorted(self._pop_free() for _ in range(need))
+            evicting = []
+            taken = sorted(self._pop_free(evicting) for _ in range(need))
+            self._evict(evicting)
             for block in taken:
                 self.refs[block] = 1
             table.extend(taken)

@@ -84,46 +84,93 @@ class Tier:
         self.stats = TierStats()
 
     def offload(self, key: int, block: int) -> bool:
-        """The pool's ``block`` is about to be overwritten: its copy (made now, or ahead by ``write_ahead``) ends
-        before anything queued after this call runs."""
-        kept = self.put(key, self.pool[:, block])
-        slot = self.slot_of.get(key)
-        if slot is not None and slot in self.writing:
-            torch.cuda.current_stream().wait_event(self.writing[slot])
+        return key in self.offload_many([(key, block)])
+
+    def offload_many(self, pairs: list[tuple[int, int]]) -> set[int]:
+        """Each ``(key, block)``: the pool's ``block`` is about to be overwritten. Its copy (made now, all of them
+        in one batch, or ahead by ``write_ahead``) ends before anything queued after this call runs. Returns the
+        keys that live on here (or below)."""
+        kept, todo = set(), []
+        for key, block in pairs:
+            if key in self.slot_of:
+                self.slot_of.move_to_end(key)
+                self.above.discard(key)
+                kept.add(key)
+            elif (slot := self._place(key, todo)) is not None:
+                todo.append((slot, block))
+                kept.add(key)
+            elif self.lower is not None and self.lower.put(key, self.pool[:, block]):
+                kept.add(key)
+        self._copy_out(todo)
+        if self.cuda:
+            waits = {id(e): e for e in (self.writing.get(self.slot_of.get(k)) for k in kept) if e is not None}
+            for event in waits.values():
+                torch.cuda.current_stream().wait_event(event)
         return kept
 
     def write_ahead(self, pairs: list[tuple[int, int]]) -> int:
         """Each ``(key, block)``: an idle block next in line to be evicted, copied out now (on a GPU beside the step
-        that follows), so that its eviction copies nothing. The blocks are gathered on the device ``STAGING_BYTES``
-        at a time and copied out from there (a run of slots as one copy), with one event for all: one copy a block,
-        each with its own event, held the engine's thread for a tenth of a prefill step. Returns how many."""
-        todo = []
+        that follows), so that its eviction copies nothing. Returns how many were copied."""
+        todo, count = [], 0
         for key, block in pairs:
             if key in self.slot_of:
                 continue
-            slot = self.free.pop() if self.free else self._drop_oldest()
+            slot = self._place(key, todo)
             if slot is None:
                 break
-            self.slot_of[key], self.key_of[slot] = slot, key
             todo.append((slot, block))
+            count += 1
+        self._copy_out(todo)
+        self.stats.written_ahead += count
+        return count
+
+    def put(self, key: int, source: torch.Tensor) -> bool:
+        """``source`` (one block of every layer, from a tier above) kept under ``key``."""
+        if key in self.slot_of:
+            self.slot_of.move_to_end(key)
+            self.above.discard(key)
+            return True
+        slot = self._place(key)
+        if slot is None:  # every slot is about to be loaded from: this key is not kept
+            return self.lower is not None and self.lower.put(key, source)
+        self._write(slot, source)
+        self.stats.offloaded += 1
+        return True
+
+    def _place(self, key: int, todo: list | None = None) -> int | None:
+        """A slot for ``key`` (free, or the least recently used one's), None when every slot is pinned. ``todo``:
+        the ``(slot, block)`` copies of a batch not made yet; made now, and emptied, when the slot to be dropped is
+        one of them (a batch larger than the tier wraps around: the dropped key's bytes must be in its slot)."""
+        if not self.free and todo:
+            victim = next((s for s in self.slot_of.values() if s not in self.pinned), None)
+            if victim in {slot for slot, _ in todo}:
+                self._copy_out(todo)
+                todo.clear()
+        slot = self.free.pop() if self.free else self._drop_oldest()
+        if slot is not None:
+            self.slot_of[key], self.key_of[slot] = slot, key
+        return slot
+
+    def _copy_out(self, todo: list[tuple[int, int]]) -> None:
+        """Each ``(slot, block)``: the pool's block into the slot. The blocks are gathered on the device
+        ``STAGING_BYTES`` at a time (an indexed copy, in 8-byte words) and copied out from there (a run of slots as
+        one copy), with one event for all. (A copy a block, each with its own event, held the engine's thread for a
+        tenth of a prefill step; gathered byte by byte, the copies ran at half the pinned rate.)"""
         if not todo:
-            return 0
+            return
         with self._writes() as event:
-            staging = self._staging("write")
-            pool = self.pool.view(torch.uint8)
+            staging, pool = self._staging("write"), _words(self.pool)
+            blocks = _indices([b for _, b in todo], self.pool.device)
             for start in range(0, len(todo), len(staging)):
                 chunk = todo[start:start + len(staging)]
-                blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(pool.device, non_blocking=True)
-                staging[:len(chunk)].copy_(pool.index_select(1, blocks).transpose(0, 1))
-                for i, j in _runs([s for s, _ in chunk]):
+                staging[:len(chunk)].copy_(pool.index_select(1, blocks[start:start + len(chunk)]).transpose(0, 1))
+                for i, j in _runs([slot for slot, _ in chunk]):
                     first = chunk[i][0]
-                    self.slots[first:first + j - i].view(torch.uint8).copy_(staging[i:j], non_blocking=self.cuda)
-        for slot, _ in todo:
-            if event is not None:
+                    _words(self.slots[first:first + j - i]).copy_(staging[i:j], non_blocking=self.cuda)
+        if event is not None:
+            for slot, _ in todo:
                 self.writing[slot] = event
         self.stats.offloaded += len(todo)
-        self.stats.written_ahead += len(todo)
-        return len(todo)
 
     @contextlib.contextmanager
     def _writes(self):
@@ -148,26 +195,8 @@ class Tier:
             self.slot_of.move_to_end(key, last=False)
             self.above.add(key)
 
-    def put(self, key: int, source: torch.Tensor) -> bool:
-        if key in self.slot_of:
-            self.slot_of.move_to_end(key)
-            self.above.discard(key)
-            return True
-        slot = self.free.pop() if self.free else self._drop_oldest()
-        if slot is None:  # every slot is about to be loaded from: this key is not kept
-            return self.lower is not None and self.lower.put(key, source)
-        self._write(slot, source)
-        self.slot_of[key], self.key_of[slot] = slot, key
-        self.stats.offloaded += 1
-        return True
-
     def _write(self, slot: int, source: torch.Tensor) -> None:
-        if source.device.type != "cuda":
-            self.slots[slot].copy_(source)
-            return
-        with self._writes() as event:
-            self.slots[slot].copy_(source, non_blocking=True)
-        self.writing[slot] = event
+        self.slots[slot].copy_(source)
 
     def _drop_oldest(self) -> int | None:
         key = next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
@@ -229,24 +258,25 @@ class Tier:
         into a staging buffer on the pool's device (a run of consecutive slots as one copy), ``STAGING_BYTES`` at a
         time, and from there into their blocks by one indexed copy: a slot copied straight into its block, which is
         strided over the layers, took a temporary, a copy and a kernel each, at 61% of the pinned rate."""
-        staging = self._staging("load")
-        pool = self.pool.view(torch.uint8)
+        staging, pool = self._staging("load"), _words(self.pool)
+        blocks = _indices([b for _, b in pairs], self.pool.device)
         blocking = not (self.cuda and self.slots.is_pinned())
         for start in range(0, len(pairs), len(staging)):
             chunk = pairs[start:start + len(staging)]
-            for i, j in _runs([s for s, _ in chunk]):
+            for i, j in _runs([slot for slot, _ in chunk]):
                 first = chunk[i][0]
-                staging[i:j].copy_(self.slots[first:first + j - i].view(torch.uint8), non_blocking=not blocking)
-            blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(pool.device, non_blocking=True)
-            pool.index_copy_(1, blocks, staging[:len(chunk)].transpose(0, 1))
+                staging[i:j].copy_(_words(self.slots[first:first + j - i]), non_blocking=not blocking)
+            pool.index_copy_(1, blocks[start:start + len(chunk)], staging[:len(chunk)].transpose(0, 1))
         for slot, _ in pairs:
             self._loaded(slot)
 
     def _staging(self, use: str) -> torch.Tensor:
-        """A buffer on the pool's device for ``use`` ("load", on the engine's stream; "write", on the tier's)."""
+        """A buffer on the pool's device for ``use`` ("load", on the engine's stream; "write", on the tier's), of
+        slots in 8-byte words (``_words``)."""
         if use not in self.buffers:
-            count = max(1, min(self.capacity, STAGING_BYTES // self.slots[0].view(torch.uint8).numel()))
-            self.buffers[use] = torch.empty((count, *self.slots[0].view(torch.uint8).shape), dtype=torch.uint8,
+            shape = _words(self.slots[0]).shape
+            count = max(1, min(self.capacity, STAGING_BYTES // (self.slots[0].numel() * self.slots.element_size())))
+            self.buffers[use] = torch.empty((count, *shape), dtype=_words(self.slots[0]).dtype,
                                             device=self.pool.device)
         return self.buffers[use]
 
@@ -309,6 +339,18 @@ class DiskTier(Tier):
 
     def _intact(self, slot: int) -> bool:
         return self.sums.get(slot) == self._crc(slot)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as 8-byte words where its rows allow (indexed copies of bytes run a byte a thread)."""
+    raw = t.view(torch.uint8)
+    return raw.view(torch.int64) if raw.shape[-1] % 8 == 0 else raw
+
+
+def _indices(blocks: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on ``device``, uploaded once without waiting (from pinned memory on a GPU)."""
+    ids = torch.tensor(blocks, dtype=torch.long)
+    return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
 
 
 def _runs(slots: list[int]):

@@ -130,6 +130,39 @@ def test_idle_blocks_next_to_be_evicted_are_written_ahead_and_their_eviction_cop
     assert next(iter(tier.slot_of)) == key and key in tier.above
 
 
+def test_a_batch_of_evictions_larger_than_the_tier_passes_the_right_bytes_down():
+    pool = torch.randn(2, 8, 4, 1, 1)
+    lower = HostTier(pool, 8)
+    tier = HostTier(pool, 3, lower=lower)
+    assert tier.offload_many([(10 + b, b) for b in range(7)]) == set(range(10, 17))
+    assert set(tier.slot_of) == {14, 15, 16} and set(lower.slot_of) == {10, 11, 12, 13}
+    for b in range(7):
+        held = tier if 10 + b in tier.slot_of else lower
+        assert torch.equal(held.slots[held.slot_of[10 + b]], pool[:, b])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tier's streams, events and pinned copies need a GPU")
+def test_on_a_gpu_evictions_writes_ahead_and_loads_are_bit_exact():
+    pool = torch.randn(8, 64, 16, 2, 32, device="cuda").to(torch.bfloat16)
+    lower = HostTier(pool, 64)
+    tier = HostTier(pool, 24, lower=lower)
+    assert tier.slots.is_pinned()
+    original = pool.clone()
+    assert tier.write_ahead([(100 + b, b) for b in range(0, 16)]) == 16
+    kept = tier.offload_many([(100 + b, b) for b in range(8, 48)])  # 8 held already, 32 new: past the tier's size
+    assert kept == set(range(108, 148))
+    assert set(tier.slot_of) == set(range(124, 148)) and set(lower.slot_of) == set(range(100, 124))
+    pool.zero_()  # the blocks handed out again and overwritten (queued after the copies out)
+    handles = tier.match(list(range(124, 148))) + lower.match(list(range(100, 124)))
+    assert len(handles) == 48
+    kvcache.pin(handles)
+    keys = list(range(124, 148)) + list(range(100, 124))
+    targets = [(k * 7) % 64 for k in range(48)]  # distinct blocks, out of order
+    kvcache.load(list(zip(handles, targets)))
+    torch.cuda.synchronize()
+    assert all(torch.equal(pool[:, t], original[:, k - 100]) for t, k in zip(targets, keys))
+
+
 def test_bad_sizes_are_refused_with_a_clear_error():
     for size in (0, -5):
         with pytest.raises(ValueError, match="positive"):

@@ -6,8 +6,8 @@ One engine (``--model``, dummy bf16 weights, a pool of ``--kv-budget`` and a hos
 
 - ``pinned``: one contiguous pinned host buffer of a prefix's KV bytes copied to the GPU and back (the link's
   limit as torch reaches it);
-- ``offload`` / ``write_ahead`` / ``load``: the same bytes as the tier moves them (``kvcache.HostTier``: a block at
-  a time as the pool evicts it, in a batch of idle blocks written ahead, in a batch loaded back), timed with the
+- ``offload`` / ``write_ahead`` / ``load``: the same bytes as the tier moves them (``kvcache.HostTier``: a batch
+  the pool evicts, a batch of idle blocks written ahead, a batch loaded back), timed with the
   device synchronized, and their rate as a fraction of ``pinned``;
 - ``ttft``: a prompt of ``--tokens`` tokens computed (cold), then, its blocks pushed out of the pool into the tier
   by other prompts, the same prompt again (its prefix loaded from host memory): time to first token, and the
@@ -43,7 +43,7 @@ def copy_rates(engine, blocks: int) -> dict:
     h2d = min(timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(3))
     d2h = min(timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(3))
     ids = list(range(blocks))
-    offload = timed(lambda: [tier.offload(1_000_000 + b, b) for b in ids])
+    offload = timed(lambda: tier.offload_many([(1_000_000 + b, b) for b in ids]))
     ahead = timed(lambda: tier.write_ahead([(2_000_000 + b, b) for b in ids]))
     handles = tier.match([1_000_000 + b for b in ids])
     kvcache.pin(handles)
