@@ -279,17 +279,21 @@ class WorkerLoop:
                 self.inbox.put({"op": "abort", "rid": rid})
 
     def _kv_events(self) -> None:
-        """Prefix-cache keys stored and evicted since the last call, to every router."""
+        """Prefix-cache keys stored, evicted and demoted (kept by a tier below the pool) since the last call, to every
+        router (applied in that order: stored, demoted, evicted)."""
         if self.prefix_blocks is None or not self.peers:
             return
         stored, evicted = self.prefix_blocks.drain_events()
-        if stored or evicted:
+        demoted = self.prefix_blocks.drain_demoted()
+        if stored or evicted or demoted:
             for identity in list(self.peers):
-                self.server.send(identity, "kv_events", stored=stored, evicted=evicted)
+                self.server.send(identity, "kv_events", stored=stored, evicted=evicted, demoted=demoted)
 
     def _safe_handle(self, msg):
         if msg["op"] == "_kv_snapshot":
-            self.server.send(msg["to"], "kv_events", reset=True, stored=self.prefix_blocks.keys(), evicted=[])
+            blocks = self.prefix_blocks
+            self.server.send(msg["to"], "kv_events", reset=True, stored=blocks.keys() + blocks.lower_keys(),
+                             evicted=[], demoted=blocks.lower_keys())
             return
         if msg["op"] == "abort":
             self.progressed.pop(msg["rid"], None)

@@ -18,8 +18,8 @@ the last first (its head stays matchable longest). ``drain_events`` returns the
 keys stored and evicted since the last call (workers report them to routers).
 A tier below (``lower``, e.g. ``kvcache.HostTier``) is offered the blocks one
 ``grow`` evicts (``lower.offload_many(pairs)``) before they are handed out
-again; a key it keeps is not reported evicted until the tier drops it too
-(``dropped_below``); it is told when a cached block it may hold a copy of is
+again; a key it keeps is reported demoted (``drain_demoted``), not evicted until
+the tier drops it too (``dropped_below``); it is told when a cached block it may hold a copy of is
 handed out again (``lower.taken(key)``).
 Thread-safe: a transport's receiver thread reserves blocks for KV that is
 arriving while the engine thread schedules (which holds ``lock`` for a
@@ -49,6 +49,7 @@ class BlockManager:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, oldest first
         self.stored: set[int] = set()
         self.evicted: set[int] = set()
+        self.demoted: set[int] = set()  # evicted from the pool but kept by the tier below, since the last drain
         self.lower = None  # a tier below the pool (kvcache), offered what the pool evicts
         self.remote = None  # a cluster-wide pool (kvcache.pool), offered every block registered, matched last
         self.lock = threading.RLock()
@@ -83,6 +84,7 @@ class BlockManager:
         evicted from this worker."""
         kept = self.lower.offload_many(evicting) if self.lower is not None and evicting else set()
         self.evicted.update(key for key, _ in evicting if key not in kept)
+        self.demoted.update(kept)
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Append blocks to ``table`` until it holds ``tokens`` tokens."""
@@ -155,6 +157,7 @@ class BlockManager:
                 self.key_of[block] = key
                 self.by_key[key] = block
                 self.evicted.discard(key)
+                self.demoted.discard(key)
                 self.stored.add(key)
                 if self.remote is not None:
                     self.remote.publish(key, block)
@@ -164,11 +167,24 @@ class BlockManager:
         with self.lock:
             if key not in self.by_key:
                 self.stored.discard(key)
+                self.demoted.discard(key)
                 self.evicted.add(key)
 
     def keys(self) -> list[int]:
         with self.lock:
             return list(self.by_key)
+
+    def lower_keys(self) -> list[int]:
+        """Keys held only by the tiers below the pool."""
+        with self.lock:
+            return [k for k in self.lower.keys() if k not in self.by_key] if self.lower is not None else []
+
+    def drain_demoted(self) -> list[int]:
+        """Keys the pool evicted into the tier below since the last call (and not stored again or dropped since):
+        held by this worker still, at a tier's cost (``drain_events`` holds what was stored and evicted)."""
+        with self.lock:
+            demoted, self.demoted = sorted(self.demoted), set()
+            return demoted
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """Keys stored and keys evicted since the last call (disjoint: the later event of a key wins)."""

@@ -188,6 +188,10 @@ class Tier:
             yield event
             event.record(self.stream)
 
+    def keys(self) -> list[int]:
+        """The keys held here and below."""
+        return list(self.slot_of) + (self.lower.keys() if self.lower is not None else [])
+
     def taken(self, key: int) -> None:
         """The pool hands out again an idle block it had kept (a prefix hit): a copy held here is held twice, and
         goes to the front of the order, as a loaded one does."""

@@ -23,23 +23,31 @@ class LeastOutstanding:
         return tied[next(self._tie) % len(tied)]
 
 
-def cached_blocks(worker, prompt) -> int:
-    """How many leading blocks of the prompt ``worker`` reported holding (0 without an index or keys)."""
+# What a prompt block held in a tier below the GPU pool is worth against one in the pool: loading it costs about a
+# tenth of computing it (one H200, Llama-3.1-8B shape: 16k tokens loaded from host memory in 48 ms, computed in
+# 550 ms; bench/RESULTS.md, KV tiers).
+LOWER_TIER_VALUE = 0.9
+
+
+def cached_blocks(worker, prompt, lower_value: float = 1) -> float:
+    """How many leading blocks of the prompt ``worker`` reported holding (0 without an index or keys); those held
+    only in a tier below its GPU pool count ``lower_value`` each."""
     if prompt is None:
         return 0
     keys = prompt.keys(int(worker.info.get("kv_block_size") or 0), str(worker.info.get("model") or ""))
-    held = worker.kv_keys
+    held, lower = worker.kv_keys, getattr(worker, "kv_lower", ())
     n = 0
     for key in keys:
         if key not in held:
             break
-        n += 1
+        n += lower_value if key in lower else 1
     return n
 
 
 class KVAware:
     """The worker holding the longest cached prefix of the prompt, balanced against load: score = cached share of
-    the prompt - ``weight`` x outstanding / (1 + most outstanding); ties go to the least loaded."""
+    the prompt - ``weight`` x outstanding / (1 + most outstanding), where a block held in a tier below a worker's
+    GPU pool counts ``LOWER_TIER_VALUE``; ties go to the least loaded."""
 
     def __init__(self, weight: float = 0.5):
         self.weight = weight
@@ -51,7 +59,7 @@ class KVAware:
         most = max(w.outstanding for w in workers)
         total = len(prompt.ids)
 
-        scores = [cached_blocks(w, prompt) * int(w.info.get("kv_block_size") or 0) / total
+        scores = [cached_blocks(w, prompt, LOWER_TIER_VALUE) * int(w.info.get("kv_block_size") or 0) / total
                   - self.weight * w.outstanding / (1 + most) for w in workers]
         best = max(scores)
         return LeastOutstanding.pick(self, [w for w, s in zip(workers, scores) if s >= best - 1e-9])

@@ -54,7 +54,8 @@ class WorkerClient:
         self.outstanding = 0
         self.prompt_tokens_out: dict[str, int] = {}  # rid -> uncached prompt tokens sent, until its first token
         self.owned: set[str] = set()
-        self.kv_keys: set[int] = set()
+        self.kv_keys: set[int] = set()  # prefix-cache keys the worker holds, in its GPU pool or a tier below
+        self.kv_lower: set[int] = set()  # of those, the ones held only below the GPU pool (host memory, disk)
         self.draining = False  # drained from the router (``router.drain``): out of the picks, its requests moved
         self._sock = self._monitor = None
         self._tasks: list[asyncio.Task] = []
@@ -215,16 +216,20 @@ class WorkerClient:
                     inbox.put_nowait(item)
 
     def _on_kv_events(self, msg: dict) -> None:
-        """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored and
-        evicted."""
-        stored, evicted = msg.get("stored") or [], msg.get("evicted") or []
-        if not isinstance(stored, list) or not isinstance(evicted, list):
+        """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored,
+        demoted (evicted from its GPU pool into a tier below) and evicted, applied in that order."""
+        stored, evicted, demoted = msg.get("stored") or [], msg.get("evicted") or [], msg.get("demoted") or []
+        if not all(isinstance(keys, list) for keys in (stored, evicted, demoted)):
             return
         if msg.get("reset"):
-            self.kv_keys = set(stored)
+            self.kv_keys, self.kv_lower = set(stored), set()
         else:
             self.kv_keys.update(stored)
+            self.kv_lower.difference_update(stored)
+        self.kv_lower.update(demoted)
+        self.kv_keys.update(demoted)
         self.kv_keys.difference_update(evicted)
+        self.kv_lower.difference_update(evicted)
 
     def close(self):
         for task in self._tasks:
