@@ -5,6 +5,9 @@
 #   replay   the first 60 requests of the conversation trace that fit 30k tokens, replayed twice with
 #            --kv-budget 16G, without and with a 64G host tier: the second pass's reuse (bar 90%) and wall time
 #            (bar: 3x sooner with the tier)
+#   fetch    a 16k-token prefix the prefill worker holds, fetched by the decode worker over nccl (its own pool
+#            let it go), against computing it (python -m bench.lab.prefix_fetch; 1P1D: two GPUs where there
+#            are, else the pair shares one): bar 5x faster
 #   suite    the GPU suite's cases on a colocated worker with a small pool and a host tier (traffic that returns to
 #            evicted prefixes), then bench chaos on it for CHAOS_S seconds (default 120), a worker killed every 30 s
 #   OUT=bench/out/tiers TAG=h200-DATE TRACES=../shared/traces bash bench/gpu/run.sh tiers [steps...]
@@ -13,7 +16,7 @@ OUT=${OUT:-bench/out/tiers}; TAG=${TAG:-gpu}
 source "$(dirname "$0")/common.sh"
 TRACES=${TRACES:-../shared/traces}
 llama="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 32768"
-for step in ${*:-copy replay suite}; do
+for step in ${*:-copy replay fetch suite}; do
   case $step in
     copy)
       $PY -m bench.lab.tier_copy --tokens 16384 --out "$OUT/tier-copy-$TAG.json" 2>&1 | grep -v Warning ;;
@@ -26,6 +29,10 @@ for step in ${*:-copy replay suite}; do
           > "$OUT/replay-twice-$name-$TAG.log" 2>&1
         echo "$name: exited $?"; grep -E "^\| [0-9.]+ \|" "$OUT/replay-twice-$name-$TAG.log"
       done ;;
+    fetch)
+      gpus=$([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && echo 2 || echo 1)
+      $PY -m bench.lab.prefix_fetch --tokens 16384 --up-args "--transport nccl --gpus $gpus $llama --kv-budget 4G" \
+        --out "$OUT/prefix-fetch-$TAG.json" 2>&1 | grep -E '"(cold|fetched)_median_s"|speedup|kv_bytes|gpu"' ;;
     suite)
       up="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 --kv-budget 2G --kv-host-bytes 32G"
       $PY -m bench.gpu_suite --modes colocated --out "$OUT/gpu-suite-tiers-$TAG.json" $up
