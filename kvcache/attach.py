@@ -3,9 +3,9 @@ calls on them: ``settle`` (before a block handed to another thread is written), 
 loads, before its forward), ``count`` (a sequence's cached tokens by tier), ``info`` (the worker's report).
 
 ``end_step`` also writes ahead: the idle blocks next in line to be evicted (after the free ones), up to
-``AHEAD_TOKENS`` or an eighth of the pool, are copied into the host tier (on a GPU on its own stream while the
-step computes), so that a prompt that evicts them waits for no copy. (Copied at eviction, 2 GB of blocks put 40-70 ms of copies in front of
-the prompt that needed the room.)"""
+``AHEAD_TOKENS`` or a quarter of the pool, are copied into the host tier (on a GPU on its own stream while the
+step computes), so that a prompt that evicts them waits for no copy. (Copied at eviction, 1-2 GB of blocks put
+40-70 ms of copies in front of the prompt that needed the room, on an H200.)"""
 from __future__ import annotations
 
 import itertools
@@ -18,7 +18,7 @@ from .pool import PoolTier, namespace
 from .tiers import DiskTier, HostTier, capacity_blocks, host_capacity_blocks
 
 POOL_BLOCKS = 1 << 20  # blocks the cluster pool's index holds at most (the store spills or drops beyond)
-AHEAD_TOKENS = 16384  # free or written-ahead room kept in the pool (two steps of prompt at the default budget)
+AHEAD_TOKENS = 32768  # free or written-ahead room kept in the pool (two 16k-token prompts loaded at once)
 
 
 class Tiers:
@@ -39,7 +39,7 @@ class Tiers:
     def write_ahead(self) -> int:
         blocks = self.blocks
         with blocks.lock:
-            want = min(AHEAD_TOKENS // blocks.block_size, blocks.num_blocks // 8) - len(blocks.free)
+            want = min(AHEAD_TOKENS // blocks.block_size, blocks.num_blocks // 4) - len(blocks.free)
             if want <= 0:
                 return 0
             pairs = [(blocks.key_of[b], b) for b in itertools.islice(blocks.idle, want)]

@@ -108,7 +108,7 @@ def test_idle_blocks_next_to_be_evicted_are_written_ahead_and_their_eviction_cop
     from engine.blocks import BlockManager
     from kvcache.attach import AHEAD_TOKENS, Tiers
 
-    bs = AHEAD_TOKENS // 4  # room for four blocks kept free or written ahead (an eighth of the pool)
+    bs = AHEAD_TOKENS // 4  # room for four blocks kept free or written ahead (AHEAD_TOKENS; a quarter is eight)
     pool = torch.randn(2, 32, bs, 1, 1)
     blocks = BlockManager(32, bs, caching=True)
     tier = HostTier(pool, 16, on_drop=blocks.dropped_below)
