@@ -178,40 +178,38 @@ def test_bad_sizes_are_refused_with_a_clear_error():
     assert out.returncode != 0 and "more than this machine" in out.stderr
 
 
+def replay_twice(tmp_path, pool_blocks: int, host_blocks: int, concurrency: int) -> tuple[dict, dict]:
+    """``bench replay`` of the slice at 16 tokens a block, twice over the same prompts, on a colocated worker with a
+    pool and a host tier of these many blocks: the two runs' reports."""
+    block = Engine(EngineConfig(device="cpu", threads=1, num_blocks=8, warmup=False)).block_bytes
+    out = tmp_path / "out"
+    up = f"--colocated --no-warmup --kv-budget {pool_blocks * block} --kv-host-bytes {host_blocks * block}"
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "bench", "replay", str(SLICE),
+                           "--up-args", up, "--block-size", "16", "--concurrency", str(concurrency),
+                           "--speeds", "1000,1000", "--same-prompts", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    first, again = json.loads((out / "replay.json").read_text())["runs"]
+    assert first["summary"]["errors"] == again["summary"]["errors"] == 0
+    return first, again
+
+
 def test_a_replayed_slice_reuses_what_the_pool_and_the_tier_keep_and_again_nearly_all(tmp_path):
     """The conversation slice at 16 tokens a block (189 requests that fit the tiny model, 2,720 distinct blocks):
     a pool of 80 blocks and a host tier of 3,000. The first pass reuses at least 95% of what an LRU of 3,080 blocks
     keeps; the same prompts again reuse at least 90% of their prompt tokens (every whole block is held)."""
-    block = Engine(EngineConfig(device="cpu", threads=1, num_blocks=8, warmup=False)).block_bytes
-    out = tmp_path / "out"
-    up = f"--colocated --no-warmup --kv-budget {80 * block} --kv-host-bytes {3000 * block}"
-    proc = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "bench", "replay", str(SLICE),
-                           "--up-args", up, "--block-size", "16", "--concurrency", "1", "--speeds", "1000,1000",
-                           "--same-prompts", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    first, again = json.loads((out / "replay.json").read_text())["runs"]
+    first, again = replay_twice(tmp_path, 80, 3000, concurrency=1)
     assert first["reuse"]["lru_capacity_blocks"] == 3080
     assert first["reuse"]["workers"]["reused_tokens"] >= 0.95 * first["reuse"]["lru"]["reused_tokens"], first["reuse"]
     assert again["reuse"]["workers"]["share"] >= 0.90, again["reuse"]
-    assert first["summary"]["errors"] == again["summary"]["errors"] == 0
 
 
 def test_a_window_a_little_larger_than_the_host_tier_is_held_by_the_pool_and_the_tier_together(tmp_path):
     """The slice at concurrency 16 with a host tier of 91% of its 2,720 distinct blocks and a pool of 620 (the GPU
     bar's proportions: 64 and 16 GiB against a 70 GiB window): the second pass reuses at least 90% of its prompt
     tokens. (With the pool's copies held in the tier too, as the most recent uses, it reused 68%.)"""
-    block = Engine(EngineConfig(device="cpu", threads=1, num_blocks=8, warmup=False)).block_bytes
-    out = tmp_path / "out"
-    up = f"--colocated --no-warmup --kv-budget {620 * block} --kv-host-bytes {2475 * block}"
-    proc = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "bench", "replay", str(SLICE),
-                           "--up-args", up, "--block-size", "16", "--concurrency", "16", "--speeds", "1000,1000",
-                           "--same-prompts", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    first, again = json.loads((out / "replay.json").read_text())["runs"]
+    _, again = replay_twice(tmp_path, 620, 2475, concurrency=16)
     assert again["reuse"]["workers"]["share"] >= 0.90, again["reuse"]
-    assert first["summary"]["errors"] == again["summary"]["errors"] == 0
 
 
 def test_blocks_the_host_tier_drops_go_to_disk_come_back_and_a_corrupt_one_is_recomputed(tmp_path):
