@@ -312,15 +312,19 @@ def up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)  # a rolling restart (deploy.rolling)
     url = f"http://{args.host}:{args.port}"
-    ray_cluster, env = None, dict(os.environ)
+    ray_cluster, pool_servers, env = None, None, dict(os.environ)
     from control.auth import TOKEN_ENV, TOKEN_FILE_ENV, new_token
 
     if not (env.get(TOKEN_ENV) or env.get(TOKEN_FILE_ENV)):
         env[TOKEN_ENV] = new_token()
     env.update(parent_env())  # the children stop when up dies, even by SIGKILL (control.lifetime)
     try:
-        pool_needs_ray = getattr(args, "kv_pool", None) == "ray" and not os.environ.get("RAY_ADDRESS")
-        if (args.transport == "ray" and not args.colocated or pool_needs_ray) and not args.ray_address:
+        if getattr(args, "kv_pool", None) == "mooncake":
+            from deploy.kv_pool_servers import KVPoolServers
+
+            pool_servers = KVPoolServers(args.kv_pool_bytes).start()
+            args.kv_pool = f"mooncake://{pool_servers.address}"
+        if args.transport == "ray" and not args.colocated and not args.ray_address:
             from deploy.raycluster import RayCluster
 
             ray_cluster = RayCluster(token=os.environ.get("RAY_AUTH_TOKEN")).start()
@@ -360,3 +364,5 @@ def up(args) -> int:
         stop(supervisor.procs if supervisor else procs)
         if ray_cluster:
             ray_cluster.stop()
+        if pool_servers:
+            pool_servers.stop()

@@ -28,7 +28,7 @@ class EngineConfig:
     kv_host_bytes: int = 0  # a host-memory tier under the pool's prefix cache (kvcache.HostTier); 0: none
     kv_disk: str | None = None  # a directory for a disk tier under the host tier (kvcache.DiskTier)
     kv_disk_bytes: int = 0
-    kv_pool: str | None = None  # a cluster-wide KV pool on this store (kvcache.stores: ray)
+    kv_pool: str | None = None  # a cluster-wide KV pool on this store (kvcache.stores: mooncake://HOST:PORT)
     num_blocks: int | None = None
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)

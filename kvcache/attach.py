@@ -17,7 +17,6 @@ import torch
 from .pool import PoolTier, namespace
 from .tiers import DiskTier, HostTier, capacity_blocks, host_capacity_blocks
 
-POOL_BLOCKS = 1 << 20  # blocks the cluster pool's index holds at most (the store spills or drops beyond)
 AHEAD_TOKENS = 32768  # free or written-ahead room kept in the pool (two 16k-token prompts loaded at once)
 
 
@@ -78,6 +77,6 @@ def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str) ->
     if getattr(options, "kv_pool", None):
         from .stores import open_store
 
-        remote = PoolTier(pool, open_store(options.kv_pool, POOL_BLOCKS), namespace(model, pool))
+        remote = PoolTier(pool, open_store(options.kv_pool), namespace(model, pool))
         blocks.remote = remote
     return Tiers(host, remote, blocks)

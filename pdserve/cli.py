@@ -77,8 +77,11 @@ def _add_engine(p: argparse.ArgumentParser):
                    "blocks its GPU pool evicts stay there and come back on a prefix hit (docs/kv-tiers.md)")
     p.add_argument("--kv-disk", default=None, help="a directory for a disk KV tier under the host tier")
     p.add_argument("--kv-disk-bytes", type=byte_size, default=0, help="the disk tier's size, e.g. 2T")
-    p.add_argument("--kv-pool", choices=["ray"], default=None, help="a cluster-wide KV pool: prefixes any worker "
-                   "computed, fetched from the store (ray: the Ray object store of RAY_ADDRESS, or one up starts)")
+    p.add_argument("--kv-pool", default=None, metavar="mooncake|mooncake://HOST:PORT", help="a cluster-wide KV "
+                   "pool on Mooncake Store: prefixes any worker computed, fetched from the store (up: mooncake starts "
+                   "its master and this host's daemon; a worker: the daemon's address)")
+    p.add_argument("--kv-pool-bytes", type=byte_size, default=4 << 30, help="up --kv-pool mooncake: the pool's "
+                   "memory on this host (the daemon's segment; default 4G)")
     p.add_argument("--transport", default="tcp", help="tcp | shm | pickle | ray | ...")
     p.add_argument("--ray-address", default=None, help="ray transport: cluster to join (default: RAY_ADDRESS, or "
                    "`up` starts one)")

@@ -11,6 +11,11 @@ python -m pip install -q --no-deps nixl nixl-cu12      # plain `nixl` would pull
 if ! command -v iperf3 >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   timeout 180 apt-get install -y -q iperf3 >/dev/null 2>&1 || echo "iperf3 not installed; benchmarks fall back to a plain socket reference"
 fi
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # Mooncake Store (--kv-pool mooncake) links libibverbs; the library alone, without device providers (with them, a
+  # process that used UCX, the nixl transport, crashed at exit on a machine without RDMA devices)
+  timeout 180 apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 || echo "libibverbs1 not installed; the KV pool tests are skipped"
+fi
 if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then  # the dashboard test
   timeout 300 apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || echo "chromium not installed; the browser test is skipped"
 fi
