@@ -67,6 +67,10 @@ class Process:
 
         self.role, self.draining = role, False
         self.ip = host or ray.util.get_node_ip_address()
+        if role != "router":
+            from .ray_kv_pool import resolve
+
+            argv = resolve(argv)  # --kv-pool mooncake: this node's daemon of the pool (deploy.ray_kv_pool)
         self.socket = listen(self.ip, port, "--port")
         self.port = port_of(self.socket)
         self.node = ray.get_runtime_context().get_node_id()

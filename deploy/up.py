@@ -60,7 +60,7 @@ def engine_args(args) -> list[str]:
     if getattr(args, "kv_host_bytes", 0):
         out += ["--kv-host-bytes", str(args.kv_host_bytes)]
     if getattr(args, "kv_pool", None):
-        out += ["--kv-pool", args.kv_pool]
+        out += ["--kv-pool", args.kv_pool, "--kv-pool-bytes", str(args.kv_pool_bytes)]
     if getattr(args, "kv_disk", None):
         out += ["--kv-disk", args.kv_disk, "--kv-disk-bytes", str(args.kv_disk_bytes)]
     if args.ray_address:

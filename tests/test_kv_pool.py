@@ -73,7 +73,7 @@ def test_a_pool_server_that_exits_on_a_taken_port_starts_again_on_other_ports(tm
             f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {ports[0]})); s.listen(); time.sleep(60)")
         return [sys.executable, "-c", code], ports[:1]
 
-    server, ports = kv_pool_servers.start(make, str(tmp_path / "log"), "a test server")
+    server, ports = kv_pool_servers.start(make, "127.0.0.1", str(tmp_path / "log"), "a test server")
     try:
         assert len(tries) == 2 and ports == tries[1] and server.proc.poll() is None
     finally:

@@ -254,3 +254,43 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def test_a_kv_pool_deployed_on_ray_gives_a_prefix_one_prefill_worker_computed_to_the_other(ray_cluster):
+    """``--kv-pool mooncake``: the deployment's master and its node's daemon come up as actors, both prefill
+    workers join the daemon, and the second takes the first's blocks from the pool."""
+    pytest.importorskip("mooncake.store", exc_type=ImportError)
+    name = NAME + "-pool"
+    cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "2", "--decode", "1", "--threads", "1",
+        "--kv-pool", "mooncake", "--kv-pool-bytes", "256M", "--policy", "round_robin",
+        "--prefill-resources", '{"node_b": 0.01}', "--port", "0")
+    try:
+        url = status(name)["url"]
+        assert eventually(lambda: len(healthy(url, "prefill")) == 2 and len(healthy(url, "decode")) == 1, 120)
+        pool = [a for a in status(name)["actors"] if a["name"].startswith("kvpool-")]
+        assert len(pool) == 2 and all(a["alive"] for a in pool), pool  # the master and node_b's daemon
+        assert {a["node_ip"] for a in pool if a["name"] != "kvpool-master"} == {"127.0.0.3"}
+        prompt = [(i * 37) % 200 + 40 for i in range(300)]
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        cold = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert eventually(lambda: sum(w.get("pool_published", 0) for w in healthy(url, "prefill")) >= 18, 60)
+        warm = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert warm["pdserve"]["cached_tokens_by_tier"].get("pool") == 288, warm["pdserve"]
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert pool_servers_on_node_b()
+    finally:
+        cli("down", "--name", name)
+    assert eventually(lambda: not pool_servers_on_node_b(), 20), pool_servers_on_node_b()  # gone with their actors
+
+
+def pool_servers_on_node_b() -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"mooncake_client" in cmd and b"127.0.0.3" in cmd:
+            out.append(int(pid))
+    return out
