@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # KV tiers on one GPU (Llama-3.1-8B shape, dummy bf16 weights). Steps (default all):
+#   test     the tier's GPU test: evictions, writes ahead and loads through pinned memory, bit-exact
 #   copy     the host tier's block copies against the pinned copy limit, and a 16k prefix from host memory
 #            against computing it (python -m bench.lab.tier_copy): bars 80% of pinned, TTFT ratio <= 0.15
 #   replay   the first 60 requests of the conversation trace that fit 30k tokens, replayed twice with
@@ -16,8 +17,10 @@ OUT=${OUT:-bench/out/tiers}; TAG=${TAG:-gpu}
 source "$(dirname "$0")/common.sh"
 TRACES=${TRACES:-../shared/traces}
 llama="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 32768"
-for step in ${*:-copy replay fetch suite}; do
+for step in ${*:-test copy replay fetch suite}; do
   case $step in
+    test)
+      timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_host_tier.py -k gpu 2>&1 | tail -2 ;;
     copy)
       $PY -m bench.lab.tier_copy --tokens 16384 --out "$OUT/tier-copy-$TAG.json" 2>&1 | grep -v Warning ;;
     replay)
