@@ -9,10 +9,13 @@ evicts it). The pool and the tiers then hold as many distinct blocks as they hav
 most recent use instead, a copy held twice cost room, and a window a little larger than the tier replayed again
 lost a third of its hits: each miss dropped the block a later request needed.)
 
-- ``offload(key, block)``: the pool's ``block``, about to be handed out again, holds the KV keyed ``key``: its
-  copy is queued into a free slot (the least recently used key is dropped, or passed down, when none is free) on
-  the device's current stream, before anything that overwrites the block; an event marks its end. A key held
-  already is only marked as recently used. True: the key lives on here (or below).
+- ``offload_many(pairs)``: each ``(key, block)``, a pool block about to be handed out again: copied into a free
+  slot (the least recently used key is dropped, or passed down, when none is free), all in one batch
+  (``kvcache.copies``: on a GPU on the tier's own stream, the engine's stream waiting for it before it overwrites
+  the blocks). A key held already is only marked as recently used. Returns the keys that live on here (or below).
+- ``write_ahead(pairs)``: idle pool blocks next in line to be evicted, copied in now, beside the step that
+  follows, so that their eviction copies nothing. ``taken(key)``: the pool handed a cached block out again (its
+  copy here is held twice: to the front).
 - ``match(keys)``: handles ``(tier, slot)`` of the longest run of ``keys`` held here and then below. A slot still
   being written is never read: the run stops there (``skipped_in_flight``). A disk slot whose checksum (taken when
   it was written) no longer matches is dropped and stops the run (``corrupt``): that block is computed again.
@@ -24,7 +27,6 @@ lost a third of its hits: each miss dropped the block a later request needed.)
 ``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import weakref
@@ -34,7 +36,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-STAGING_BYTES = 64 << 20  # a tier's staging buffer on the pool's device (loads go through it, this much at a time)
+from .copies import Copier
+
 
 @dataclass
 class TierStats:
@@ -72,8 +75,7 @@ class Tier:
     def __init__(self, pool: torch.Tensor, slots: torch.Tensor, on_drop=None, lower: "Tier | None" = None):
         self.pool, self.slots, self.lower, self.on_drop = pool, slots, lower, on_drop
         self.cuda = pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(pool.device) if self.cuda else None  # copies into the tier
-        self.buffers: dict[str, torch.Tensor] = {}  # staging on the pool's device (``_staging``)
+        self.copier = Copier(pool, slots)
         self.capacity = slots.shape[0]
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently used first
         self.key_of: dict[int, int] = {}
@@ -152,41 +154,13 @@ class Tier:
         return slot
 
     def _copy_out(self, todo: list[tuple[int, int]]) -> None:
-        """Each ``(slot, block)``: the pool's block into the slot. The blocks are gathered on the device
-        ``STAGING_BYTES`` at a time (an indexed copy, in 8-byte words) and copied out from there (a run of slots as
-        one copy), with one event for all. (A copy a block, each with its own event, held the engine's thread for a
-        tenth of a prefill step; gathered byte by byte, the copies ran at half the pinned rate.)"""
-        if not todo:
-            return
-        with self._writes() as event:
-            staging, pool = self._staging("write"), _words(self.pool)
-            blocks = _indices([b for _, b in todo], self.pool.device)
-            for start in range(0, len(todo), len(staging)):
-                chunk = todo[start:start + len(staging)]
-                staging[:len(chunk)].copy_(pool.index_select(1, blocks[start:start + len(chunk)]).transpose(0, 1))
-                for i, j in _runs([slot for slot, _ in chunk]):
-                    first = chunk[i][0]
-                    _words(self.slots[first:first + j - i]).copy_(staging[i:j], non_blocking=self.cuda)
+        """Each ``(slot, block)``: the pool's block into the slot, all in one batch (``kvcache.copies``); on a GPU
+        each slot is being written until the batch's event."""
+        event = self.copier.to_slots(todo)
         if event is not None:
             for slot, _ in todo:
                 self.writing[slot] = event
         self.stats.offloaded += len(todo)
-
-    @contextlib.contextmanager
-    def _writes(self):
-        """Copies into the tier: on a GPU on the tier's own stream, after all the current stream has queued (the
-        blocks' KV is written, earlier loads out of the slots have read them); yields the event that will mark
-        their end (None on the CPU, where they end before the call returns)."""
-        if not self.cuda:
-            yield None
-            return
-        ready = torch.cuda.Event()
-        ready.record()
-        self.stream.wait_event(ready)
-        event = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
-            yield event
-            event.record(self.stream)
 
     def keys(self) -> list[int]:
         """The keys held here and below."""
@@ -258,31 +232,11 @@ class Tier:
         self.pinned[slot] = self.pinned.get(slot, 0) + 1
 
     def load_many(self, pairs: list[tuple[int, int]]) -> None:
-        """Each ``(slot, block)``: the slot copied into the pool's ``block``, queued on the current stream. Slots go
-        into a staging buffer on the pool's device (a run of consecutive slots as one copy), ``STAGING_BYTES`` at a
-        time, and from there into their blocks by one indexed copy: a slot copied straight into its block, which is
-        strided over the layers, took a temporary, a copy and a kernel each, at 61% of the pinned rate."""
-        staging, pool = self._staging("load"), _words(self.pool)
-        blocks = _indices([b for _, b in pairs], self.pool.device)
-        blocking = not (self.cuda and self.slots.is_pinned())
-        for start in range(0, len(pairs), len(staging)):
-            chunk = pairs[start:start + len(staging)]
-            for i, j in _runs([slot for slot, _ in chunk]):
-                first = chunk[i][0]
-                staging[i:j].copy_(_words(self.slots[first:first + j - i]), non_blocking=not blocking)
-            pool.index_copy_(1, blocks[start:start + len(chunk)], staging[:len(chunk)].transpose(0, 1))
+        """Each ``(slot, block)``: the slot copied into the pool's ``block``, queued on the current stream, in one
+        batch (``kvcache.copies``)."""
+        self.copier.to_pool(pairs)
         for slot, _ in pairs:
             self._loaded(slot)
-
-    def _staging(self, use: str) -> torch.Tensor:
-        """A buffer on the pool's device for ``use`` ("load", on the engine's stream; "write", on the tier's), of
-        slots in 8-byte words (``_words``)."""
-        if use not in self.buffers:
-            shape = _words(self.slots[0]).shape
-            count = max(1, min(self.capacity, STAGING_BYTES // (self.slots[0].numel() * self.slots.element_size())))
-            self.buffers[use] = torch.empty((count, *shape), dtype=_words(self.slots[0]).dtype,
-                                            device=self.pool.device)
-        return self.buffers[use]
 
     def _loaded(self, slot: int) -> None:
         key = self.key_of[slot]
@@ -343,29 +297,6 @@ class DiskTier(Tier):
 
     def _intact(self, slot: int) -> bool:
         return self.sums.get(slot) == self._crc(slot)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as 8-byte words where its rows allow (indexed copies of bytes run a byte a thread)."""
-    raw = t.view(torch.uint8)
-    return raw.view(torch.int64) if raw.shape[-1] % 8 == 0 else raw
-
-
-def _indices(blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids on ``device``, uploaded once without waiting (from pinned memory on a GPU)."""
-    ids = torch.tensor(blocks, dtype=torch.long)
-    return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
-
-
-def _runs(slots: list[int]):
-    """``(i, j)`` for each run ``slots[i:j]`` of consecutive slots."""
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        yield i, j
-        i = j
 
 
 def pin(handles: list[tuple]) -> None:
