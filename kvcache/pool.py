@@ -6,8 +6,8 @@
   (``unpublished``). Keys fetched from the pool, or published already, are not published again.
 - ``match(keys)``: the longest run of ``keys`` the store holds, fetched at once; handles ``(pool, key)``. A block
   gone by the time it is fetched (dropped by the store, its owner gone) ends the run: the rest is computed again.
-- ``load_many(pairs)``: each ``(key, block)``, the fetched bytes into the pool's ``block`` (``kvcache.load``); ``end_step`` drops what
-  was fetched for a sequence that was not admitted after all.
+- ``load_many(pairs)``: each ``(key, block)``, the fetched bytes into the pool's ``block`` (``kvcache.load``);
+  ``end_step`` drops what was fetched for a sequence that was not admitted after all.
 
 Keys are named by the model and the block's shape and dtype (``namespace``): only workers of one model, with one
 block layout, share blocks."""
