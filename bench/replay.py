@@ -12,7 +12,8 @@ clipped or skipped (``--too-long``), and counted.
 The report: TTFT, TPOT and ITL percentiles, SLO attainment and goodput (``bench.serve.summarize``), and prompt tokens
 reused three ways, side by side: the window's ideal (an unlimited cache), an LRU over blocks at the cluster's KV
 capacity (``planner.reuse``; the prompt-computing workers' pools and host tiers, or ``--kv-capacity-blocks``), and
-what the workers reported (their prefix counters' growth over the run, per worker and in total).
+what the workers reported (their prefix counters' growth over the run, per worker and in total). With
+``--same-prompts`` the two models keep what the runs before sent, as the workers' caches do.
 ``--engine-alone`` then runs the first run's prompts through the engine alone (``bench.replay_engine``): the rate
 serving is held against. ``--speeds`` replays the window at each speed, each with tokens of its own (no run reuses
 another's cache; ``--same-prompts``: the first run's tokens every time), and names the fastest whose attainment
@@ -187,10 +188,14 @@ async def send(url: str, model: str, requests: list[TraceRequest], prompts: Prom
     return sorted(rows, key=lambda r: r["index"]), wall
 
 
-def reuse_table(requests: list[TraceRequest], block_size: int, capacity: int, workers: dict) -> dict:
-    """Prompt tokens computed and reused: ideal, LRU at ``capacity`` blocks, and as the workers reported."""
+def reuse_table(requests: list[TraceRequest], block_size: int, capacity: int, workers: dict,
+                before: list[TraceRequest] = ()) -> dict:
+    """Prompt tokens computed and reused: ideal, LRU at ``capacity`` blocks, and as the workers reported. ``before``:
+    the requests earlier runs sent with the same tokens (their blocks are in the models' caches as in the workers')."""
     prompt = sum(r.prompt_tokens for r in requests)
-    ideal, lru = sum(reused_tokens(requests, block_size)), sum(reused_tokens(requests, block_size, capacity))
+    seen = [*before, *requests]
+    ideal = sum(reused_tokens(seen, block_size)[len(before):])
+    lru = sum(reused_tokens(seen, block_size, capacity)[len(before):])
     got = workers["total"]
     return {"prompt_tokens": prompt, "lru_capacity_blocks": capacity,
             "ideal": {"reused_tokens": ideal, "computed_tokens": prompt - ideal, "share": ideal / max(1, prompt)},
@@ -202,14 +207,15 @@ def reuse_table(requests: list[TraceRequest], block_size: int, capacity: int, wo
 
 
 def replay_once(args, url: str, model: str, requests: list[TraceRequest], speed: float, salt: str,
-                capacity: int, vocab: int) -> dict:
-    before = cluster(url)
+                capacity: int, vocab: int, before: list[TraceRequest] = ()) -> dict:
+    counters = cluster(url)
     rows, wall = asyncio.run(send(url, model, requests, Prompts(args.block_size, vocab, salt), speed,
                                   args.concurrency))
     time.sleep(1.0)  # the workers' last counters reach /health with their next pong
     after = cluster(url)
     out = {"speed": speed, "summary": summarize(rows, wall, args.slo_ttft_ms, args.slo_tpot_ms),
-           "reuse": reuse_table(requests, args.block_size, capacity, reported(before, after)), "samples": rows}
+           "reuse": reuse_table(requests, args.block_size, capacity, reported(counters, after), before),
+           "samples": rows}
     out["summary"]["prompt_tok_per_s"] = sum(r.prompt_tokens for r in requests) / wall if wall else 0.0
     return out
 
@@ -289,7 +295,8 @@ def run(args) -> int:
         vocab = min(w["vocab_size"] for w in workers.values() if w.get("vocab_size"))
         speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else [args.speed]
         runs = [replay_once(args, url, model, requests, speed, f"{args.seed}:{0 if args.same_prompts else i}",
-                            capacity, vocab) for i, speed in enumerate(speeds)]
+                            capacity, vocab, requests * i if args.same_prompts else [])
+                for i, speed in enumerate(speeds)]
     finally:
         if started is not None:
             started.stop()

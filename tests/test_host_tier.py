@@ -202,6 +202,8 @@ def test_a_replayed_slice_reuses_what_the_pool_and_the_tier_keep_and_again_nearl
     assert first["reuse"]["lru_capacity_blocks"] == 3080
     assert first["reuse"]["workers"]["reused_tokens"] >= 0.95 * first["reuse"]["lru"]["reused_tokens"], first["reuse"]
     assert again["reuse"]["workers"]["share"] >= 0.90, again["reuse"]
+    assert again["reuse"]["lru"]["share"] >= 0.90  # the models keep the first run's blocks, as the workers do
+    assert again["reuse"]["workers"]["reused_tokens"] >= 0.95 * again["reuse"]["lru"]["reused_tokens"], again["reuse"]
 
 
 def test_a_window_a_little_larger_than_the_host_tier_is_held_by_the_pool_and_the_tier_together(tmp_path):
