@@ -137,3 +137,31 @@ def test_every_metric_the_grafana_dashboard_queries_is_one_the_router_exports():
         for target in panel.get("targets", []):
             queried |= set(re.findall(r"\b(pdserve_[a-z0-9_]+)", target["expr"]))
     assert queried and queried <= exported, sorted(queried - exported)
+
+
+def test_the_state_shows_prompt_tokens_from_the_host_tier_and_its_moves():
+    """A prompt pushed out of a small GPU pool comes back from the host tier: the dashboard's state counts its tokens
+    (``tiers.tokens_per_s``, once the worker's counters arrive) and the move's fetch and load times, in the window
+    that its first call opened."""
+    cluster = Cluster("--colocated", "--no-warmup", "--kv-budget", str(40 * 16384),
+                      "--kv-host-bytes", str(200 * 16384)).wait_ready()
+    try:
+        def complete(prompt):
+            r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def state():
+            return httpx.get(cluster.url + "/dashboard/state", timeout=10).json()["tiers"]
+        assert state()["moves"] == 0  # the window's first sample: what follows is counted against it
+        prompt = [(i * 37) % 200 + 40 for i in range(300)]
+        complete(prompt)
+        for n in range(6):  # 1,800 other tokens through a pool of 640: the prompt's blocks leave it
+            complete([(i * 13 + n * 7) % 200 + 40 for i in range(300)])
+        assert complete(prompt)["pdserve"]["cached_tokens_by_tier"].get("host", 0) > 0
+        assert eventually(lambda: state()["tokens_per_s"]["host"] > 0, 10), state()
+        tiers = state()
+        assert tiers["moves"] >= 1 and tiers["phases_ms"]["load"] is not None and tiers["phases_ms"]["fetch"] >= 0
+    finally:
+        cluster.stop()

@@ -112,7 +112,10 @@ function transfers(by) {
 }
 
 function prefixAndDisagg(s) {
-  replace("prefix", card("prefix cache hit rate", s.prefix_hit_rate == null ? "-" : `${(s.prefix_hit_rate * 100).toFixed(1)}%`));
+  const t = s.tiers, ms = (v) => (v == null ? "-" : `${v.toFixed(1)} ms`);
+  replace("prefix", card("prefix cache hit rate", s.prefix_hit_rate == null ? "-" : `${(s.prefix_hit_rate * 100).toFixed(1)}%`),
+    card("tokens/s from host / disk / pool", ["host", "disk", "pool"].map((k) => t.tokens_per_s[k].toFixed(0)).join(" / ")),
+    card(`tier moves (${t.moves}): fetch / load`, `${ms(t.phases_ms.fetch)} / ${ms(t.phases_ms.load)}`));
   document.querySelector("#disagg tbody").replaceChildren(...(s.disagg.length ? s.disagg.map((d) =>
     el("tr", {}, el("td", {}, d.where), el("td", {}, d.reason), el("td", {}, d.in_window))) :
     [el("tr", {}, el("td", {colspan: 3, class: "muted"}, "no decisions (every prompt goes one way)"))]));

@@ -5,7 +5,8 @@ Counters and histograms only grow, so each call keeps a sample of them (at most 
 them) and reports the difference between now and the oldest sample within the window: requests, errors and retries
 per second, generated tokens per second, TTFT / TPOT / ITL p50 and p99 from the histograms' bucket counts (the
 upper bound of the bucket the quantile falls in), KV bytes per second and the mean time of each transfer phase per
-transport, the prefix cache's hit rate and the disaggregation decisions by where and why."""
+transport, the prefix cache's hit rate, the KV tiers' tokens and moves, and the disaggregation decisions by where
+and why."""
 from __future__ import annotations
 
 import time
@@ -84,6 +85,17 @@ def _transfers(new: dict, old: dict, seconds: float) -> dict:
     return out
 
 
+def _tiers(new: dict, old: dict, seconds: float) -> dict:
+    """Prompt tokens a second the workers took from the tiers below their GPU pools (``kvcache``), and the mean ms of
+    the prefixes' moves out of them in the window: fetch (found and fetched) and load (copied into the GPU pool)."""
+    count = {p: _delta(new, old, "pdserve_kv_tier_phase_seconds_count", phase=p) for p in ("fetch", "load")}
+    return {"tokens_per_s": {t: _delta(new, old, f"pdserve_worker_prefix_tokens_from_{t}") / seconds
+                             for t in ("host", "disk", "pool")},
+            "phases_ms": {p: _delta(new, old, "pdserve_kv_tier_phase_seconds_sum", phase=p) / n * 1e3 if n else None
+                          for p, n in count.items()},
+            "moves": int(max(count.values()))}
+
+
 def _disagg(new: dict, old: dict) -> list[dict]:
     rows = []
     for labels, _ in sorted(new.get("pdserve_disagg_requests_total", {}).items()):
@@ -111,6 +123,7 @@ def worker_rows(groups: dict) -> list[dict]:
 
 
 def snapshot(st, window: Window) -> dict:
+    st.metrics.observe_workers(st.groups)  # the workers' gauges as their last pongs said (else only /metrics sets them)
     new, old, seconds = window.add(st.metrics.registry)
     prompt = _delta(new, old, "pdserve_worker_prefix_prompt_tokens")
     cached = _delta(new, old, "pdserve_worker_prefix_tokens_saved")
@@ -129,5 +142,6 @@ def snapshot(st, window: Window) -> dict:
         },
         "transfers": _transfers(new, old, seconds),
         "prefix_hit_rate": cached / prompt if prompt else None,
+        "tiers": _tiers(new, old, seconds),
         "disagg": _disagg(new, old),
     }
