@@ -291,9 +291,9 @@ class WorkerLoop:
 
     def _safe_handle(self, msg):
         if msg["op"] == "_kv_snapshot":
-            blocks = self.prefix_blocks
-            self.server.send(msg["to"], "kv_events", reset=True, stored=blocks.keys() + blocks.lower_keys(),
-                             evicted=[], demoted=blocks.lower_keys())
+            lower = self.prefix_blocks.lower_keys()
+            self.server.send(msg["to"], "kv_events", reset=True, stored=self.prefix_blocks.keys() + lower,
+                             evicted=[], demoted=lower)
             return
         if msg["op"] == "abort":
             self.progressed.pop(msg["rid"], None)

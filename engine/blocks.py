@@ -50,6 +50,7 @@ class BlockManager:
         self.stored: set[int] = set()
         self.evicted: set[int] = set()
         self.demoted: set[int] = set()  # evicted from the pool but kept by the tier below, since the last drain
+        self.changes = 0  # grows whenever the free or idle blocks change (a tier's write-ahead looks again then)
         self.lower = None  # a tier below the pool (kvcache), offered what the pool evicts
         self.remote = None  # a cluster-wide pool (kvcache.pool), offered every block registered, matched last
         self.lock = threading.RLock()
@@ -69,6 +70,7 @@ class BlockManager:
         return self.blocks_for(tokens) - len(table) <= self.num_free
 
     def _pop_free(self, evicting: list) -> int:
+        self.changes += 1
         if self.free:
             return heapq.heappop(self.free)
         block, _ = self.idle.popitem(last=False)
@@ -108,6 +110,7 @@ class BlockManager:
     def _ref(self, block: int) -> None:
         if self.refs[block] == 0:
             self.idle.pop(block, None)
+            self.changes += 1
             key = self.key_of[block]
             if key is not None and self.lower is not None:
                 self.lower.taken(key)
@@ -117,6 +120,7 @@ class BlockManager:
         """Let go of ``table``'s blocks, last first: of one sequence's cached blocks the tail becomes evictable
         before the head (a prefix is matched from its first block: an evicted head would strand the rest)."""
         with self.lock:
+            self.changes += 1
             for block in reversed(table):
                 self.refs[block] -= 1
                 if self.refs[block] == 0:

@@ -23,6 +23,7 @@ AHEAD_TOKENS = 32768  # free or written-ahead room kept in the pool (two 16k-tok
 class Tiers:
     def __init__(self, host: HostTier | None = None, pool: PoolTier | None = None, blocks=None):
         self.host, self.pool, self.blocks = host, pool, blocks
+        self.seen_changes = -1  # the block manager's ``changes`` at the last write-ahead
         self.tokens = {"host": 0, "disk": 0, "pool": 0}  # prompt tokens loaded from each
 
     def settle(self) -> None:
@@ -38,6 +39,9 @@ class Tiers:
     def write_ahead(self) -> int:
         blocks = self.blocks
         with blocks.lock:
+            if blocks.changes == self.seen_changes:  # nothing freed, taken or evicted since the last look
+                return 0
+            self.seen_changes = blocks.changes
             want = min(AHEAD_TOKENS // blocks.block_size, blocks.num_blocks // 4) - len(blocks.free)
             if want <= 0:
                 return 0

@@ -83,6 +83,7 @@ class Tier:
         self.writing: dict[int, object] = {}  # slot -> the event that ends its copy (CUDA)
         self.pinned: dict[int, int] = {}  # slot -> loads queued for it in this step
         self.above: set[int] = set()  # keys loaded back into the pool (held there too) and not offered since
+        self.batch: dict[int, int] = {}  # slot -> pool block: copies placed by this call, not made yet (``_flush``)
         self.stats = TierStats()
 
     def offload(self, key: int, block: int) -> bool:
@@ -92,18 +93,18 @@ class Tier:
         """Each ``(key, block)``: the pool's ``block`` is about to be overwritten. Its copy (made now, all of them
         in one batch, or ahead by ``write_ahead``) ends before anything queued after this call runs. Returns the
         keys that live on here (or below)."""
-        kept, todo = set(), []
+        kept = set()
         for key, block in pairs:
             if key in self.slot_of:
                 self.slot_of.move_to_end(key)
                 self.above.discard(key)
                 kept.add(key)
-            elif (slot := self._place(key, todo)) is not None:
-                todo.append((slot, block))
+            elif (slot := self._place(key)) is not None:
+                self.batch[slot] = block
                 kept.add(key)
             elif self.lower is not None and self.lower.put(key, self.pool[:, block]):
                 kept.add(key)
-        self._copy_out(todo)
+        self._flush()
         if self.cuda:
             waits = {id(e): e for e in (self.writing.get(self.slot_of.get(k)) for k in kept) if e is not None}
             for event in waits.values():
@@ -113,16 +114,16 @@ class Tier:
     def write_ahead(self, pairs: list[tuple[int, int]]) -> int:
         """Each ``(key, block)``: an idle block next in line to be evicted, copied out now (on a GPU beside the step
         that follows), so that its eviction copies nothing. Returns how many were copied."""
-        todo, count = [], 0
+        count = 0
         for key, block in pairs:
             if key in self.slot_of:
                 continue
-            slot = self._place(key, todo)
+            slot = self._place(key)
             if slot is None:
                 break
-            todo.append((slot, block))
+            self.batch[slot] = block
             count += 1
-        self._copy_out(todo)
+        self._flush()
         self.stats.written_ahead += count
         return count
 
@@ -139,23 +140,21 @@ class Tier:
         self.stats.offloaded += 1
         return True
 
-    def _place(self, key: int, todo: list | None = None) -> int | None:
-        """A slot for ``key`` (free, or the least recently used one's), None when every slot is pinned. ``todo``:
-        the ``(slot, block)`` copies of a batch not made yet; made now, and emptied, when the slot to be dropped is
-        one of them (a batch larger than the tier wraps around: the dropped key's bytes must be in its slot)."""
-        if not self.free and todo:
-            victim = next((s for s in self.slot_of.values() if s not in self.pinned), None)
-            if victim in {slot for slot, _ in todo}:
-                self._copy_out(todo)
-                todo.clear()
+    def _place(self, key: int) -> int | None:
+        """A slot for ``key`` (free, or the least recently used one's), None when every slot is pinned. The batch
+        not copied yet (``batch``) is copied first when the slot to be dropped is one of its own (a batch larger than
+        the tier wraps around: the dropped key's bytes must be in its slot)."""
+        if not self.free and self.batch and self.slot_of.get(self._victim()) in self.batch:
+            self._flush()
         slot = self.free.pop() if self.free else self._drop_oldest()
         if slot is not None:
             self.slot_of[key], self.key_of[slot] = slot, key
         return slot
 
-    def _copy_out(self, todo: list[tuple[int, int]]) -> None:
-        """Each ``(slot, block)``: the pool's block into the slot, all in one batch (``kvcache.copies``); on a GPU
-        each slot is being written until the batch's event."""
+    def _flush(self) -> None:
+        """The batch's blocks into their slots, in one go (``kvcache.copies``); on a GPU each slot is being written
+        until the batch's event."""
+        todo, self.batch = list(self.batch.items()), {}
         event = self.copier.to_slots(todo)
         if event is not None:
             for slot, _ in todo:
@@ -176,8 +175,12 @@ class Tier:
     def _write(self, slot: int, source: torch.Tensor) -> None:
         self.slots[slot].copy_(source)
 
+    def _victim(self) -> int | None:
+        """The least recently used key whose slot is not pinned."""
+        return next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
+
     def _drop_oldest(self) -> int | None:
-        key = next((k for k, s in self.slot_of.items() if s not in self.pinned), None)
+        key = self._victim()
         if key is None:
             return None
         slot = self.slot_of.pop(key)
