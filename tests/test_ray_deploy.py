@@ -50,8 +50,8 @@ def eventually(check, timeout):
     return False
 
 
-def deployment_processes() -> list[int]:
-    """pdserve processes started by this deployment's actors (their parent is a Ray worker of this cluster)."""
+def processes(wanted) -> list[int]:
+    """The pids of processes whose command line (its arguments, as bytes) ``wanted`` accepts."""
     out = []
     for pid in os.listdir("/proc"):
         try:
@@ -59,10 +59,15 @@ def deployment_processes() -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"pdserve" in cmd and any(a.startswith(b"--workers-file") or a in (b"127.0.0.2", b"127.0.0.3")
-                                        for a in cmd):
+        if wanted(cmd):
             out.append(int(pid))
     return out
+
+
+def deployment_processes() -> list[int]:
+    """pdserve processes started by this deployment's actors (their parent is a Ray worker of this cluster)."""
+    return processes(lambda cmd: b"pdserve" in cmd and any(a.startswith(b"--workers-file") or
+                                                          a in (b"127.0.0.2", b"127.0.0.3") for a in cmd))
 
 
 def test_deploy_serve_kill_restart_scale_down(ray_cluster):
@@ -288,13 +293,4 @@ def test_a_kv_pool_deployed_on_ray_gives_a_prefix_one_prefill_worker_computed_to
 
 
 def pool_servers_on_node_b() -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if b"mooncake_client" in cmd and b"127.0.0.3" in cmd:
-            out.append(int(pid))
-    return out
+    return processes(lambda cmd: any(a.endswith(b"mooncake_client") for a in cmd) and b"--host=127.0.0.3" in cmd)
