@@ -83,8 +83,10 @@ class EngineConfig:
             raise ValueError("kv_host_bytes must be a size in bytes (0: no host tier)")
         if type(self.kv_disk_bytes) is not int or self.kv_disk_bytes < 0 or bool(self.kv_disk) != bool(self.kv_disk_bytes):
             raise ValueError("--kv-disk DIR and --kv-disk-bytes SIZE go together (and need --kv-host-bytes)")
-        if self.kv_host_bytes and (self.tp > 1 or self.pp > 1 or not self.prefix_caching):
-            raise ValueError("--kv-host-bytes needs the prefix cache on, and works without --tp/--pp for now")
+        if self.kv_host_bytes and not self.prefix_caching:
+            raise ValueError("--kv-host-bytes needs the prefix cache on")
+        if (self.kv_disk or self.kv_pool) and (self.tp > 1 or self.pp > 1):
+            raise ValueError("--kv-disk and --kv-pool work without --tp/--pp for now (--kv-host-bytes works with them)")
         if type(self.tp) is not int or self.tp < 1:
             raise ValueError("tp must be a positive integer")
         if type(self.pp) is not int or self.pp < 1:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvcache import attach as attach_tiers, load as load_tiers
+from kvcache.mirror import Echo
 from .blocks import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, free_memory
@@ -94,7 +95,7 @@ class Engine:
                            self.kv_dtype, self.device, memory, kv_scales)
         self.kv_scales = self.pool.scales  # FP8: (k_scale, v_scale) per layer; None otherwise
         self.blocks = BlockManager(self.num_blocks, self.block_size, caching=cfg.prefix_caching)
-        self.tiers = attach_tiers(self.pool.stacked, self.blocks, self.block_bytes, cfg, self.name)
+        self.tiers = self._attach_tiers(cfg, spec.num_layers / layers)
         budget = cfg.max_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, salt=self.name)
         self.prefill_budget = PrefillBudget(budget, self.block_size, cfg.step_prefill_tokens, cfg.slo_tpot_ms)
@@ -129,6 +130,16 @@ class Engine:
                 "prefix_prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens,
                 "prefix_hits": self.prefix_hits, "vocab_size": self.tokenizer.vocab_size,
                 **self.tiers.info()}
+
+    def _attach_tiers(self, cfg: EngineConfig, stages: float):
+        """The tiers under the pool (``kvcache``), sized for the worker's ranks together; with several ranks, rank 0
+        sends its host tier's copies on the plan and the others mirror them (``kvcache.mirror``)."""
+        drives = getattr(self.stage, "drives", False)  # stage 0 of a pipeline
+        follower = self.group.rank > 0 or (self.stage is not None and not drives)
+        plan = self.stage.stages.plan if drives else self.group.plan
+        whole = round(self.block_bytes * self.group.size * stages)
+        return attach_tiers(self.pool.stacked, self.blocks, whole, cfg, self.name,
+                            echo=Echo(plan.send) if plan is not None and not follower else None, follower=follower)
 
     @property
     def block_bytes(self) -> int:
@@ -301,14 +312,14 @@ class Engine:
         progress = self.on_schedule(batch) if self.on_schedule is not None else None
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         ahead = bool(sampling) and overlap.keeps(self, rows, sampling)
-        if self.group.plan is not None:  # the other ranks run the same step (after any KV work just planned)
-            self.group.plan.step(rows, batch.copies, ahead)
         for source, target in batch.copies:
             self.pool.copy_block(source, target)
             self.blocks.release([source])
         if batch.loads:
             load_tiers(batch.loads, batch.loaded)
         self.tiers.end_step()
+        if self.group.plan is not None:  # the other ranks run the same step (after any KV or tier work just sent)
+            self.group.plan.step(rows, batch.copies, ahead)
         self._count_prefix(batch)
         feed = self.inflight.choices.device_tokens if self.inflight is not None else None
         scores, prompt_scores = self.runner.run(rows, progress.layer_done if progress is not None else None, feed)

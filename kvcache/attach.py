@@ -14,6 +14,7 @@ import shutil
 
 import torch
 
+from .mirror import MirrorTier
 from .pool import PoolTier, namespace
 from .tiers import DiskTier, HostTier, capacity_blocks, host_capacity_blocks
 
@@ -21,8 +22,10 @@ AHEAD_TOKENS = 32768  # free or written-ahead room kept in the pool (two 16k-tok
 
 
 class Tiers:
-    def __init__(self, host: HostTier | None = None, pool: PoolTier | None = None, blocks=None):
-        self.host, self.pool, self.blocks = host, pool, blocks
+    def __init__(self, host: HostTier | None = None, pool: PoolTier | None = None, blocks=None,
+                 mirror: MirrorTier | None = None):
+        """``mirror``: (another rank of a group or pipeline) the copies of rank 0's host tier, on this rank's KV."""
+        self.host, self.pool, self.blocks, self.mirror = host, pool, blocks, mirror
         self.seen_changes = -1  # the block manager's ``changes`` at the last write-ahead
         self.tokens = {"host": 0, "disk": 0, "pool": 0}  # prompt tokens loaded from each
 
@@ -58,13 +61,18 @@ class Tiers:
                 **(self.pool.info() if self.pool is not None else {})}
 
 
-def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str) -> Tiers:
+def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str, echo=None,
+           follower: bool = False) -> Tiers:
     """``options``: ``kv_host_bytes``, ``kv_disk`` and ``kv_disk_bytes``, ``kv_pool`` (an engine's config).
     A host tier under ``blocks`` (the pool's ``engine.blocks.BlockManager``), a disk tier under it, and a
-    cluster-wide pool beside them, each where asked; clear errors for what cannot be."""
+    cluster-wide pool beside them, each where asked; clear errors for what cannot be. ``block_bytes``: a block of
+    every rank (the sizes are the worker's, its ranks together). Several ranks (``kvcache.mirror``): rank 0 passes
+    ``echo``, the others ``follower``, and they mirror its host tier."""
     host_bytes, disk = getattr(options, "kv_host_bytes", 0), getattr(options, "kv_disk", None)
     if disk and not host_bytes:
         raise ValueError("--kv-disk goes under a host tier: give --kv-host-bytes too")
+    if follower:
+        return Tiers(mirror=MirrorTier(pool, host_capacity_blocks(host_bytes, block_bytes)) if host_bytes else None)
     host = None
     if host_bytes:
         lower = None
@@ -76,6 +84,7 @@ def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str) ->
                                                    "disk)", room), disk, on_drop=blocks.dropped_below)
         host = HostTier(pool, host_capacity_blocks(host_bytes, block_bytes), on_drop=blocks.dropped_below,
                         lower=lower)
+        host.echo = echo
         blocks.lower = host
     remote = None
     if getattr(options, "kv_pool", None):

@@ -84,6 +84,7 @@ class Tier:
         self.pinned: dict[int, int] = {}  # slot -> loads queued for it in this step
         self.above: set[int] = set()  # keys loaded back into the pool (held there too) and not offered since
         self.batch: dict[int, int] = {}  # slot -> pool block: copies placed by this call, not made yet (``_flush``)
+        self.echo = None  # rank 0 of a group or pipeline: each copy sent to the other ranks (``kvcache.mirror``)
         self.stats = TierStats()
 
     def offload(self, key: int, block: int) -> bool:
@@ -105,6 +106,8 @@ class Tier:
             elif self.lower is not None and self.lower.put(key, self.pool[:, block]):
                 kept.add(key)
         self._flush()
+        if self.echo is not None and kept:  # each rank waits for its own copies (done here is not done there)
+            self.echo("wait", slots=[self.slot_of[k] for k in kept if k in self.slot_of])
         if self.cuda:
             waits = {id(e): e for e in (self.writing.get(self.slot_of.get(k)) for k in kept) if e is not None}
             for event in waits.values():
@@ -156,6 +159,8 @@ class Tier:
         until the batch's event."""
         todo, self.batch = list(self.batch.items()), {}
         event = self.copier.to_slots(todo)
+        if self.echo is not None and todo:
+            self.echo("out", pairs=todo)
         if event is not None:
             for slot, _ in todo:
                 self.writing[slot] = event
@@ -238,6 +243,8 @@ class Tier:
         """Each ``(slot, block)``: the slot copied into the pool's ``block``, queued on the current stream, in one
         batch (``kvcache.copies``)."""
         self.copier.to_pool(pairs)
+        if self.echo is not None:
+            self.echo("in", pairs=pairs)
         for slot, _ in pairs:
             self._loaded(slot)
 
@@ -258,6 +265,8 @@ class Tier:
     def settle(self) -> None:
         for slot in list(self.writing):
             self._settle(slot)
+        if self.echo is not None:
+            self.echo("settle")
 
     def info(self) -> dict:
         out = {f"{self.name}_blocks": len(self.slot_of), f"{self.name}_capacity_blocks": self.capacity,

@@ -63,6 +63,8 @@ def follow(engine, plan, parent: int, kv=None) -> None:
             return
         if op == "step":
             engine.follow_step(msg["rows"], msg["copies"], kv, msg.get("ahead", False))
+        elif op == "tier":
+            engine.tiers.mirror.handle(msg)
         elif op.startswith("mlx_"):
             engine.follow(msg)
         elif kv is not None and op.startswith("kv_"):

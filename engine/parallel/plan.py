@@ -12,6 +12,8 @@ socket) and one PULL socket for reports. Messages are msgpack maps
   (``engine.overlap``), so after the forward it broadcasts them from its
   device over the group (one ``long`` a row) and every rank keeps them.
 - ``kv_*``: KV transfer work of this rank's head slice (``kv_plan``).
+- ``tier``: a copy between the KV pool and the host tier, as rank 0 made it on its own slice
+  (``kvcache.mirror``); sent before the step that depends on it.
 - ``stop``: leave the loop and exit.
 
 Followers send ``report{...}`` maps back (a KV slice moved or failed)."""

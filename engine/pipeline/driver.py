@@ -23,6 +23,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from kvcache import load as load_tiers
+
 from ..model_runner import StepRow, step_rows
 from .hops import HopLink
 from .launch import Stages, fingerprint, node_address
@@ -92,11 +94,14 @@ class Pipeline:
     def _launch(self, engine, batch, out) -> None:
         rows = step_rows(batch)
         tag = f"mb{next(self.tags)}"
-        self.stages.plan.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in batch.copies],
-                              tag=tag)
         for source, target in batch.copies:
             engine.pool.copy_block(source, target)
             engine.blocks.release([source])
+        if batch.loads:
+            load_tiers(batch.loads, batch.loaded)
+        engine.tiers.end_step()
+        self.stages.plan.send("step", rows=[r.to_wire() for r in rows], copies=[list(c) for c in batch.copies],
+                              tag=tag)  # after the tier's copies for it (``kvcache.mirror``)
         engine._count_prefix(batch)
         x, meta = engine.runner.stage_forward(rows)
         self.link.send(self.stages.next_address, tag, x, [])

@@ -3,7 +3,8 @@
 It builds the engine for its span (``Engine(cfg, stage=StageRole(...))``: only these layers' weights, a pool of
 these layers with the block count stage 0 sets), says hello, takes its setup, then for every ``step`` of the
 plan: the block copies, the residual stream of that micro-batch from the stage before (``hops``), this
-stage's layers, and the result on to the next stage (the last sends it back to stage 0)."""
+stage's layers, and the result on to the next stage (the last sends it back to stage 0). A ``tier`` message is a
+copy of stage 0's host tier, made on this stage's layers (``kvcache.mirror``)."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,9 @@ class StageRole:
                 continue
             if msg["op"].startswith("kv_") and self.kv is not None:  # its part of a KV push or of a KV arriving
                 self.kv.handle(msg)
+                continue
+            if msg["op"] == "tier":
+                engine.tiers.mirror.handle(msg)
                 continue
             if msg["op"] != "step":
                 log.warning("stage %d: unknown plan op %r", self.stage, msg["op"])
