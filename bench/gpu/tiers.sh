@@ -35,7 +35,7 @@ for step in ${*:-test copy replay fetch suite}; do
     fetch)
       gpus=$([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && echo 2 || echo 1)
       $PY -m bench.lab.prefix_fetch --tokens 16384 --up-args "--transport nccl --gpus $gpus $llama --kv-budget 4G" \
-        --out "$OUT/prefix-fetch-$TAG.json" 2>&1 | grep -E '"(cold|fetched)_(first|second)_token_median_s"|speedup|kv_bytes|gpu"' ;;
+        --out "$OUT/prefix-fetch-$TAG.json" 2>&1 | tee "$OUT/prefix-fetch-$TAG.log" | grep -E '"(cold|fetched)_(first|second)_token_median_s"|speedup|kv_bytes|gpu"' ;;
     suite)
       up="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 --kv-budget 2G --kv-host-bytes 32G"
       $PY -m bench.gpu_suite --modes colocated --out "$OUT/gpu-suite-tiers-$TAG.json" $up

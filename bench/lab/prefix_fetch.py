@@ -32,10 +32,11 @@ from deploy.local import Cluster
 
 
 def first_token(url: str, model: str, ids: list[int]) -> tuple[float, float, dict]:
-    """Seconds to the first and to the second streamed token, and the final chunk's ``pdserve`` block."""
+    """Seconds to the first streamed token and to the end of the stream (the second token: ``max_tokens`` 2), and
+    the final chunk's ``pdserve`` block."""
     body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, took, block = time.perf_counter(), [], {}
+    start, took, block, usage = time.perf_counter(), [], {}, {}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read().decode()[:300]}")
@@ -43,12 +44,12 @@ def first_token(url: str, model: str, ids: list[int]) -> tuple[float, float, dic
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if any(c.get("text") for c in chunk.get("choices") or []):
+            if not took and any(c.get("text") is not None for c in chunk.get("choices") or []):
                 took.append(time.perf_counter() - start)
-            block = chunk.get("pdserve") or block
-    if len(took) < 2:
-        raise RuntimeError(f"{len(took)} tokens streamed where 2 were asked for")
-    return took[0], took[1], block
+            block, usage = chunk.get("pdserve") or block, chunk.get("usage") or usage
+    if not took or usage.get("completion_tokens") != 2:
+        raise RuntimeError(f"{usage.get('completion_tokens')} tokens where 2 were asked for")
+    return took[0], time.perf_counter() - start, block  # the stream ends with the second token
 
 
 def pushed_out(cluster: Cluster, model: str, rng, tokens: int, vocab: int, prompts: int) -> None:
