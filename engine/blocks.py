@@ -190,6 +190,14 @@ class BlockManager:
             demoted, self.demoted = sorted(self.demoted), set()
             return demoted
 
+    def drain_pooled(self) -> list[int]:
+        """Keys put in the cluster-wide pool since the last call (held there for every worker, until the store
+        drops them)."""
+        return self.remote.drain_published() if self.remote is not None else []
+
+    def pooled_keys(self) -> list[int]:
+        return self.remote.keys() if self.remote is not None else []
+
     def drain_events(self) -> tuple[list[int], list[int]]:
         """Keys stored and keys evicted since the last call (disjoint: the later event of a key wins)."""
         with self.lock:

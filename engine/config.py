@@ -29,6 +29,7 @@ class EngineConfig:
     kv_disk: str | None = None  # a directory for a disk tier under the host tier (kvcache.DiskTier)
     kv_disk_bytes: int = 0
     kv_pool: str | None = None  # a cluster-wide KV pool on this store (kvcache.stores: mooncake://HOST:PORT)
+    kv_pool_bytes: int = 0  # its size (this host's segment), which bounds what is remembered of it
     num_blocks: int | None = None
     prefix_caching: bool = True
     engine: str = "torch"  # torch | mlx | auto (mlx on macOS when mlx-lm is installed)

@@ -90,6 +90,8 @@ def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str, ec
     if getattr(options, "kv_pool", None):
         from .stores import open_store
 
-        remote = PoolTier(pool, open_store(options.kv_pool), namespace(model, pool))
+        size = getattr(options, "kv_pool_bytes", 0)
+        remote = PoolTier(pool, open_store(options.kv_pool), namespace(model, pool),
+                          **({"capacity": max(1, size // block_bytes)} if size else {}))
         blocks.remote = remote
     return Tiers(host, remote, blocks)

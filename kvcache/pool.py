@@ -8,6 +8,10 @@
   gone by the time it is fetched (dropped by the store, its owner gone) ends the run: the rest is computed again.
 - ``load_many(pairs)``: each ``(key, block)``, the fetched bytes into the pool's ``block`` (``kvcache.load``);
   ``end_step`` drops what was fetched for a sequence that was not admitted after all.
+- ``drain_published()``: the keys put in the store since the last call (the worker tells its routers, which weigh
+  a prefix in the pool for every worker: ``router.policy``); ``info`` gives the measured fetch time a block
+  (``pool_fetch_ms_per_block``) and the pool's size in blocks (``--kv-pool-bytes``), the routers' bound on what
+  they remember of it.
 
 Keys are named by the model and the block's shape and dtype (``namespace``): only workers of one model, with one
 block layout, share blocks."""
@@ -17,6 +21,8 @@ import hashlib
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -31,6 +37,8 @@ class PoolStats:
     unpublished: int = 0  # no staging slot free when the block was registered
     loaded: int = 0
     missing: int = 0  # held when looked up, gone when fetched
+    fetched: int = 0  # blocks read from the store (``fetch_ms``: the time their reads took)
+    fetch_ms: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,13 +52,15 @@ def namespace(model: str, pool: torch.Tensor) -> str:
 class PoolTier:
     name = "pool"
 
-    def __init__(self, pool: torch.Tensor, store, space: str, staging: int = 64):
-        self.pool, self.store, self.space = pool, store, space
+    def __init__(self, pool: torch.Tensor, store, space: str, staging: int = 64, capacity: int = 1 << 17):
+        """``capacity``: the pool's size in blocks (what is worth remembering of it)."""
+        self.pool, self.store, self.space, self.capacity = pool, store, space, capacity
         self.cuda = pool.device.type == "cuda"
         self.staging = torch.empty((staging, pool.shape[0], *pool.shape[2:]), dtype=pool.dtype,
                                    pin_memory=self.cuda)
         self.free = list(range(staging))
-        self.known: set[int] = set()  # published here or fetched from the pool
+        self.known: OrderedDict[int, None] = OrderedDict()  # published here or fetched, the last ``capacity``
+        self.published: list[int] = []  # put in the store since the last ``drain_published``
         self.fetched: dict[int, np.ndarray] = {}
         self.lock = threading.Lock()
         self.queue: queue.Queue = queue.Queue()
@@ -68,7 +78,7 @@ class PoolTier:
         if slot is None:
             self.stats.unpublished += 1
             return
-        self.known.add(key)
+        self._know(key)
         self.staging[slot].copy_(self.pool[:, block], non_blocking=self.cuda)
         event = None
         if self.cuda:
@@ -84,19 +94,42 @@ class PoolTier:
                     event.synchronize()
                 self.store.put(self._name(key), self.staging[slot].view(-1).view(torch.uint8).numpy())
                 self.stats.published += 1
+                with self.lock:
+                    self.published.append(key)
             except Exception as e:  # the store is down or full: the block stays this worker's alone
                 log.warning("KV pool: block %x not published: %r", key, e)
-                self.known.discard(key)
+                with self.lock:
+                    self.known.pop(key, None)
             finally:
                 with self.lock:
                     self.free.append(slot)
+
+    def _know(self, key: int) -> None:
+        with self.lock:
+            self.known[key] = None
+            self.known.move_to_end(key)
+            if len(self.known) > self.capacity:
+                self.known.popitem(last=False)
+
+    def drain_published(self) -> list[int]:
+        with self.lock:
+            out, self.published = self.published, []
+        return out
+
+    def keys(self) -> list[int]:
+        """The keys this worker put in the pool or took from it (the last ``capacity``), for a new router."""
+        with self.lock:
+            return list(self.known)
 
     def match(self, keys: list[int]) -> list[tuple["PoolTier", int]]:
         names = [self._name(k) for k in keys]
         held = self.store.exists(names)
         run = next((i for i, h in enumerate(held) if not h), len(held))
-        out = []
-        for key, data in zip(keys[:run], self.store.get(names[:run])):
+        out, start = [], time.perf_counter()
+        fetched = self.store.get(names[:run]) if run else []
+        self.stats.fetch_ms += (time.perf_counter() - start) * 1e3
+        self.stats.fetched += sum(data is not None for data in fetched)
+        for key, data in zip(keys[:run], fetched):
             if data is None:
                 self.stats.missing += 1
                 break
@@ -111,11 +144,15 @@ class PoolTier:
         for key, block in pairs:
             data = torch.from_numpy(np.asarray(self.fetched.pop(key))).view(self.pool.dtype)
             self.pool[:, block].copy_(data.view(self.pool[:, block].shape))
-            self.known.add(key)
+            self._know(key)
             self.stats.loaded += 1
 
     def end_step(self) -> None:
         self.fetched.clear()
 
     def info(self) -> dict:
-        return {f"pool_{k}": v for k, v in self.stats.to_dict().items()}
+        out = {f"pool_{k}": v for k, v in self.stats.to_dict().items()}
+        out["pool_capacity_blocks"] = self.capacity
+        if self.stats.fetched:
+            out["pool_fetch_ms_per_block"] = self.stats.fetch_ms / self.stats.fetched
+        return out

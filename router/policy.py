@@ -29,25 +29,51 @@ class LeastOutstanding:
 LOWER_TIER_VALUE = 0.9
 
 
-def cached_blocks(worker, prompt, lower_value: float = 1) -> float:
+# What a prompt block in the cluster-wide pool is worth before any worker has measured a fetch from it (a fetch over
+# TCP from Mooncake Store's daemon, 2.7-3.0 GB/s on the CPU, against an 8B model's prefill on an H200, about 3.6 GB/s
+# of KV: the two are close, and the value is measured as soon as a worker fetched; bench/RESULTS.md, KV tiers).
+POOL_VALUE_UNMEASURED = 0.5
+
+
+def cached_blocks(worker, prompt, lower_value: float = 1, pooled=None, pool_value: float = 0) -> float:
     """How many leading blocks of the prompt ``worker`` reported holding (0 without an index or keys); those held
-    only in a tier below its GPU pool count ``lower_value`` each."""
+    only in a tier below its GPU pool count ``lower_value`` each; after them, blocks that ``pooled(key)`` says the
+    cluster-wide pool holds count ``pool_value`` each."""
     if prompt is None:
         return 0
     keys = prompt.keys(int(worker.info.get("kv_block_size") or 0), str(worker.info.get("model") or ""))
     held, lower = worker.kv_keys, getattr(worker, "kv_lower", ())
     n = 0
     for key in keys:
-        if key not in held:
+        if key in held:
+            n += lower_value if key in lower else 1
+        elif pooled is not None and pooled(key):
+            n += pool_value
+        else:
             break
-        n += lower_value if key in lower else 1
     return n
+
+
+def pool_fetch_ms(workers) -> float | None:
+    """The time a block takes to come from the cluster-wide pool, as the workers measured it (their mean)."""
+    seen = [float(w.info["pool_fetch_ms_per_block"]) for w in workers if w.info.get("pool_fetch_ms_per_block")]
+    return sum(seen) / len(seen) if seen else None
+
+
+def pool_value(worker, fetch_ms: float | None) -> float:
+    """What a block fetched from the pool saves ``worker`` against computing it: 1 - the fetch time over the
+    worker's measured prompt time for a block's tokens (0 where fetching is no faster)."""
+    per_token, size = worker.prompt_ms_per_token(), int(worker.info.get("kv_block_size") or 0)
+    if fetch_ms is None or not per_token or not size:
+        return POOL_VALUE_UNMEASURED
+    return max(0.0, 1.0 - fetch_ms / (per_token * size))
 
 
 class KVAware:
     """The worker holding the longest cached prefix of the prompt, balanced against load: score = cached share of
     the prompt - ``weight`` x outstanding / (1 + most outstanding), where a block held in a tier below a worker's
-    GPU pool counts ``LOWER_TIER_VALUE``; ties go to the least loaded."""
+    GPU pool counts ``LOWER_TIER_VALUE``, and one in the cluster-wide pool (any worker put it there) what fetching
+    it saves that worker against computing it (``pool_value``); ties go to the least loaded."""
 
     def __init__(self, weight: float = 0.5):
         self.weight = weight
@@ -59,7 +85,11 @@ class KVAware:
         most = max(w.outstanding for w in workers)
         total = len(prompt.ids)
 
-        scores = [cached_blocks(w, prompt, LOWER_TIER_VALUE) * int(w.info.get("kv_block_size") or 0) / total
+        pooled, fetch_ms = None, None
+        if any(getattr(w, "kv_pooled", None) for w in workers):
+            pooled, fetch_ms = (lambda key: any(key in w.kv_pooled for w in workers)), pool_fetch_ms(workers)
+        scores = [cached_blocks(w, prompt, LOWER_TIER_VALUE, pooled, pool_value(w, fetch_ms) if pooled else 0)
+                  * int(w.info.get("kv_block_size") or 0) / total
                   - self.weight * w.outstanding / (1 + most) for w in workers]
         best = max(scores)
         return LeastOutstanding.pick(self, [w for w, s in zip(workers, scores) if s >= best - 1e-9])

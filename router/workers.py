@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "_from"  # the WorkerClient a message came from (router-side only, never on the wire)
 SUSPECT_S, MAX_SUSPECT_S = 1.0, 30.0
+POOL_KEYS = 1 << 17  # pool keys remembered for a worker that did not say how large the pool is
 PICK_WAIT_S = 5.0  # how long a request waits for a worker of a role to be in the picks again before a 503
 
 
@@ -56,6 +58,7 @@ class WorkerClient:
         self.owned: set[str] = set()
         self.kv_keys: set[int] = set()  # prefix-cache keys the worker holds, in its GPU pool or a tier below
         self.kv_lower: set[int] = set()  # of those, the ones held only below the GPU pool (host memory, disk)
+        self.kv_pooled: OrderedDict[int, None] = OrderedDict()  # keys it put in the cluster-wide pool (any worker's)
         self.draining = False  # drained from the router (``router.drain``): out of the picks, its requests moved
         self._sock = self._monitor = None
         self._tasks: list[asyncio.Task] = []
@@ -217,10 +220,13 @@ class WorkerClient:
 
     def _on_kv_events(self, msg: dict) -> None:
         """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored,
-        demoted (evicted from its GPU pool into a tier below) and evicted, applied in that order."""
+        demoted (evicted from its GPU pool into a tier below) and evicted, applied in that order; and what it put
+        in the cluster-wide pool (``pooled``)."""
         stored, evicted, demoted = msg.get("stored") or [], msg.get("evicted") or [], msg.get("demoted") or []
-        if not all(isinstance(keys, list) for keys in (stored, evicted, demoted)):
+        pooled = msg.get("pooled") or []
+        if not all(isinstance(keys, list) for keys in (stored, evicted, demoted, pooled)):
             return
+        self._remember_pooled(pooled)
         if msg.get("reset"):
             self.kv_keys, self.kv_lower = set(stored), set()
         else:
@@ -230,6 +236,17 @@ class WorkerClient:
         self.kv_keys.update(demoted)
         self.kv_keys.difference_update(evicted)
         self.kv_lower.difference_update(evicted)
+
+    def _remember_pooled(self, keys: list[int]) -> None:
+        """Keys the worker put in the cluster-wide pool (kept through its restarts: the store holds them, not it),
+        the most recent as many as the pool holds (``pool_capacity_blocks``; the store drops the least recently
+        used)."""
+        for key in keys:
+            self.kv_pooled[key] = None
+            self.kv_pooled.move_to_end(key)
+        cap = int(self.info.get("pool_capacity_blocks") or POOL_KEYS)
+        while len(self.kv_pooled) > cap:
+            self.kv_pooled.popitem(last=False)
 
     def close(self):
         for task in self._tasks:

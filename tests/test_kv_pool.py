@@ -50,6 +50,8 @@ def test_a_prefix_computed_on_one_prefill_worker_is_fetched_by_the_other_after_i
         middle = grown(cluster.url, before, "pool_published", 18)  # its blocks reach the store in the background
         (computed_on,) = [a for a, w in middle.items() if w["prefix_prompt_tokens"] > before[a]["prefix_prompt_tokens"]]
         assert middle[computed_on]["pool_published"] - before[computed_on]["pool_published"] == 18
+        routed = grown(cluster.url, before, "router_keys_pooled", 18)  # the router knows they are in the pool
+        assert routed[computed_on]["router_keys_pooled"] - before[computed_on]["router_keys_pooled"] == 18
         (other,) = [a for a in middle if a != computed_on]
         os.kill(middle[computed_on]["pid"], signal.SIGKILL)
         warm = complete(cluster.url)

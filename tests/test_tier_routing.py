@@ -1,13 +1,17 @@
 """Where each prefix lives, as the router learns it: a worker reports the prefix-cache keys its GPU pool evicted
 into a tier below (``demoted``) apart from those it dropped, its snapshot for a new router names both, and
-``kv_aware`` counts a block held below the GPU pool at ``LOWER_TIER_VALUE`` of one held in it."""
+``kv_aware`` counts a block held below the GPU pool at ``LOWER_TIER_VALUE`` of one held in it. Keys put in the
+cluster-wide pool (``pooled``) count for every worker at what fetching them saves against computing them, as the
+workers measured both; the router remembers as many as the pool holds."""
+import time
 import types
 
+import numpy as np
 import torch
 
 from engine.blocks import BlockManager
-from kvcache import HostTier
-from router.policy import LOWER_TIER_VALUE, KVAware, cached_blocks
+from kvcache import HostTier, PoolTier
+from router.policy import LOWER_TIER_VALUE, POOL_VALUE_UNMEASURED, KVAware, cached_blocks, pool_value
 from router.prompts import PromptKeys
 from router.workers import WorkerClient
 
@@ -62,3 +66,70 @@ def test_kv_aware_prefers_a_prefix_in_gpu_memory_to_the_same_in_host_memory_and_
     assert policy.pick([none, host], prompt) is host
     gpu.outstanding = 1  # at a little more load the host tier's copy wins: a tenth of the work, and free
     assert policy.pick([gpu, host], prompt) is host
+
+
+class MemoryStore:
+    """A store in this process's memory (``kvcache.stores``' calls)."""
+
+    def __init__(self):
+        self.blocks = {}
+
+    def put(self, name, data):
+        self.blocks[name] = np.array(data, copy=True)
+
+    def exists(self, names):
+        return [n in self.blocks for n in names]
+
+    def get(self, names):
+        return [self.blocks.get(n) for n in names]
+
+
+def test_a_worker_reports_the_keys_it_put_in_the_pool_remembers_as_many_as_the_pool_holds_and_times_fetches():
+    pool = torch.arange(2 * 6 * 2 * 1 * 1, dtype=torch.float32).view(2, 6, 2, 1, 1)
+    tier = PoolTier(pool, MemoryStore(), "m", capacity=3)
+    blocks = BlockManager(6, 2, caching=True)
+    blocks.remote = tier
+    for key, block in ((10, 0), (11, 1), (12, 2), (13, 3)):
+        tier.publish(key, block)
+    end = time.monotonic() + 10
+    while tier.stats.published < 4 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert blocks.drain_pooled() == [10, 11, 12, 13] and blocks.drain_pooled() == []
+    assert blocks.pooled_keys() == [11, 12, 13]  # the last 3: what a pool of 3 blocks can still hold
+    assert len(tier.match([10, 11, 99])) == 2 and tier.info()["pool_capacity_blocks"] == 3
+    assert tier.info()["pool_fetch_ms_per_block"] > 0 and tier.stats.fetched == 2
+
+
+def test_the_router_keeps_pooled_keys_through_a_reset_bounded_by_the_pool():
+    w = worker()
+    w.info["pool_capacity_blocks"] = 3
+    w._on_kv_events({"stored": [1], "pooled": [1, 2]})
+    w._on_kv_events({"reset": True, "stored": [], "pooled": [3]})  # the worker restarted: the store kept them
+    assert list(w.kv_pooled) == [1, 2, 3] and w.kv_keys == set()
+    w._on_kv_events({"pooled": [4, 2]})
+    assert list(w.kv_pooled) == [3, 4, 2]
+
+
+def measured(w, prompt_ms_per_token, fetch_ms=None):
+    w.info["step_times"] = {"prompt_ms_per_token": prompt_ms_per_token}
+    if fetch_ms is not None:
+        w.info["pool_fetch_ms_per_block"] = fetch_ms
+    return w
+
+
+def test_kv_aware_weighs_a_prefix_in_the_pool_by_what_fetching_it_saves_against_computing_it():
+    prompt = PromptKeys(list(range(33)))
+    keys = prompt.keys(4, "m")
+    holder, idle = measured(worker(), 1.0), measured(worker(), 1.0)  # 4 ms to compute a block of 4 tokens
+    holder._on_kv_events({"stored": keys, "pooled": keys})
+    assert pool_value(idle, None) == POOL_VALUE_UNMEASURED
+    holder.outstanding = 1
+    policy = KVAware()
+    assert policy.pick([holder, idle], prompt) is holder  # the pool is not known for its fetches yet: 0.5 a block
+    holder.info["pool_fetch_ms_per_block"] = 0.4  # a tenth of computing it
+    assert abs(pool_value(idle, 0.4) - 0.9) < 1e-9
+    assert abs(cached_blocks(idle, prompt, 1, lambda k: k in holder.kv_pooled, 0.9) - 8 * 0.9) < 1e-9
+    assert policy.pick([holder, idle], prompt) is idle  # the idle worker fetches it: a tenth of the work, no wait
+    holder.info["pool_fetch_ms_per_block"] = 5.0  # slower than computing it: the pool is worth nothing
+    assert pool_value(idle, 5.0) == 0
+    assert policy.pick([holder, idle], prompt) is holder

@@ -20,10 +20,18 @@ async def models(st: RouterState = Depends(router_state)):
     return {"object": "list", "data": data}
 
 
+def routed_keys(client) -> dict:
+    """What the router knows of where the worker's prefixes live (the prefix-cache keys ``kv_aware`` weighs): in its
+    GPU pool, in its tiers below it, and those it put in the cluster-wide pool."""
+    lower = len(client.kv_lower)
+    return {"router_keys_gpu": len(client.kv_keys) - lower, "router_keys_lower": lower,
+            "router_keys_pooled": len(client.kv_pooled)}
+
+
 @routes.get("/health")
 async def health(st: RouterState = Depends(router_state)):
     workers = {role: [{"address": c.address, "healthy": c.healthy, "outstanding": c.outstanding,
-                       "drain": c.drain_state, **c.info}
+                       "drain": c.drain_state, **c.info, **routed_keys(c)}
                       for c in g.clients] for role, g in st.groups.items() if g.clients}
     st.metrics.observe_workers(st.groups)
     ok, warm = st.service.ready(), st.service.warmer.status()
