@@ -279,23 +279,24 @@ class WorkerLoop:
                 self.inbox.put({"op": "abort", "rid": rid})
 
     def _kv_events(self) -> None:
-        """Prefix-cache keys stored, evicted and demoted (kept by a tier below the pool) since the last call, to every
-        router (applied in that order: stored, demoted, evicted), and those put in the cluster-wide pool (``pooled``:
-        the store's, not this worker's)."""
+        """Prefix-cache keys stored, evicted, demoted (kept by a tier below the pool) and sunk (passed down to disk)
+        since the last call, to every router (applied in that order: stored, demoted, sunk, evicted), and those put
+        in the cluster-wide pool (``pooled``: the store's, not this worker's)."""
         if self.prefix_blocks is None or not self.peers:
             return
         stored, evicted = self.prefix_blocks.drain_events()
-        demoted, pooled = self.prefix_blocks.drain_demoted(), self.prefix_blocks.drain_pooled()
-        if stored or evicted or demoted or pooled:
+        (demoted, sunk), pooled = self.prefix_blocks.drain_demoted(), self.prefix_blocks.drain_pooled()
+        if stored or evicted or demoted or sunk or pooled:
             for identity in list(self.peers):
-                self.server.send(identity, "kv_events", stored=stored, evicted=evicted, demoted=demoted,
+                self.server.send(identity, "kv_events", stored=stored, evicted=evicted, demoted=demoted, sunk=sunk,
                                  pooled=pooled)
 
     def _safe_handle(self, msg):
         if msg["op"] == "_kv_snapshot":
             lower = self.prefix_blocks.lower_keys()
             self.server.send(msg["to"], "kv_events", reset=True, stored=self.prefix_blocks.keys() + lower,
-                             evicted=[], demoted=lower, pooled=self.prefix_blocks.pooled_keys())
+                             evicted=[], demoted=lower, sunk=self.prefix_blocks.disk_keys(),
+                             pooled=self.prefix_blocks.pooled_keys())
             return
         if msg["op"] == "abort":
             self.progressed.pop(msg["rid"], None)

@@ -50,6 +50,7 @@ class BlockManager:
         self.stored: set[int] = set()
         self.evicted: set[int] = set()
         self.demoted: set[int] = set()  # evicted from the pool but kept by the tier below, since the last drain
+        self.sunk: set[int] = set()  # of the keys held below the pool, those passed down to the lowest tier (disk)
         self.changes = 0  # grows whenever the free or idle blocks change (a tier's write-ahead looks again then)
         self.lower = None  # a tier below the pool (kvcache), offered what the pool evicts
         self.remote = None  # a cluster-wide pool (kvcache.pool), offered every block registered, matched last
@@ -162,6 +163,7 @@ class BlockManager:
                 self.by_key[key] = block
                 self.evicted.discard(key)
                 self.demoted.discard(key)
+                self.sunk.discard(key)
                 self.stored.add(key)
                 if self.remote is not None:
                     self.remote.publish(key, block)
@@ -172,7 +174,14 @@ class BlockManager:
             if key not in self.by_key:
                 self.stored.discard(key)
                 self.demoted.discard(key)
+                self.sunk.discard(key)
                 self.evicted.add(key)
+
+    def sunk_below(self, key: int) -> None:
+        """A tier passed ``key`` down to the one under it (host memory to disk): held still, at a disk's cost."""
+        with self.lock:
+            if key not in self.by_key:
+                self.sunk.add(key)
 
     def keys(self) -> list[int]:
         with self.lock:
@@ -183,12 +192,21 @@ class BlockManager:
         with self.lock:
             return [k for k in self.lower.keys() if k not in self.by_key] if self.lower is not None else []
 
-    def drain_demoted(self) -> list[int]:
-        """Keys the pool evicted into the tier below since the last call (and not stored again or dropped since):
-        held by this worker still, at a tier's cost (``drain_events`` holds what was stored and evicted)."""
+    def drain_demoted(self) -> tuple[list[int], list[int]]:
+        """Keys the pool evicted into the tier below, and keys passed down to the lowest tier (disk), since the last
+        call (and not stored again or dropped since): held by this worker still, at a tier's cost (``drain_events``
+        holds what was stored and evicted)."""
         with self.lock:
-            demoted, self.demoted = sorted(self.demoted), set()
-            return demoted
+            demoted, sunk, self.demoted, self.sunk = sorted(self.demoted), sorted(self.sunk), set(), set()
+            return demoted, sunk
+
+    def disk_keys(self) -> list[int]:
+        """Of ``lower_keys``, those held only on disk (the tier under the host tier)."""
+        with self.lock:
+            disk = getattr(self.lower, "lower", None) if self.lower is not None else None
+            if disk is None:
+                return []
+            return [k for k in disk.keys() if k not in self.by_key and k not in self.lower.slot_of]
 
     def drain_pooled(self) -> list[int]:
         """Keys put in the cluster-wide pool since the last call (held there for every worker, until the store

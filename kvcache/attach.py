@@ -84,6 +84,7 @@ def attach(pool: torch.Tensor, blocks, block_bytes: int, options, model: str, ec
                                                    "disk)", room), disk, on_drop=blocks.dropped_below)
         host = HostTier(pool, host_capacity_blocks(host_bytes, block_bytes), on_drop=blocks.dropped_below,
                         lower=lower)
+        host.on_sink = blocks.sunk_below
         host.echo = echo
         blocks.lower = host
     remote = None

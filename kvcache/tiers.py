@@ -85,6 +85,7 @@ class Tier:
         self.above: set[int] = set()  # keys loaded back into the pool (held there too) and not offered since
         self.batch: dict[int, int] = {}  # slot -> pool block: copies placed by this call, not made yet (``_flush``)
         self.echo = None  # rank 0 of a group or pipeline: each copy sent to the other ranks (``kvcache.mirror``)
+        self.on_sink = None  # called with a key passed down to ``lower`` and kept there
         self.stats = TierStats()
 
     def offload(self, key: int, block: int) -> bool:
@@ -105,6 +106,7 @@ class Tier:
                 kept.add(key)
             elif self.lower is not None and self.lower.put(key, self.pool[:, block]):
                 kept.add(key)
+                self._sink(key)
         self._flush()
         if self.echo is not None and kept:  # each rank waits for its own copies (done here is not done there)
             self.echo("wait", slots=[self.slot_of[k] for k in kept if k in self.slot_of])
@@ -199,10 +201,15 @@ class Tier:
         if self.lower is not None:
             self._settle(slot)
             if self.lower.put(key, self.slots[slot]):
+                self._sink(key)
                 return slot
         if self.on_drop is not None:
             self.on_drop(key)
         return slot  # a copy into it still in flight is ordered before the next one on the same stream
+
+    def _sink(self, key: int) -> None:
+        if self.on_sink is not None:
+            self.on_sink(key)
 
     def _forget(self, key: int) -> None:
         slot = self.slot_of.pop(key)
@@ -299,6 +306,25 @@ class DiskTier(Tier):
         raw = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
         super().__init__(pool, raw.view(pool.dtype).view(shape), on_drop)
         self.sums: dict[int, int] = {}
+        self.read_ms, self.read = 0.0, 0  # the time blocks took to come off the disk (checked and copied out)
+
+    def match(self, keys: list[int]) -> list[tuple["Tier", int]]:
+        start = time.perf_counter()
+        out = super().match(keys)
+        self.read_ms += (time.perf_counter() - start) * 1e3  # the checksums read every matched block
+        return out
+
+    def load_many(self, pairs: list[tuple[int, int]]) -> None:
+        start = time.perf_counter()
+        super().load_many(pairs)  # from memory that is not pinned: the copy ends before it returns
+        self.read_ms += (time.perf_counter() - start) * 1e3
+        self.read += len(pairs)
+
+    def info(self) -> dict:
+        out = super().info()
+        if self.read:
+            out["disk_read_ms_per_block"] = self.read_ms / self.read
+        return out
 
     def _write(self, slot: int, source: torch.Tensor) -> None:
         self.slots[slot].copy_(source)

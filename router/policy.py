@@ -35,18 +35,22 @@ LOWER_TIER_VALUE = 0.9
 POOL_VALUE_UNMEASURED = 0.5
 
 
-def cached_blocks(worker, prompt, lower_value: float = 1, pooled=None, pool_value: float = 0) -> float:
+def cached_blocks(worker, prompt, lower_value: float = 1, pooled=None, pool_value: float = 0,
+                  disk_value: float | None = None) -> float:
     """How many leading blocks of the prompt ``worker`` reported holding (0 without an index or keys); those held
-    only in a tier below its GPU pool count ``lower_value`` each; after them, blocks that ``pooled(key)`` says the
-    cluster-wide pool holds count ``pool_value`` each."""
+    only in a tier below its GPU pool count ``lower_value`` each (those on disk ``disk_value``, where given); after
+    them, blocks that ``pooled(key)`` says the cluster-wide pool holds count ``pool_value`` each."""
     if prompt is None:
         return 0
     keys = prompt.keys(int(worker.info.get("kv_block_size") or 0), str(worker.info.get("model") or ""))
-    held, lower = worker.kv_keys, getattr(worker, "kv_lower", ())
+    held, lower, disk = worker.kv_keys, getattr(worker, "kv_lower", ()), getattr(worker, "kv_disk", ())
     n = 0
     for key in keys:
         if key in held:
-            n += lower_value if key in lower else 1
+            if key not in lower:
+                n += 1
+            else:
+                n += disk_value if disk_value is not None and key in disk else lower_value
         elif pooled is not None and pooled(key):
             n += pool_value
         else:
@@ -60,20 +64,30 @@ def pool_fetch_ms(workers) -> float | None:
     return sum(seen) / len(seen) if seen else None
 
 
-def pool_value(worker, fetch_ms: float | None) -> float:
-    """What a block fetched from the pool saves ``worker`` against computing it: 1 - the fetch time over the
-    worker's measured prompt time for a block's tokens (0 where fetching is no faster)."""
+def pool_value(worker, fetch_ms: float | None, unmeasured: float = POOL_VALUE_UNMEASURED) -> float:
+    """What a block fetched from the pool (or read from disk) in ``fetch_ms`` saves ``worker`` against computing it:
+    1 - the fetch time over the worker's measured prompt time for a block's tokens (0 where fetching is no
+    faster); ``unmeasured`` where either time is not known yet."""
     per_token, size = worker.prompt_ms_per_token(), int(worker.info.get("kv_block_size") or 0)
     if fetch_ms is None or not per_token or not size:
-        return POOL_VALUE_UNMEASURED
+        return unmeasured
     return max(0.0, 1.0 - fetch_ms / (per_token * size))
+
+
+def disk_value(worker) -> float:
+    """What a block on the worker's disk tier saves against computing it, by its measured read time a block (before
+    any read: a host tier's ``LOWER_TIER_VALUE``; a single disk at 2 GB/s is slower than an H200 computes an 8B
+    model's KV, docs/kv-tiers.md)."""
+    read = worker.info.get("disk_read_ms_per_block")
+    return pool_value(worker, float(read) if read else None, LOWER_TIER_VALUE)
 
 
 class KVAware:
     """The worker holding the longest cached prefix of the prompt, balanced against load: score = cached share of
     the prompt - ``weight`` x outstanding / (1 + most outstanding), where a block held in a tier below a worker's
-    GPU pool counts ``LOWER_TIER_VALUE``, and one in the cluster-wide pool (any worker put it there) what fetching
-    it saves that worker against computing it (``pool_value``); ties go to the least loaded."""
+    GPU pool counts ``LOWER_TIER_VALUE`` (on disk: what reading it saves, ``disk_value``), and one in the
+    cluster-wide pool (any worker put it there) what fetching it saves that worker against computing it
+    (``pool_value``); ties go to the least loaded."""
 
     def __init__(self, weight: float = 0.5):
         self.weight = weight
@@ -88,7 +102,8 @@ class KVAware:
         pooled, fetch_ms = None, None
         if any(getattr(w, "kv_pooled", None) for w in workers):
             pooled, fetch_ms = (lambda key: any(key in w.kv_pooled for w in workers)), pool_fetch_ms(workers)
-        scores = [cached_blocks(w, prompt, LOWER_TIER_VALUE, pooled, pool_value(w, fetch_ms) if pooled else 0)
+        scores = [cached_blocks(w, prompt, LOWER_TIER_VALUE, pooled, pool_value(w, fetch_ms) if pooled else 0,
+                                disk_value(w) if getattr(w, "kv_disk", None) else None)
                   * int(w.info.get("kv_block_size") or 0) / total
                   - self.weight * w.outstanding / (1 + most) for w in workers]
         best = max(scores)

@@ -58,6 +58,7 @@ class WorkerClient:
         self.owned: set[str] = set()
         self.kv_keys: set[int] = set()  # prefix-cache keys the worker holds, in its GPU pool or a tier below
         self.kv_lower: set[int] = set()  # of those, the ones held only below the GPU pool (host memory, disk)
+        self.kv_disk: set[int] = set()  # of those, the ones held only on disk
         self.kv_pooled: OrderedDict[int, None] = OrderedDict()  # keys it put in the cluster-wide pool (any worker's)
         self.draining = False  # drained from the router (``router.drain``): out of the picks, its requests moved
         self._sock = self._monitor = None
@@ -220,22 +221,25 @@ class WorkerClient:
 
     def _on_kv_events(self, msg: dict) -> None:
         """The worker's prefix-cache keys: a full list (``reset``) on a new connection, then what was stored,
-        demoted (evicted from its GPU pool into a tier below) and evicted, applied in that order; and what it put
-        in the cluster-wide pool (``pooled``)."""
+        demoted (evicted from its GPU pool into a tier below), sunk (passed down to disk) and evicted, applied in
+        that order; and what it put in the cluster-wide pool (``pooled``)."""
         stored, evicted, demoted = msg.get("stored") or [], msg.get("evicted") or [], msg.get("demoted") or []
-        pooled = msg.get("pooled") or []
-        if not all(isinstance(keys, list) for keys in (stored, evicted, demoted, pooled)):
+        sunk, pooled = msg.get("sunk") or [], msg.get("pooled") or []
+        if not all(isinstance(keys, list) for keys in (stored, evicted, demoted, sunk, pooled)):
             return
         self._remember_pooled(pooled)
         if msg.get("reset"):
-            self.kv_keys, self.kv_lower = set(stored), set()
+            self.kv_keys, self.kv_lower, self.kv_disk = set(stored), set(), set()
         else:
             self.kv_keys.update(stored)
             self.kv_lower.difference_update(stored)
+            self.kv_disk.difference_update(stored)
         self.kv_lower.update(demoted)
         self.kv_keys.update(demoted)
-        self.kv_keys.difference_update(evicted)
-        self.kv_lower.difference_update(evicted)
+        self.kv_disk.difference_update(demoted)
+        self.kv_disk.update(key for key in sunk if key in self.kv_lower)
+        for keys in (self.kv_keys, self.kv_lower, self.kv_disk):
+            keys.difference_update(evicted)
 
     def _remember_pooled(self, keys: list[int]) -> None:
         """Keys the worker put in the cluster-wide pool (kept through its restarts: the store holds them, not it),

@@ -1,6 +1,7 @@
 """Where each prefix lives, as the router learns it: a worker reports the prefix-cache keys its GPU pool evicted
 into a tier below (``demoted``) apart from those it dropped, its snapshot for a new router names both, and
-``kv_aware`` counts a block held below the GPU pool at ``LOWER_TIER_VALUE`` of one held in it. Keys put in the
+``kv_aware`` counts a block held below the GPU pool at ``LOWER_TIER_VALUE`` of one held in it, and one passed down
+to disk (``sunk``) at what reading it saves against computing it, as the worker measured both. Keys put in the
 cluster-wide pool (``pooled``) count for every worker at what fetching them saves against computing them, as the
 workers measured both; the router remembers as many as the pool holds."""
 import time
@@ -10,8 +11,8 @@ import numpy as np
 import torch
 
 from engine.blocks import BlockManager
-from kvcache import HostTier, PoolTier
-from router.policy import LOWER_TIER_VALUE, POOL_VALUE_UNMEASURED, KVAware, cached_blocks, pool_value
+from kvcache import DiskTier, HostTier, PoolTier
+from router.policy import LOWER_TIER_VALUE, POOL_VALUE_UNMEASURED, KVAware, cached_blocks, disk_value, pool_value
 from router.prompts import PromptKeys
 from router.workers import WorkerClient
 
@@ -27,10 +28,10 @@ def test_a_block_the_pool_evicts_into_the_host_tier_is_reported_demoted_not_evic
     blocks.release(table)
     assert blocks.drain_events() == ([10, 11, 12, 13], [])
     blocks.grow([], 4)  # two cached blocks go to the tier
-    assert blocks.drain_events() == ([], []) and blocks.drain_demoted() == [12, 13]
+    assert blocks.drain_events() == ([], []) and blocks.drain_demoted() == ([12, 13], [])
     assert sorted(blocks.lower_keys()) == [12, 13]
     blocks.grow([], 4)  # two more: the tier (two slots) drops the first two it held
-    assert blocks.drain_events() == ([], [12, 13]) and blocks.drain_demoted() == [10, 11]
+    assert blocks.drain_events() == ([], [12, 13]) and blocks.drain_demoted() == ([10, 11], [])
     assert sorted(blocks.lower_keys()) == [10, 11]
 
 
@@ -133,3 +134,35 @@ def test_kv_aware_weighs_a_prefix_in_the_pool_by_what_fetching_it_saves_against_
     holder.info["pool_fetch_ms_per_block"] = 5.0  # slower than computing it: the pool is worth nothing
     assert pool_value(idle, 5.0) == 0
     assert policy.pick([holder, idle], prompt) is holder
+
+
+def test_blocks_the_host_tier_passes_down_to_disk_are_reported_sunk_and_weighed_by_their_measured_reads(tmp_path):
+    blocks = BlockManager(4, 2, caching=True)
+    pool = torch.arange(2 * 4 * 2 * 1 * 1, dtype=torch.float32).view(2, 4, 2, 1, 1)
+    disk = DiskTier(pool, 8, str(tmp_path), on_drop=blocks.dropped_below)
+    host = HostTier(pool, 2, on_drop=blocks.dropped_below, lower=disk)
+    host.on_sink, blocks.lower = blocks.sunk_below, host
+    table = []
+    blocks.grow(table, 8)
+    for i, block in enumerate(table):
+        blocks.register(block, 10 + i)
+    blocks.release(table)
+    blocks.grow([], 8)  # all four leave the pool, the tail first: the head stays in host memory, the tail on disk
+    stored, evicted = blocks.drain_events()
+    demoted, sunk = blocks.drain_demoted()
+    assert evicted == [] and demoted == [10, 11, 12, 13] and sunk == [12, 13]
+    assert sorted(blocks.disk_keys()) == [12, 13] and sorted(blocks.lower_keys()) == [10, 11, 12, 13]
+    w = worker(block_size=2)
+    w._on_kv_events({"reset": True, "stored": [10, 11, 12, 13], "demoted": [10, 11, 12, 13], "sunk": [12, 13]})
+    assert w.kv_disk == {12, 13} and w.kv_lower == {10, 11, 12, 13}
+    w._on_kv_events({"stored": [12], "demoted": [10], "sunk": [10, 99], "evicted": [13]})
+    assert w.kv_disk == {10} and w.kv_lower == {10, 11} and 99 not in w.kv_keys
+    assert disk_value(w) == LOWER_TIER_VALUE  # no read measured yet
+    measured(w, 1.0)  # 2 ms to compute a block of 2 tokens
+    w.info["disk_read_ms_per_block"] = 4.0  # slower than computing it
+    assert disk_value(w) == 0
+    handles = disk.match([12, 13])  # reads from disk are timed, and reported
+    for handle in handles:
+        disk.pin_one(handle[1])
+    disk.load_many([(slot, b) for (_, slot), b in zip(handles, (0, 1))])
+    assert disk.info()["disk_read_ms_per_block"] > 0

@@ -22,9 +22,9 @@ async def models(st: RouterState = Depends(router_state)):
 
 def routed_keys(client) -> dict:
     """What the router knows of where the worker's prefixes live (the prefix-cache keys ``kv_aware`` weighs): in its
-    GPU pool, in its tiers below it, and those it put in the cluster-wide pool."""
-    lower = len(client.kv_lower)
-    return {"router_keys_gpu": len(client.kv_keys) - lower, "router_keys_lower": lower,
+    GPU pool, in host memory, on disk, and those it put in the cluster-wide pool."""
+    lower, disk = len(client.kv_lower), len(client.kv_disk)
+    return {"router_keys_gpu": len(client.kv_keys) - lower, "router_keys_host": lower - disk, "router_keys_disk": disk,
             "router_keys_pooled": len(client.kv_pooled)}
 
 
