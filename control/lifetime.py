@@ -34,13 +34,22 @@ def parent_env() -> dict:
     return {PARENT_ENV: str(os.getpid())}
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """This process gets ``sig`` when the thread that started it ends (Linux; elsewhere nothing). Also a
+    ``preexec_fn`` for a child that must not outlive its starter. Returns whether the tie was made."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    return libc.prctl(PR_SET_PDEATHSIG, sig) == 0
+
+
 def follow_parent() -> bool:
     """In a child started with ``parent_env``: SIGTERM when the parent dies. Returns whether the tie was made."""
     expected = os.environ.pop(PARENT_ENV, "")
-    if not expected.isdigit() or not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+    if not expected.isdigit() or not die_with_parent(signal.SIGTERM):
         return False
     if os.getppid() != int(expected):  # the parent died before the tie was made
         os.kill(os.getpid(), signal.SIGTERM)

@@ -9,17 +9,17 @@ process took a port in between) is started again on new ports, a few times."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from control import lifetime
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Server:
         with open(self.log_path, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=not die_with_parent,
-                                         preexec_fn=_die_with_parent if die_with_parent else None)
+                                         preexec_fn=lifetime.die_with_parent if die_with_parent else None)
         started.set()
         self.proc.wait()
 
@@ -91,10 +91,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def start(make, host: str, log_path: str, what: str, die_with_parent: bool = False) -> tuple[Server, list[int]]:

@@ -29,7 +29,6 @@ started for the deployment and stopped by ``down``. What later commands need
 ``~/.pdserve/deployments/<name>.json``, readable by the owner only."""
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ import tempfile
 import threading
 import time
 
+from control import lifetime
 from control.listen import listen, port_of
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,6 @@ ROLES = ("prefill", "decode")
 
 def state_path(name: str) -> str:
     return os.path.join(os.path.expanduser("~"), ".pdserve", "deployments", f"{name}.json")
-
-
-def _die_with_parent():
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Process:
@@ -84,7 +77,7 @@ class Process:
     def _run(self, cmd, started):
         """The process is started by, and dies with, this thread (which lives as long as the process)."""
         env = {**os.environ, "PDSERVE_RAY_NODE_IP": self.ip}  # the ray transport joins from this node
-        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL, env=env,
+        self.proc = subprocess.Popen(cmd, preexec_fn=lifetime.die_with_parent, stdin=subprocess.DEVNULL, env=env,
                                      pass_fds=[self.socket.fileno()])
         started.set()
         code = self.proc.wait()

@@ -6,7 +6,6 @@ plan says, step by step, until ``stop`` or rank 0 is gone."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import faulthandler
 import logging
@@ -14,16 +13,14 @@ import os
 import signal
 import sys
 
+from control import lifetime
+
 log = logging.getLogger("engine.parallel.follower")
 
 
 def die_with_parent(parent: int) -> None:
     """SIGKILL when the process that started this one exits (Linux); the plan loop also checks the parent."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    lifetime.die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
 
