@@ -12,7 +12,8 @@
 #            speeds against one configuration, CONFIG = replicas | 1p1d | 1p1d-auto | "NAME=pdserve up args" (one
 #            a call: each takes 6-8 minutes), DURATION trace seconds a window (default 60); the SLOs: TTFT <= 2 s and
 #            TPOT <= 25 ms on Azure, TTFT <= 10 s and TPOT <= 50 ms on Mooncake; then
-#            pdserve plan --trace T --measured OUT/goodput-*.json for each trace
+#            pdserve plan --trace T --measured OUT/goodput-*.json for each trace. GOODPUT_TRACES: other
+#            TRACE:SPEEDS:TTFT_MS:TPOT_MS entries; GOODPUT_MODEL: other model arguments (the planner's profile's shape)
 #   OUT=bench/out/traffic TAG=h200-2026-11-29 TRACES=../shared/traces bash bench/gpu/run.sh traffic [steps...]
 set -uo pipefail
 OUT=${OUT:-bench/out/traffic}; TAG=${TAG:-gpu}
@@ -45,12 +46,12 @@ for step in ${*:-prefill profile replay long}; do  # goodput: only when named
         1p1d-auto) name=1p1d-auto; up="--transport nccl --gpus 2 --disagg auto --slo-tpot-ms 25" ;;
         *=*) name=${CONFIG%%=*}; up=${CONFIG#*=} ;;
       esac
-      for t in azure_llm_code_2023.csv:1,2,4,8:2000:25 azure_llm_conv_2023.csv:1,2,4:2000:25 \
-               mooncake_conversation.jsonl:0.5,1:10000:50; do
+      for t in ${GOODPUT_TRACES:-azure_llm_code_2023.csv:1,2,4,8:2000:25 azure_llm_conv_2023.csv:1,2,4:2000:25 \
+               mooncake_conversation.jsonl:0.5,1:10000:50}; do
         IFS=: read -r trace speeds ttft tpot <<< "$t"
         timeout 400 $PY -m pdserve bench replay "$TRACES/$trace" --duration ${DURATION:-60} --speeds $speeds \
           --max-context 32000 --too-long clip --slo-ttft-ms $ttft --slo-tpot-ms $tpot --name $name \
-          --up-args "$up $llama --max-model-len 32768" --out "$OUT/goodput-${trace%%.*}-$name-$TAG" 2>&1 \
+          --up-args "$up ${GOODPUT_MODEL:-$llama} --max-model-len 32768" --out "$OUT/goodput-${trace%%.*}-$name-$TAG" 2>&1 \
           | grep -E "^\| [0-9.]+ \||Fastest"
       done ;;
   esac
