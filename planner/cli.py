@@ -19,6 +19,7 @@ import sys
 from .workload import SHIFT_S, WORKLOADS, lengths
 from .profile import Profile
 from .search import SLO, Horizon, candidates, predict_at, rank
+from .traces import TraceWindow, kind_of, read
 
 
 SHIFTING_TOP_RATE = 50  # req/s: the highest rate simulated for ``shifting`` (its horizon's requests)
@@ -168,6 +169,8 @@ def run(args, validate=None) -> int:
     try:
         profiles = load_profiles(args.profile)
         work = lengths(args.requests, args.prompt_len, args.max_tokens, args.seed, args.workload, args.trace)
+        if args.trace and kind_of(args.trace):  # a production trace: its first --duration seconds, timed as recorded
+            work = TraceWindow(tuple(read(args.trace, duration=args.duration)))
         if args.workload == "shifting" and not args.trace:  # phases of SHIFT_S seconds at each rate, both simulated
             work = functools.partial(shifting_at, seed=args.seed)
             args.duration = max(args.duration, 2 * SHIFT_S)

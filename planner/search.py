@@ -7,8 +7,9 @@ and every ``xPyD`` split (prefill TP a, decode TP b, ``x a + y b = gpus``),
 with every prompt prefilled remotely (``always``) and with ``--disagg auto``
 (one candidate for each ``--disagg-prefill-wait-ms`` asked for: ``waits``).
 
-Goodput: the highest Poisson request rate at which at least ``attainment``
-of the requests (the first tenth, the warm-up, not counted; at least
+Goodput: the highest Poisson request rate (for a trace: the rate of its
+window replayed faster, its own arrival times kept) at which at least ``attainment``
+of the requests (the first tenth, the warm-up, not counted, except in a trace's window; at least
 ``duration_s`` of arrivals, at most ``max_requests``, so that a rate is
 sustained rather than a burst the queues absorb) meet the TTFT
 and TPOT SLOs (and the longest-gap SLO when given): found by doubling, then
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from .profile import Profile
 from .simulate import Instance, Layout, SimRequest, simulate
+from .traces import TraceWindow
 
 BISECTIONS = 12
 DEFAULT_WAIT_MS = 500.0  # the router's default ``--disagg-prefill-wait-ms``
@@ -113,7 +115,10 @@ class Horizon:
 def workload_requests(lengths, rate: float, seed: int, horizon: Horizon = Horizon()) -> list[SimRequest]:
     """Poisson arrivals at ``rate`` of the lengths given (cycled): ``duration_s`` of them, at least all the lengths
     once, at most ``max_requests``. ``lengths`` may be a function of (count, rate) giving them: a workload whose
-    phases are seconds of arrivals (``shifting``) has lengths that depend on the rate."""
+    phases are seconds of arrivals (``shifting``) has lengths that depend on the rate; or a trace's window
+    (``TraceWindow``), whose requests keep their own arrival times, sped up to ``rate``."""
+    if isinstance(lengths, TraceWindow):
+        return [SimRequest(*row) for row in lengths.at(rate)]
     if callable(lengths):
         count = min(horizon.max_requests, max(1, int(rate * horizon.duration_s)))
         lengths = lengths(count, rate)
@@ -126,8 +131,13 @@ def workload_requests(lengths, rate: float, seed: int, horizon: Horizon = Horizo
     return out
 
 
-def attainment(requests: list[SimRequest], slo: SLO) -> float:
-    counted = requests[len(requests) // 10:]
+def warmed(requests: list[SimRequest], work) -> list[SimRequest]:
+    """The requests counted: all of a trace's window (as ``bench replay`` counts them), else after the first tenth."""
+    return requests if isinstance(work, TraceWindow) else requests[len(requests) // 10:]
+
+
+def attainment(requests: list[SimRequest], slo: SLO, work=None) -> float:
+    counted = warmed(requests, work)
     good = sum(1 for r in counted if r.ttft_ms <= slo.ttft_ms and r.tpot_ms <= slo.tpot_ms
                and (slo.stall_ms is None or r.longest_gap <= slo.stall_ms))
     return good / max(1, len(counted))
@@ -138,7 +148,7 @@ def goodput(candidate: Candidate, profiles: dict[int, Profile], lengths: list[tu
     def meets(rate: float) -> bool:
         reqs = simulate(candidate.layout(profiles, link_gb_s, local_tokens),
                         workload_requests(lengths, rate, seed, horizon))
-        return attainment(reqs, slo) >= slo.attainment
+        return attainment(reqs, slo, lengths) >= slo.attainment
 
     top = horizon.max_requests / horizon.duration_s  # above it a run is shorter than duration_s: a burst
     lo, hi = 0.0, min(0.25, top)
@@ -166,7 +176,7 @@ def predict_at(candidate: Candidate, profiles: dict[int, Profile], lengths, slo:
 
     reqs = simulate(candidate.layout(profiles, link_gb_s, local_tokens),
                     workload_requests(lengths, rate, seed, horizon))
-    counted = reqs[len(reqs) // 10:]
-    return {"rate": rate, "attainment": attainment(reqs, slo), "requests": len(counted),
+    counted = warmed(reqs, lengths)
+    return {"rate": rate, "attainment": attainment(reqs, slo, lengths), "requests": len(counted),
             "ttft_ms": summary(r.ttft_ms for r in counted), "tpot_ms": summary(r.tpot_ms for r in counted),
             "stall_ms": summary(r.longest_gap for r in counted)}

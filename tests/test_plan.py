@@ -364,3 +364,27 @@ def test_tiers_buy_reuse_as_the_lru_model_counts_it_and_save_prefill():
     assert rows[0]["reused_share"] < rows[2]["reused_share"]
     assert rows[0]["prefill_gpu_s"] > rows[1]["prefill_gpu_s"] >= rows[2]["prefill_gpu_s"]
     assert "| 0.5 |" in tiers.table(rows, 512)
+
+
+def test_a_trace_is_simulated_at_its_own_arrival_times_sped_up_and_its_bursts_cost_what_poisson_hides():
+    """A trace's window keeps its arrivals (``planner.traces.TraceWindow``): at a rate of k times its own, every
+    arrival comes k times sooner, as ``bench replay --speed k`` sends them, and every request is counted. A window of
+    bursts (ten prompts at once, then a lull) meets the SLOs at a lower rate than Poisson arrivals of the same
+    requests at the same mean rate."""
+    from planner.search import attainment, goodput, workload_requests
+    from planner.traces import TraceRequest, TraceWindow
+
+    rows = [TraceRequest(10.0 * (i // 10) + 0.01 * (i % 10), 2000, 20, ()) for i in range(40)]  # 10 at once, 10 s apart
+    window = TraceWindow(tuple(rows))
+    assert window.rate == pytest.approx(40 / 30.09)
+    reqs = workload_requests(window, 2 * window.rate, seed=0)
+    assert [r.arrival for r in reqs] == pytest.approx([r.arrival_s * 1e3 / 2 for r in rows])
+    assert [(r.prompt, r.output) for r in reqs] == [(2000, 20)] * 40
+    slo, prof = SLO(ttft_ms=2000, tpot_ms=25), {1: profile(2.5e-2)}
+    colocated = candidates(1, prof, slo)[0]
+    assert colocated.kind == "colocated"
+    done = simulate(colocated.layout(prof, 50.0, 0), workload_requests(window, window.rate, 0))
+    assert attainment(done, slo, window) == sum(r.ttft_ms <= 2000 and r.tpot_ms <= 25 for r in done) / 40
+    bursty = goodput(colocated, prof, window, slo, 50.0, 0)
+    smooth = goodput(colocated, prof, [(2000, 20)] * 40, slo, 50.0, 0, horizon=Horizon(30, 2000))
+    assert 0 < bursty < smooth / 2
