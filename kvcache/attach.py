@@ -16,7 +16,8 @@ import torch
 
 from .mirror import MirrorTier
 from .pool import PoolTier, namespace
-from .tiers import DiskTier, HostTier, capacity_blocks, host_capacity_blocks
+from .disk import DiskTier
+from .tiers import HostTier, capacity_blocks, host_capacity_blocks
 
 AHEAD_TOKENS = 32768  # free or written-ahead room kept in the pool (two 16k-token prompts loaded at once)
 

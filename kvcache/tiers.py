@@ -2,7 +2,7 @@
 
 The pool is ``[2 x layers, blocks, block_size, kv_heads, head_dim]`` (``engine.kv_pool.KVPool.stacked``); a slot of
 a tier holds one block of every layer, ``[2 x layers, block_size, kv_heads, head_dim]``, contiguous. A tier's
-slots are pinned host memory (``HostTier``) or a file mapped into memory (``DiskTier``); each tier is LRU over keys
+slots are pinned host memory (``HostTier``) or a file mapped into memory (``kvcache.disk``); each tier is LRU over keys
 and may have a ``lower`` one, which gets what it drops. A key loaded back into the pool is held twice, so it goes to
 the front of the order: the first dropped when room is needed (not passed down: the pool offers it again when it
 evicts it). The pool and the tiers then hold as many distinct blocks as they have room for together. (Kept as the
@@ -19,18 +19,17 @@ lost a third of its hits: each miss dropped the block a later request needed.)
 - ``match(keys)``: handles ``(tier, slot)`` of the longest run of ``keys`` held here and then below. A slot still
   being written is never read: the run stops there (``skipped_in_flight``). A disk slot whose checksum (taken when
   it was written) no longer matches is dropped and stops the run (``corrupt``): that block is computed again.
-- ``pin(handles)``, then ``load(pairs)`` (module functions: a handle names its tier): matched slots are kept from
-  being dropped until their ``(handle, block)`` copies back into the pool are queued (before the step that reads
+- ``pin_one(slot)``, then ``load_many(pairs)`` (through ``kvcache.loads``, where a handle names its tier): matched
+  slots are kept from being dropped until their copies back into the pool are queued (before the step that reads
   the blocks), which unpins them.
 - ``settle()``: waits for every copy queued so far (a caller on another thread or stream needs them done).
 
-``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted)."""
+``on_drop(key)`` is called when a key leaves the last tier (the block manager then reports it evicted), ``on_sink(key)``
+when one is passed down and kept below (reported sunk: on disk); with several ranks, ``echo`` sends each copy to the
+others (``kvcache.mirror``)."""
 from __future__ import annotations
 
 import os
-import time
-import weakref
-import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -289,110 +288,3 @@ class HostTier(Tier):
         shape = (capacity, pool.shape[0], *pool.shape[2:])
         super().__init__(pool, torch.empty(shape, dtype=pool.dtype, pin_memory=pool.device.type == "cuda"),
                          on_drop, lower)
-
-
-class DiskTier(Tier):
-    """Slots in a file under ``directory``, mapped into memory (the page cache in front of the disk), each with the
-    CRC-32 of its bytes as written, checked before it is read. The file is removed when the tier goes."""
-    name = "disk"
-
-    def __init__(self, pool: torch.Tensor, capacity: int, directory: str, on_drop=None):
-        shape = (capacity, pool.shape[0], *pool.shape[2:])
-        nbytes = capacity * pool[:, 0].numel() * pool.element_size()
-        self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{id(self):x}.bin")
-        with open(self.path, "wb") as f:
-            f.truncate(nbytes)
-        weakref.finalize(self, _remove, self.path)
-        raw = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
-        super().__init__(pool, raw.view(pool.dtype).view(shape), on_drop)
-        self.sums: dict[int, int] = {}
-        self.read_ms, self.read = 0.0, 0  # the time blocks took to come off the disk (checked and copied out)
-
-    def match(self, keys: list[int]) -> list[tuple["Tier", int]]:
-        start = time.perf_counter()
-        out = super().match(keys)
-        self.read_ms += (time.perf_counter() - start) * 1e3  # the checksums read every matched block
-        return out
-
-    def load_many(self, pairs: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
-        super().load_many(pairs)  # from memory that is not pinned: the copy ends before it returns
-        self.read_ms += (time.perf_counter() - start) * 1e3
-        self.read += len(pairs)
-
-    def info(self) -> dict:
-        out = super().info()
-        if self.read:
-            out["disk_read_ms_per_block"] = self.read_ms / self.read
-        return out
-
-    def _write(self, slot: int, source: torch.Tensor) -> None:
-        self.slots[slot].copy_(source)
-        self.sums[slot] = self._crc(slot)
-
-    def _crc(self, slot: int) -> int:
-        return zlib.crc32(self.slots[slot].view(torch.uint8).numpy())
-
-    def _intact(self, slot: int) -> bool:
-        return self.sums.get(slot) == self._crc(slot)
-
-
-def pin(handles: list[tuple]) -> None:
-    """Keep each matched ``(tier, slot)`` until it is loaded."""
-    for tier, slot in handles:
-        tier.pin_one(slot)
-
-
-def load(pairs: list[tuple], seqs: list = ()) -> None:
-    """Each ``((tier, slot), block)``: the tier's block copied into the pool's ``block``, queued on its stream; the
-    sequences the blocks are for get the copies' time (``LoadTime``) as ``tier_load``."""
-    took = LoadTime(pairs[0][0][0].pool.device if pairs else torch.device("cpu"))
-    by_tier: dict[Tier, list[tuple[int, int]]] = {}
-    for (tier, slot), block in pairs:
-        by_tier.setdefault(tier, []).append((slot, block))
-    for tier, items in by_tier.items():
-        tier.load_many(items)
-    took.stop()
-    for seq in seqs:
-        seq.tier_load = took
-
-
-class LoadTime:
-    """How long one step's tier loads took: wall time on the CPU, between two CUDA events on a GPU (read once the
-    copies are done: ``ms`` is None until then)."""
-
-    def __init__(self, device: torch.device):
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
-        self.start, self.wall = time.perf_counter(), None
-
-    def stop(self) -> None:
-        if self.events is not None:
-            self.events[1].record()
-        self.wall = (time.perf_counter() - self.start) * 1e3
-
-    def ms(self) -> float | None:
-        if self.events is None:
-            return self.wall
-        return self.events[0].elapsed_time(self.events[1]) if self.events[1].query() else None
-
-
-def phases(seq) -> dict:
-    """A sequence's tier movements for its ``first`` timing: ``kv_tier_fetch`` (finding and fetching its prefix in
-    the tiers and the cluster pool, ms) and ``kv_tier_load`` (copying it into the GPU pool, ms), where it had any."""
-    out = {}
-    if getattr(seq, "tier_fetch_ms", None) is not None:
-        out["kv_tier_fetch"] = seq.tier_fetch_ms
-    load = getattr(seq, "tier_load", None)
-    if load is not None and load.ms() is not None:
-        out["kv_tier_load"] = load.ms()
-    return out
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
