@@ -11,8 +11,14 @@ also suspect for a while (out of every request's picks).
 The first token comes from prefill before the KV moves, so a failed handoff can come after the client has it. A
 retry then keeps that token: a prefill worker computes the prompt's KV again and sends it to another decode worker,
 which continues from the token the client already has (colocated: the worker recomputes prompt + first token
-itself). Nothing the client saw is replayed or changed. Once decode has streamed a token, a failure ends the stream
-with an error event. Other errors (400s, 500s, timeouts) are never retried."""
+itself). Nothing the client saw is replayed or changed.
+
+A worker lost while it streams (dead, silent past ``dead_after_s``, or exiting because a rank or stage of it died)
+costs its requests nothing either: the router has every token it sent on (``output_ids``) and the text they made
+(``emitted``), so the next attempt has another worker (colocated, or decode) compute the prompt and those tokens
+again and go on after the client's last (``resume_state``): greedy output goes on as the whole one would have. A stalled stream (the worker alive, its
+request stuck) still ends with an error event, as do other errors (400s, 500s, timeouts), which are never
+retried."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,6 +54,14 @@ class WorkerFailure(StreamError):
         return f"{role}_unavailable" if self.status == 503 else f"{role}_error"
 
 
+GONE_STAGES = ("tp_rank_lost", "pp_stage_lost")  # a rank or stage of the worker died: it exits and restarts
+
+
+def worker_gone(failure: WorkerFailure) -> bool:
+    """The worker is lost (dead, silent, or giving up after a rank or stage died), not just failing this request."""
+    return bool(failure.msg.get("lost")) or failure.msg.get("stage") in GONE_STAGES
+
+
 @dataclass
 class RequestRun:
     """One request across its attempts."""
@@ -56,7 +70,9 @@ class RequestRun:
     t0: float
     attempt: int = 0
     first: dict | None = None  # the first-token message the client was given
-    streamed: bool = False  # decode tokens reached the client: no retry any more
+    streamed: bool = False  # decode tokens reached the client: a retry resumes after them (``resume_state``)
+    output_ids: list = field(default_factory=list)  # the tokens the client has after the first
+    emitted: int = 0  # the characters of text they made
     avoid: set = field(default_factory=set)
     workers: dict = field(default_factory=dict)  # role -> the client the current attempt uses
     reasons: list = field(default_factory=list)
@@ -81,7 +97,16 @@ class RequestRun:
 
     def may_retry(self, failure: StreamError, retries: int) -> bool:
         retryable = failure.status in RETRYABLE_STATUS or bool(getattr(failure, "msg", {}).get("stalled"))
-        return isinstance(failure, WorkerFailure) and retryable and not self.streamed and self.attempt < retries
+        if not (isinstance(failure, WorkerFailure) and retryable and self.attempt < retries):
+            return False
+        return not self.streamed or (self.first is not None and worker_gone(failure))
+
+    def resume_state(self) -> dict:
+        """What a worker needs to go on after the client's last token: the prompt and every token before it
+        computed again (``decode.local``)."""
+        ids = [self.first["token"], *self.output_ids]
+        return {"token": ids[-1], "earlier": ids[:-1], "prompt_ids": self.first["prompt_ids"],
+                "emitted": self.first["emitted"] + self.emitted, "params": self.first["params"]}
 
     def blame(self, failure: WorkerFailure) -> None:
         """Keep the next attempt off the workers that failed this one; a decode worker the KV could not reach

@@ -129,7 +129,8 @@ class Service:
 
     async def generate(self, payload: dict, rid: str):
         """Async generator of ``Delta``/``Finished``; raises ``StreamError``. Runs the request again on other
-        workers after a failure that left its client with at most the first token (``router.retry``)."""
+        workers after a failure that left its client with at most the first token, or after a lost worker, from the
+        client's last token (``router.retry``)."""
         run = RequestRun(rid, payload, time.perf_counter())
         while True:
             try:
@@ -265,7 +266,8 @@ class Service:
         avoid = run.avoid | (prompt_first(prompts_to.healthy(run.avoid), self.groups[role].clients) if prompts_to else set())
         held = run.workers[role] = await self.admission.acquire(self.groups[role], rid, tokens, prompt, avoid)
         run.timing["admit"] = run.timing.get("admit", 0.0) + (time.perf_counter() - t0) * 1e3
-        if self.colocated:
+        if self.colocated or run.streamed:  # a stream resumed after a lost worker: computed again where it decodes
+            run.local = True
             return await self._generate_here(run, held, rid, involved)
         decode = held
         if await self._decide(run, decode, prompt) == "local":
@@ -288,10 +290,9 @@ class Service:
         return prefill
 
     async def _generate_here(self, run: RequestRun, worker, rid: str, involved: list):
-        """The prompt (and, on a retry, the client's first token) computed on the worker that decodes it."""
-        first = run.first
+        """The prompt (and, on a retry, the client's tokens) computed on the worker that decodes it."""
         run.timing["transport"] = "none"
-        resume = {k: first[k] for k in ("token", "prompt_ids", "emitted", "params")} if first else None
+        resume = run.resume_state() if run.first else None
         await self._dispatch(worker, involved, rid, "generate", **run.payload, resume=resume)
         return worker
 
@@ -346,8 +347,9 @@ class Service:
                 log.warning("request %s: unexpected %r while waiting for the first token", msg["rid"], op)
 
     async def _relay(self, run: RequestRun, inbox, first_worker):
-        """Decode's tokens up to ``done``, then ``Finished``."""
-        timing, completion = run.timing, 1
+        """Decode's tokens up to ``done``, then ``Finished``; the tokens the client has are kept (``run.output_ids``)
+        for a resume."""
+        timing, completion = run.timing, 1 + len(run.output_ids)
         while True:
             try:
                 msg = await self.waits.next(inbox, self.token_timeout_s, "the next token", run)
@@ -369,6 +371,8 @@ class Service:
                 msg = coalesce(msg, inbox)
                 completion += len(msg["ids"])
                 run.streamed = True
+                run.output_ids += msg["ids"]
+                run.emitted += len(msg["text"])
                 yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
             elif msg["op"] == "done":
                 completion = msg.get("completion_tokens", completion + len(msg["ids"]))

@@ -19,6 +19,7 @@ class StreamClient(threading.Thread):
         self.ended_at: float | None = None
         self.first_at: float | None = None
         self.ids: list[int] = []
+        self.text = ""
         self.pdserve: dict | None = None  # the final chunk's timing block
         self.client = httpx.Client(timeout=timeout)  # built here: building it in the thread can stall behind other streams
 
@@ -37,6 +38,7 @@ class StreamClient(threading.Thread):
                         self.error = chunk["error"]
                     elif chunk["choices"]:
                         self.ids += chunk["choices"][0].get("token_ids") or []
+                        self.text += chunk["choices"][0].get("text") or ""
                         self.tokens = len(self.ids)
                         self.pdserve = chunk.get("pdserve") or self.pdserve
                         self.first_at = self.first_at or time.monotonic()

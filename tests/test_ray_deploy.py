@@ -3,6 +3,7 @@ decode to the other, the openai SDK through it, a decode actor killed mid-stream
 a failed request, and ``down`` leaving nothing behind."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,9 +131,10 @@ def test_deploy_serve_kill_restart_scale_down(ray_cluster):
         os.kill(victim["pid"], signal.SIGKILL)
         for t in threads:
             t.join(120)
-        errors = [r for r in results if r[0][0] == "error"]
-        assert len(results) == 4 and [r for r in results if r[0][0] == "ok"], results
-        assert errors and all(ended - killed_at < 5 for _, ended in errors), (results, killed_at)
+        # the victim's streams go on on the other decode worker, from their last token
+        assert len(results) == 4 and all(r[0][0] == "ok" for r in results), (results, killed_at)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert re.search(r'pdserve_request_retries_total\{reason="decode_lost"\} [1-9]', metrics), metrics[-2000:]
         # Ray restarts the actor; its new process joins the router again
         assert eventually(lambda: len(healthy(url, "decode")) == 2, 60), healthy(url, "decode")
         assert {a["name"]: a for a in status()["actors"]}[victim["name"]]["restarts"] >= 1

@@ -54,6 +54,14 @@ def kill_mid_streams(cluster: Cluster, body: dict, port: str | None):
     return streams, killed_at, port
 
 
+def resumed(cluster: Cluster) -> float:
+    """Streams the router resumed on another worker after a decode worker was lost."""
+    for line in httpx.get(cluster.url + "/metrics").text.splitlines():
+        if line.startswith('pdserve_request_retries_total{reason="decode_lost"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
     cluster = Cluster("--decode", "2").wait_ready()
     try:
@@ -62,14 +70,13 @@ def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
         for _ in range(4):  # on a busy machine every stream may end before the kill: kill the same worker again
             streams, killed_at, port = kill_mid_streams(cluster, body, port)
             kills += 1
-            assert all(s.ended_at is not None for s in streams)
-            failed = [s for s in streams if s.error]
-            if failed:
+            # every stream ends with all its tokens: those on the killed worker go on on the other
+            assert all(s.finished and not s.error and s.tokens == 900 for s in streams), \
+                [(s.tokens, s.error) for s in streams]
+            if resumed(cluster):
                 break
             wait_restarted(cluster, port, kills)
-        assert failed and len(failed) < 6
-        assert all(s.ended_at - killed_at < 5 for s in failed), [s.ended_at - killed_at for s in failed]
-        assert all(s.finished and s.tokens == 900 for s in streams if not s.error)
+        assert resumed(cluster) >= 1
         after = httpx.post(cluster.url + "/v1/completions", json={**body, "prompt": "after", "max_tokens": 5}, timeout=30)
         assert after.status_code == 200, after.text
         assert cluster.proc.poll() is None
