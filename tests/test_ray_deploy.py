@@ -274,12 +274,13 @@ def test_a_kv_pool_deployed_on_ray_gives_a_prefix_one_prefill_worker_computed_to
     name = NAME + "-pool"
     cli("ray", "--address", ray_cluster.address, "--name", name, "--prefill", "2", "--decode", "1", "--threads", "1",
         "--kv-pool", "mooncake", "--kv-pool-bytes", "256M", "--policy", "round_robin",
-        "--prefill-resources", '{"node_b": 0.01}', "--port", "0")
+        "--prefill-resources", '{"node_b": 0.01}', "--decode-resources", '{"node_b": 0.01}', "--port", "0")
     try:
         url = status(name)["url"]
         assert eventually(lambda: len(healthy(url, "prefill")) == 2 and len(healthy(url, "decode")) == 1, 120)
         pool = [a for a in status(name)["actors"] if a["name"].startswith("kvpool-")]
-        assert len(pool) == 2 and all(a["alive"] for a in pool), pool  # the master and node_b's daemon
+        assert len(pool) == 2 and all(a["alive"] for a in pool), pool  # the master and node_b's daemon (every
+        # worker is on node_b: a worker on node_a would have that node's daemon made too)
         assert {a["node_ip"] for a in pool if a["name"] != "kvpool-master"} == {"127.0.0.3"}
         prompt = [(i * 37) % 200 + 40 for i in range(300)]
         body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0}
