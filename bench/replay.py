@@ -12,7 +12,8 @@ clipped or skipped (``--too-long``), and counted.
 The report: TTFT, TPOT and ITL percentiles, SLO attainment and goodput (``bench.serve.summarize``), and prompt tokens
 reused three ways, side by side: the window's ideal (an unlimited cache), an LRU over blocks at the cluster's KV
 capacity (``planner.reuse``; the prompt-computing workers' pools and host tiers, or ``--kv-capacity-blocks``), and
-what the workers reported (their prefix counters' growth over the run, per worker and in total). With
+what the workers reported (their prefix counters' growth over the run, per worker and in total), and each worker's
+steps over the run (``summary.workers``: decode-only and prompt steps, their mean ms, how busy it was). With
 ``--same-prompts`` the two models keep what the runs before sent, as the workers' caches do.
 ``--engine-alone`` then runs the first run's prompts through the engine alone (``bench.replay_engine``): the rate
 serving is held against. ``--speeds`` replays the window at each speed, each with tokens of its own (no run reuses
@@ -35,6 +36,7 @@ from planner.traces import TRACE_BLOCK, TraceRequest, kind_of, read
 from planner.workload import Request
 
 from .report import command_line, plot_cdfs
+from .health import settled_step_times, step_delta, with_busy
 from .serve import one, summarize
 from .transfer import environment
 
@@ -208,7 +210,7 @@ def reuse_table(requests: list[TraceRequest], block_size: int, capacity: int, wo
 
 def replay_once(args, url: str, model: str, requests: list[TraceRequest], speed: float, salt: str,
                 capacity: int, vocab: int, before: list[TraceRequest] = ()) -> dict:
-    counters = cluster(url)
+    counters, steps = cluster(url), settled_step_times(url)
     rows, wall = asyncio.run(send(url, model, requests, Prompts(args.block_size, vocab, salt), speed,
                                   args.concurrency))
     time.sleep(1.0)  # the workers' last counters reach /health with their next pong
@@ -217,16 +219,20 @@ def replay_once(args, url: str, model: str, requests: list[TraceRequest], speed:
            "reuse": reuse_table(requests, args.block_size, capacity, reported(counters, after), before),
            "samples": rows}
     out["summary"]["prompt_tok_per_s"] = sum(r.prompt_tokens for r in requests) / wall if wall else 0.0
+    out["summary"]["workers"] = with_busy(step_delta(steps, settled_step_times(url)), wall)  # their steps meanwhile
     return out
 
 
-def goodput_result(args, requests: list[TraceRequest], speed: float | None) -> dict:
+def goodput_result(args, requests: list[TraceRequest], speed: float | None, runs: list[dict]) -> dict:
     """The goodput as ``bench goodput`` reports it, for ``pdserve plan --measured``: the request rate of the window
-    at the fastest speed within the SLOs (its requests over its span, times the speed), under the trace's name."""
+    at the fastest speed within the SLOs (its requests over its span, times the speed), under the trace's name; and
+    each run's rate with its workers' step times (``rates``, which ``pdserve plan --calibrate`` reads)."""
     span = max(requests[-1].arrival_s, 1e-9) if len(requests) > 1 else 1.0
     return {"name": args.name or args.up_args or args.url, "up_args": shlex.split(args.up_args),
             "workload": os.path.basename(args.trace), "goodput_speed": speed,
-            "goodput_rate": (speed or 0.0) * len(requests) / span}
+            "goodput_rate": (speed or 0.0) * len(requests) / span,
+            "rates": [{"rate": run["speed"] * len(requests) / span, "step_times": run["summary"].get("workers", {}),
+                       "goodput_fraction": run["summary"]["goodput_fraction"]} for run in runs]}
 
 
 def markdown(report: dict) -> str:
@@ -318,7 +324,7 @@ def run(args) -> int:
     if args.speeds:
         meeting = [run["speed"] for run in runs if run["summary"]["goodput_fraction"] >= args.attainment]
         report["goodput_speed"] = max(meeting) if meeting else None
-        report["results"] = [goodput_result(args, requests, report["goodput_speed"])]
+        report["results"] = [goodput_result(args, requests, report["goodput_speed"], runs)]
     paths = write(report, args.out)
     print(markdown(report))
     print("wrote " + ", ".join(paths.values()))

@@ -98,6 +98,10 @@ def test_a_replay_on_the_tiny_model_reuses_what_the_model_says_when_the_window_f
     result = report["results"][0]  # what pdserve plan --measured reads: the window's rate at the goodput speed
     assert result["goodput_rate"] == pytest.approx(2000 * 40 / requests[-1].arrival_s, rel=1e-6)
     assert result["workload"] == MOONCAKE.name and result["up_args"] == ["--colocated", "--no-warmup"]
+    for rate, run in zip(result["rates"], report["runs"]):  # each run's workers' steps, for plan --calibrate
+        (steps,) = rate["step_times"].values()
+        assert rate["rate"] == pytest.approx(run["speed"] * 40 / requests[-1].arrival_s, rel=1e-6)
+        assert steps["prompt_steps"] > 0 and steps["decode_steps"] + steps["prompt_steps"] >= 40
     from planner.measured import measured_goodputs, shape_of
     (tmp_path / "report.json").write_text(json.dumps(report))
     found = measured_goodputs([str(tmp_path / "report.json")], MOONCAKE.name)
