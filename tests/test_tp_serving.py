@@ -63,7 +63,7 @@ def test_up_with_groups_of_any_tp_streams_the_reference(reference, transport, pr
         cluster.stop()
 
 
-def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
+def test_a_decode_group_that_loses_a_rank_has_its_streams_go_on_on_the_other_and_comes_back():
     cluster = Cluster("--decode", "2", "--decode-tp", "2").wait_ready()
     try:
         clients = started([StreamClient(cluster.url, LONG) for _ in range(4)])
@@ -72,13 +72,14 @@ def test_a_decode_group_that_loses_a_rank_fails_its_streams_and_comes_back():
         victim = max(health(cluster.url)["workers"]["decode"], key=lambda w: w["outstanding"])  # the router's count
         on_victim = victim["outstanding"]
         os.kill(victim["rank_pids"][0], signal.SIGKILL)
-        killed_at = time.monotonic()
         for c in clients:
             c.join(120)
-        failed = [c for c in clients if c.error]
-        assert len(failed) == on_victim >= 1 and all(c.ended_at - killed_at <= 5 for c in failed)
-        assert "tensor-parallel rank 1" in failed[0].error["message"]
-        assert all(c.finished and c.tokens == LONG["max_tokens"] for c in clients if not c.error)
+        # the group gives its requests up and restarts; their streams go on on the other group from their last token
+        assert all(c.finished and not c.error and c.tokens == LONG["max_tokens"] for c in clients), \
+            [(c.tokens, c.error) for c in clients]
+        assert all(c.ids == clients[0].ids for c in clients) and on_victim >= 1
+        metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
+        assert f'pdserve_request_retries_total{{reason="decode_unavailable"}} {float(on_victim)}' in metrics
         assert eventually(lambda: all_back(cluster.url), 90, 0.5)  # `up` restarted the group as a unit
         again = httpx.post(cluster.url + "/v1/completions", json={**LONG, "max_tokens": 8}, timeout=60)
         assert again.status_code == 200
@@ -92,7 +93,8 @@ def test_a_tp_group_steps_ahead_and_a_lost_rank_mid_step_fails_its_streams(refer
     """``--decode-graphs eager`` (the fixed-shape decode step without CUDA graphs) turns the step ahead on here too:
     the TP=2 decode group streams the reference four at once with steps launched before the last one's tokens were
     read; a rank killed while it steps ends the streams within 5 s and the group comes back."""
-    cluster = Cluster("--decode-tp", "2", "--decode-graphs", "eager").wait_ready()
+    cluster = Cluster("--decode-tp", "2", "--decode-graphs", "eager", "--retries", "0").wait_ready()  # (with
+    # retries, a stream whose group lost a rank would go on once the group is back, were it back within --retry-wait)
     try:
         streams_of_the_reference(cluster.url, reference)
         decode = health(cluster.url)["workers"]["decode"][0]
