@@ -24,7 +24,7 @@ from .kv_pool import KVPool, free_memory
 from .decode_path import engine_graphs
 from .emitted import Emitted
 from .loader import load, rank_device
-from .model_runner import ModelRunner, StepRow, step_rows
+from .model_runner import ModelRunner, step_rows
 from .models.llama import use_fp8_kv
 from .quant import kv_fp8
 from .parallel.group import SINGLE, TPGroup
@@ -372,26 +372,6 @@ class Engine:
             self.free(seq)
         elif hold:
             self.scheduler.remove(seq)
-
-    def follow_step(self, rows: list, copies: list, kv=None, ahead: bool = False) -> None:
-        """(A follower rank) Rank 0's step: its block copies, then the forward of its rows (``StepRow.to_wire``;
-        those with a ``feed`` take rank 0's tokens of the step before); ``kv.progress()``: the layer gate of KV
-        pushes streaming from this step, if any. ``ahead``: then take rank 0's tokens of this step."""
-        for source, target in copies:
-            self.pool.copy_block(source, target)
-        progress = kv.take_progress() if kv is not None else None
-        rows = [StepRow(*r) for r in rows]
-        feed = self.shared_tokens if any(r.feed >= 0 for r in rows) else None
-        try:
-            self.runner.run(rows, progress.layer_done if progress is not None else None, feed)
-        except Exception as e:
-            if progress is not None:
-                progress.fail(e)
-            raise
-        if progress is not None:
-            progress.finish()
-        self.shared_tokens = self.group.share_tokens(None, sum(r.samples for r in rows), self.device) if ahead \
-            else None
 
     def warm_up(self) -> None:
         """Pay the first requests' one-time costs now (``engine.warmup``), unless ``cfg.warmup`` is off."""

@@ -22,13 +22,14 @@ from .copies import Copier
 
 
 class Echo:
-    """Rank 0's end: a tier's copies put on the plan for the other ranks (``send(op, **fields)``)."""
+    """Rank 0's end: a tier's copies put on the plan for the other ranks (``send(op, **fields)``; msgpack sends the
+    pairs' tuples as lists)."""
 
     def __init__(self, send):
         self.send = send
 
     def __call__(self, do: str, **fields) -> None:
-        self.send("tier", do=do, **{k: [list(p) if isinstance(p, tuple) else p for p in v] for k, v in fields.items()})
+        self.send("tier", do=do, **fields)
 
 
 class MirrorTier:

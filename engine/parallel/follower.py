@@ -46,6 +46,29 @@ def kv_work(spec: str | None, engine, plan):
     return getattr(importlib.import_module(module), name)(engine, plan)
 
 
+def follow_step(engine, rows: list, copies: list, kv=None, ahead: bool = False) -> None:
+    """Rank 0's step on this rank: its block copies, then the forward of its rows (``StepRow.to_wire``; those with
+    a ``feed`` take rank 0's tokens of the step before); ``kv.take_progress()``: the layer gate of KV pushes
+    streaming from this step, if any. ``ahead``: then take rank 0's tokens of this step."""
+    from ..model_runner import StepRow
+
+    for source, target in copies:
+        engine.pool.copy_block(source, target)
+    progress = kv.take_progress() if kv is not None else None
+    rows = [StepRow(*r) for r in rows]
+    feed = engine.shared_tokens if any(r.feed >= 0 for r in rows) else None
+    try:
+        engine.runner.run(rows, progress.layer_done if progress is not None else None, feed)
+    except Exception as e:
+        if progress is not None:
+            progress.fail(e)
+        raise
+    if progress is not None:
+        progress.finish()
+    engine.shared_tokens = engine.group.share_tokens(None, sum(r.samples for r in rows), engine.device) if ahead \
+        else None
+
+
 def follow(engine, plan, parent: int, kv=None) -> None:
     """Run rank 0's plan on ``engine``: steps, KV work (``kv``: the role's handler of ``kv_*`` ops for this
     rank, e.g. ``prefill.tp_kv``), until ``stop``."""
@@ -59,7 +82,7 @@ def follow(engine, plan, parent: int, kv=None) -> None:
         if op == "stop":
             return
         if op == "step":
-            engine.follow_step(msg["rows"], msg["copies"], kv, msg.get("ahead", False))
+            follow_step(engine, msg["rows"], msg["copies"], kv, msg.get("ahead", False))
         elif op == "tier":
             engine.tiers.mirror.handle(msg)
         elif op.startswith("mlx_"):
