@@ -1,13 +1,11 @@
 """One request through the cluster, as an async stream of events.
 
-Disaggregated: pick a prefill and a decode worker, ask prefill (with the
-decode worker's KV address), relay ``first`` as soon as it comes, then ask
-decode to continue and relay its ``tokens``/``done``. Colocated: one
-``generate`` to a colocated worker; so too when ``router.disagg`` decides a
-prompt is prefilled locally, on its decode worker. A worker's failure before decode streamed
-a token runs the request again elsewhere (``router.retry``); any other
-``error`` ends the stream. An attempt that ends early aborts its work on
-every worker involved."""
+Disaggregated: pick a prefill and a decode worker, ask prefill (with the decode worker's KV address), relay
+``first`` as soon as it comes, then ask decode to continue and relay its ``tokens``/``done`` (``router.relay``).
+Colocated: one ``generate`` to a colocated worker; so too when ``router.disagg`` decides a prompt is prefilled
+locally, on its decode worker. A lost worker's request runs again elsewhere (``router.retry``), a stream from the
+client's last token; any other ``error`` ends the stream. An attempt that ends early aborts its work on every worker
+involved."""
 from __future__ import annotations
 
 import asyncio
@@ -23,11 +21,11 @@ from .errors import ApiError
 from .events import Delta, Finished
 from .policy import cached_blocks, prompt_first
 from .prompts import PromptTokenizer
-from .migration import OPS as MOVE_OPS, Migrations
+from .migration import Migrations
+from .relay import first_message, relay_tokens
 from .retry import RequestRun, StreamError, WorkerFailure
-from .waits import DECODING, PREFILLING, QUEUED, WAITING_KV, Stalled, Waits, check_index
-from .inbox import coalesce
-from .timing import await_kv_sent, close_timing, kv_sent, note_cached, note_hops
+from .waits import DECODING, WAITING_KV, Stalled, Waits
+from .timing import close_timing, note_cached, note_hops
 from .warmup import PairWarmer
 from .workers import PICK_WAIT_S, pair_mismatch
 
@@ -141,7 +139,7 @@ class Service:
             except WorkerFailure as failure:
                 if isinstance(failure, Stalled):
                     log.error("request %s: %s", rid, failure.message)
-                    if self._metrics(run) is not None:
+                    if self.figures_for(run) is not None:
                         self.metrics.stalled.labels(failure.role, failure.state).inc()
                 if not run.may_retry(failure, self.retries):
                     raise
@@ -190,7 +188,7 @@ class Service:
             first_worker = run.where = await self._send_prompt(run, rid, inbox, involved)
             fresh = None
             if run.first is None or not run.local:  # a local resume goes on from the first token itself
-                fresh = await self._first(inbox, run, first_worker)
+                fresh = await first_message(self, inbox, run, first_worker)
                 note_cached(run, fresh)  # the KV decode goes on from is this prefill's
             if not run.local and first_worker in involved:
                 first_worker.release(rid)  # its prompt is done: a prefill worker's load is prompts, not streams
@@ -216,7 +214,7 @@ class Service:
                 if decode_worker is not None:  # a KV streamed during prefill may be on its way: decode drops it
                     await self._abort(decode_worker, rid)
                 yield Finished(first["finish_reason"], first["prompt_tokens"], 1,
-                               close_timing(run, self._metrics(run)), run.cached_tokens or 0)
+                               close_timing(run, self.figures_for(run)), run.cached_tokens or 0)
                 return
             run.state = DECODING
             if decode_worker is not None:
@@ -224,7 +222,7 @@ class Service:
                 await self._dispatch(decode_worker, involved, rid, "decode", first_token=first["token"],
                                      prompt_ids=first["prompt_ids"], emitted=first["emitted"], params=first["params"],
                                      kv_tp=kv_tp, **kv_pp)
-            async for ev in self._relay(run, inbox, first_worker):
+            async for ev in relay_tokens(self, run, inbox, first_worker):
                 yield ev
             finished = True
             for worker in involved:
@@ -323,76 +321,8 @@ class Service:
         self.metrics.disagg.labels(decision.where, decision.reason).inc()
         return decision.where
 
-    def _metrics(self, run: RequestRun):  # where run's figures go: nowhere for a pair's warm-up
+    def figures_for(self, run: RequestRun):  # where run's figures go: nowhere for a pair's warm-up
         return None if run.warm else self.metrics
-
-    async def _first(self, inbox, run: RequestRun, first_worker) -> dict:
-        """The ``first`` message (a streamed KV can be in place before the first token is out)."""
-        while True:
-            msg = await self.waits.next(inbox, self.first_timeout_s, "the first token", run)
-            op = msg["op"]
-            if op == "first":
-                return msg
-            if op == "progress":
-                run.state = PREFILLING if msg.get("state") == PREFILLING else QUEUED
-            elif op == "kv_sent":
-                first_worker.owned.discard(msg["rid"])
-                kv_sent(run, msg, self._metrics(run))
-            elif op in ("tokens", "done"):  # never dropped: the client would wait for a first token that has gone
-                log.error("request %s: %s worker %s sent %r before the first token", msg["rid"],
-                          first_worker.role, first_worker.address, op)
-                raise WorkerFailure({"status": 502, "message": f"{first_worker.role} worker sent {op!r} before the "
-                                     "first token"}, first_worker)
-            else:
-                log.warning("request %s: unexpected %r while waiting for the first token", msg["rid"], op)
-
-    async def _relay(self, run: RequestRun, inbox, first_worker):
-        """Decode's tokens up to ``done``, then ``Finished``; the tokens the client has are kept (``run.output_ids``)
-        for a resume."""
-        timing, completion = run.timing, 1 + len(run.output_ids)
-        while True:
-            try:
-                msg = await self.waits.next(inbox, self.token_timeout_s, "the next token", run)
-            except WorkerFailure as failure:
-                if await self.migrations.failed(run, failure):
-                    continue
-                raise
-            if (run.move is not None or msg["op"] in MOVE_OPS) and await self.migrations.on_message(run, msg):
-                continue
-            if msg["op"] in ("tokens", "done"):
-                run.state = DECODING
-                check_index(msg, completion)
-            if msg["op"] == "kv_sent":
-                first_worker.owned.discard(msg["rid"])
-                kv_sent(run, msg, self._metrics(run))
-            elif msg["op"] == "progress":
-                pass
-            elif msg["op"] == "tokens":
-                msg = coalesce(msg, inbox)
-                completion += len(msg["ids"])
-                run.streamed = True
-                run.output_ids += msg["ids"]
-                run.emitted += len(msg["text"])
-                yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
-            elif msg["op"] == "done":
-                completion = msg.get("completion_tokens", completion + len(msg["ids"]))
-                run.streamed = True
-                yield Delta(msg["text"], msg["ids"], msg.get("logprobs"))
-                timing["decode"] = msg.get("timing", {}).get("decode", 0.0)
-                if run.cached_tokens is None:  # a prompt computed again where it decodes, without a first
-                    note_cached(run, msg)
-                note_hops(run, "decode", msg.get("timing"))
-                if msg.get("phases") and "migrations" not in timing:  # a moved one's came with its pause
-                    timing["kv"] = msg["phases"]
-                    if self._metrics(run) is not None:
-                        self.metrics.observe_transfer(timing["transport"], msg["phases"])
-                if not run.local and "overlap" not in timing:
-                    await await_kv_sent(inbox, run, self._metrics(run))
-                yield Finished(msg["finish_reason"], run.first["prompt_tokens"], completion,
-                               close_timing(run, self._metrics(run)), run.cached_tokens or 0)
-                return
-            else:
-                log.warning("request %s: unexpected %r from a worker while decoding", msg["rid"], msg["op"])
 
     async def _dispatch(self, worker, involved, rid, op, **fields):
         worker.outstanding += 1
