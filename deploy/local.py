@@ -28,6 +28,16 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Children, their children and so on, as they are now."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -77,8 +87,9 @@ class Cluster:
         raise TimeoutError("cluster did not become healthy")
 
     def stop(self) -> tuple[list[int], list[int]]:
-        """Stop ``up`` with SIGTERM; returns (its children, those it left running)."""
-        kids = children_of(self.proc.pid)
+        """Stop ``up`` with SIGTERM; returns (its descendants: workers, their ranks and helpers, those it left
+        running 5 s after it ended)."""
+        kids = descendants_of(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -86,7 +97,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        time.sleep(0.2)
+        end = time.monotonic() + 5.0
+        while any(alive(pid) for pid in kids) and time.monotonic() < end:
+            time.sleep(0.05)
         survivors = [pid for pid in kids if alive(pid)]
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 
+from control.lifetime import die_with_parent
 from planner.profile import Profile
 from planner.search import SLO, Candidate, Horizon, attainment, workload_requests
 from planner.simulate import simulate
@@ -58,6 +60,13 @@ def _score(path: str, *args) -> dict[int, float]:  # in the planning process
     return scores(Profile.load(path), *args)
 
 
+def _tie_to(router_pid: int) -> None:
+    """The planning process ends with the router (a killed router left it waiting on its own end of the pool's pipe)."""
+    die_with_parent()
+    if os.getppid() != router_pid:  # the router died before the tie was made
+        os._exit(0)
+
+
 class RolePlan:
     def __init__(self, profile_path: str, traffic, slo_ttft_ms: float, slo_tpot_ms: float,
                  local_tokens: int | None = None, metrics=None):
@@ -78,7 +87,8 @@ class RolePlan:
         if len(lengths) < MIN_ENDED or mixed == 0:
             return self._no_goal()
         if self.pool is None:
-            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_tie_to,
+                                            initargs=(os.getpid(),))
         rate = self.traffic.rate()
         args = (self.path, fixed, mixed, rate, lengths, self.slo, self.local_tokens)
         try:

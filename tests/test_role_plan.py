@@ -195,7 +195,8 @@ def test_pdserve_up_with_a_profile_moves_a_mixed_worker_to_prefill_under_long_pr
         assert codes == [200] * len(codes)
         assert serving(c.url) == {"prefill": 2, "decode": 1}, health(c.url)["workers"]
     finally:
-        c.stop()
+        left = c.stop()[1]
+    assert left == []  # the router's planning process too
 
 
 def test_the_window_replay_follows_a_shifting_load_on_the_model():
