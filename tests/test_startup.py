@@ -25,8 +25,10 @@ def completes(url: str) -> bool:
     return len(body["choices"][0]["text"]) > 0
 
 
-def test_two_clusters_started_at_once_both_come_up_ten_times():
-    for _ in range(10):
+def test_two_clusters_started_at_once_both_come_up_three_times():
+    """Every socket is bound by the process that starts the one that serves it, and handed over: nothing to race
+    for, so three rounds show it as well as ten did (each costs six processes' start on two cores)."""
+    for _ in range(3):
         pair = [Cluster("--no-warmup"), Cluster("--no-warmup")]
         try:
             for cluster in pair:
