@@ -62,18 +62,19 @@ class Profile:
         if not self.decode or any(p["batch"] < 1 or p["context"] < 1 or p["step_ms"] <= 0 for p in self.decode):
             raise ValueError("a profile needs decode points with batch, context >= 1 and positive step_ms")
         self.prefill = sorted(self.prefill, key=lambda p: p["tokens"])
-        self._decode: dict[int, list[tuple[int, float]]] = {}
+        self._prefill = _Curve([(p["tokens"], p["ms"]) for p in self.prefill])
+        by_batch: dict[int, list[tuple[int, float]]] = {}
         for p in self.decode:
-            self._decode.setdefault(int(p["batch"]), []).append((int(p["context"]), float(p["step_ms"])))
-        for rows in self._decode.values():
-            rows.sort()
-        self._batches = sorted(self._decode)
+            by_batch.setdefault(int(p["batch"]), []).append((int(p["context"]), float(p["step_ms"])))
+        self._batches = _Curve([(b, 0.0) for b in sorted(by_batch)])  # its xs: the batches profiled
+        self._by_context = [_Curve(sorted(by_batch[b])) for b in self._batches.xs]  # each batch's steps by context
+        self._shortest = min(int(p["context"]) for p in self.decode)
 
     def prefill_ms(self, tokens: int) -> float:
         """A step of ``tokens`` prompt tokens (0 for none)."""
         if tokens <= 0:
             return 0.0
-        return self.prefill_scale * max(0.0, _interpolate([(p["tokens"], p["ms"]) for p in self.prefill], tokens))
+        return self.prefill_scale * max(0.0, self._prefill.at(tokens))
 
     def decode_ms(self, batch: int, context: float) -> float:
         """A step of ``batch`` sequences of ``context`` tokens on average (0 for none)."""
@@ -87,12 +88,16 @@ class Profile:
         return max(ms, self.measured_decode_ms(batch, shortest) + extra / (self.kv_read_gb_s * self.tp * 1e6))
 
     def measured_decode_ms(self, batch: int, context: float) -> float:
-        """The profile's decode points alone, interpolated."""
-        by_batch = [(b, _interpolate(self._decode[b], context)) for b in self._batches]
-        return max(1e-3, _interpolate(by_batch, batch))
+        """The profile's decode points alone, interpolated: along the context within the two batches profiled
+        nearest ``batch``, then between them (the simulator asks this of every step: no list is built)."""
+        batches, curves = self._batches.xs, self._by_context
+        if len(batches) == 1:
+            return max(1e-3, curves[0].at(context))
+        i = self._batches.segment(batch)
+        return max(1e-3, _between(batches[i - 1], curves[i - 1].at(context), batches[i], curves[i].at(context), batch))
 
     def shortest_context(self) -> int:
-        return min(int(p["context"]) for p in self.decode)
+        return self._shortest
 
     def prefill_ms_per_token(self) -> float:
         """The prefill curve's slope between its first and last points."""
@@ -121,11 +126,23 @@ class Profile:
             raise ValueError(f"{path} is not a pdserve profile: {e}") from None
 
 
-def _interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise linear through ``points`` (sorted by x), extended along the end segments."""
-    if len(points) == 1:
-        return points[0][1]
-    xs = [p[0] for p in points]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
+class _Curve:
+    """Piecewise linear through points sorted by x, extended along the end segments."""
+    __slots__ = ("xs", "ys")
+
+    def __init__(self, points: list[tuple[float, float]]):
+        self.xs, self.ys = [p[0] for p in points], [p[1] for p in points]
+
+    def segment(self, x: float) -> int:
+        """``i``: the segment from point ``i - 1`` to point ``i`` that holds ``x`` (or the end one toward it)."""
+        return min(max(bisect.bisect_left(self.xs, x), 1), len(self.xs) - 1)
+
+    def at(self, x: float) -> float:
+        if len(self.xs) == 1:
+            return self.ys[0]
+        i = self.segment(x)
+        return _between(self.xs[i - 1], self.ys[i - 1], self.xs[i], self.ys[i], x)
+
+
+def _between(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
