@@ -17,6 +17,7 @@ import time
 
 import httpx
 
+from deploy.forked import argv_of
 from deploy.local import Cluster, children_of
 
 from deploy.progress import bar
@@ -47,9 +48,7 @@ def rss_bytes(pid: int) -> int:
 
 def process_name(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-        role = next((a.decode() for a in args if a in (b"router", b"prefill", b"decode")), "?")
+        role = next((a for a in argv_of(pid) if a in ("router", "prefill", "decode")), "?")
         return f"{role}:{pid}"
     except OSError:
         return str(pid)

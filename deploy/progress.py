@@ -6,6 +6,8 @@ import sys
 
 from tqdm import tqdm
 
+tqdm.monitor_interval = 0  # no monitor thread: ``pdserve up`` forks its workers (deploy.forked) while a bar is open
+
 
 def bar(total: int | None = None, desc: str = "", unit: str = "it", items=None) -> tqdm:
     """A bar to ``update`` by hand, or over ``items`` when given (iterate it)."""

@@ -15,6 +15,8 @@ import logging
 import subprocess
 import time
 
+from deploy import forked
+
 log = logging.getLogger("pdserve.up")
 
 RESTARTS_ENV = "PDSERVE_RESTARTS"
@@ -34,14 +36,18 @@ class Child:
         self.restartable = restartable
         self.restarts = 0
         self.failures = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | forked.Forked | None = None
         self.started_at = 0.0
         self.restart_at: float | None = None
         self.given_up = False
 
     def start(self) -> None:
+        """A fork of ``up`` where it can be (``deploy.forked``: torch imported once), else a fresh process."""
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, env=env, pass_fds=inherited_fds(self.cmd))
+        if forked.forkable(self.cmd):
+            self.proc = forked.start(self.cmd, env, inherited_fds(self.cmd))
+        else:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, env=env, pass_fds=inherited_fds(self.cmd))
         self.started_at = time.monotonic()
         self.restart_at = None
 

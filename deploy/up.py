@@ -259,7 +259,7 @@ def unhealthy_workers(health: dict) -> list[str]:
 
 def stop(procs, grace: float = 30.0) -> None:
     """SIGTERM every child, router first; each finishes its in-flight work (bounded) and exits."""
-    for p in reversed(procs):
+    for p in sorted(procs, key=lambda p: p.args[5] != "router"):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     end = time.monotonic() + grace
@@ -332,7 +332,7 @@ def up(args) -> int:
         cmds = plan(args, router=router_socket)
         supervisor = Supervisor(max_restarts=args.max_restarts)
         counts: dict = {}
-        for cmd in cmds:
+        for cmd in sorted(cmds, key=lambda c: c[5] != "router"):  # the router starts while up imports the workers'
             role = "colocated" if "--colocated" in cmd else "mixed" if "mixed" in cmd else cmd[5]
             counts[role] = counts.get(role, 0) + 1
             supervisor.add(Child(f"{role} worker {counts[role] - 1}" if role != "router" else "router", cmd, env,

@@ -5,26 +5,25 @@ import time
 
 import httpx
 
+from deploy.forked import argv_of
 from deploy.local import Cluster, children_of
 from deploy.supervise import Child, Supervisor
 from tests.streams import StreamClient
 
 
 def cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().decode().split("\0")
+    return argv_of(pid)
 
 
 def decode_workers(health: dict) -> dict:
     return {w["address"]: w for w in health["workers"]["decode"]}
 
 
-def decode_pid(cluster: Cluster, port: str | None) -> int:
-    """The decode worker's pid: the one on ``port``, or any when ``port`` is None."""
-    for pid in children_of(cluster.proc.pid):
-        argv = cmdline(pid)
-        if "decode" in argv and (port is None or argv[argv.index("--port") + 1] == port):
-            return pid
+def decode_pid(cluster: Cluster, port: str | None) -> tuple[int, str]:
+    """A decode worker's pid and port, as /health lists them: the one on ``port``, or the first when None."""
+    for address, w in decode_workers(httpx.get(cluster.url + "/health").json()).items():
+        if port is None or address.endswith(f":{port}"):
+            return w["pid"], address.rsplit(":", 1)[1]
     raise AssertionError(f"no decode worker on port {port}")
 
 
@@ -45,8 +44,7 @@ def kill_mid_streams(cluster: Cluster, body: dict, port: str | None):
         s.start()
     for s in streams:
         s.wait_tokens(3)
-    victim = decode_pid(cluster, port)
-    port = cmdline(victim)[cmdline(victim).index("--port") + 1]
+    victim, port = decode_pid(cluster, port)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     for s in streams:
