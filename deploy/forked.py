@@ -2,7 +2,7 @@
 
 A worker spends most of its start importing torch (seconds of CPU on a small machine), and ``up`` starts every
 worker of its cluster and each one that dies again. On Linux ``up`` imports torch and the worker modules once,
-before it starts the first torch worker: an import only, no CUDA call and no thread, so a fork of ``up`` is as
+before it starts the first worker: an import only, no CUDA call and no thread, so a fork of ``up`` is as
 safe as a fresh process. Each worker is then a fork of ``up`` that does what ``subprocess.Popen`` and
 ``python -m pdserve ...`` would have done:
 
@@ -18,8 +18,8 @@ safe as a fresh process. Each worker is then a fork of ``up`` that does what ``s
 
 ``up`` gets a ``Forked`` for each: what the supervisor and ``up``'s stop use of ``Popen`` (``poll``, ``wait``,
 ``send_signal``, ``terminate``, ``kill``, ``pid``, ``returncode``, ``args``). A fork is used only where it can be:
-Linux, a torch worker (not MLX, whose Metal runtime does not survive a fork), ``up`` with one Python thread and no
-CUDA context; any other child (the router, which never imports torch) starts with exec as before."""
+Linux (macOS forbids a fork after its frameworks load), a worker, ``up`` with one Python thread and no CUDA
+context; any other child (the router, which never imports torch) starts with exec as before."""
 from __future__ import annotations
 
 import atexit
@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 WORKER_COMMANDS = ("prefill", "decode")
 _RESET = {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL, signal.SIGUSR1: signal.SIG_DFL,
@@ -40,11 +41,9 @@ _RESET = {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL, signal.
 
 def forkable(cmd: list[str]) -> bool:
     """Whether ``cmd`` (``python -m pdserve --log-level L prefill|decode ...``, as ``up`` plans it) may start as a
-    fork of this process: Linux, a torch worker, and after the imports this process still runs one thread and has
-    not touched CUDA."""
+    fork of this process: Linux, a worker, and after the imports this process still runs one thread and has not
+    touched CUDA. An MLX worker on Linux forks too: ``up`` never imports mlx, the worker does."""
     if not sys.platform.startswith("linux") or cmd[3:4] != ["--log-level"] or cmd[5] not in WORKER_COMMANDS:
-        return False
-    if "mlx" in (cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == "--engine"):
         return False
     preload()
     import torch
@@ -104,6 +103,11 @@ def start(cmd: list[str], env: dict, keep_fds: tuple[int, ...]) -> Forked:
     pid = os.fork()
     if pid:
         return Forked(pid, cmd)
+    run_here(cmd, env, keep_fds)
+
+
+def run_here(cmd: list[str], env: dict, keep_fds: tuple[int, ...]) -> NoReturn:
+    """In a freshly forked child: become ``cmd`` (``python -m MODULE ARGS``) and run it; never returns."""
     code = 1
     try:
         _title(cmd)  # first: it moves the process's environment block to take its room

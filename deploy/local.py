@@ -11,6 +11,7 @@ import threading
 import time
 
 from control.lifetime import parent_env
+from deploy.launcher import Launcher
 
 BANNER = re.compile(r"^pdserve is up \(.*\): (http://\S+)$")
 
@@ -48,13 +49,18 @@ def alive(pid: int) -> bool:
 
 class Cluster:
     """``pdserve up ARGS --port 0`` in a process session of its own (a signal to the group reaches every worker),
-    tied to this process (``control.lifetime``: it stops when this process dies, even by SIGKILL). The router's URL
+    forked by this process's launcher where there is one (``deploy.launcher``), tied to this process (``control.lifetime``: it stops when this process dies, even by SIGKILL). The router's URL
     is what ``up`` prints once the cluster is ready."""
 
     def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--threads", str(threads), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
-                                     env={**os.environ, **parent_env()})
+        env = {**os.environ, **parent_env()}
+        launcher = Launcher.shared(env)  # a fork of a process that imported torch already (deploy.launcher)
+        if launcher is not None:
+            self.proc = launcher.start(cmd, env)
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
+                                         env=env)
         self.ready_timeout = ready_timeout
         self.banner = self.url = ""
         self.lines: queue.Queue = queue.Queue()  # what up prints, line by line ("" once it closed its stdout)

@@ -21,7 +21,7 @@ def run_script(script: str, timeout: float = 180) -> subprocess.CompletedProcess
     return done
 
 
-def test_only_torch_workers_started_by_a_single_threaded_process_are_forked():
+def test_only_workers_started_by_a_single_threaded_process_are_forked():
     run_script(f"""
         import threading
         from deploy.forked import forkable
@@ -29,7 +29,6 @@ def test_only_torch_workers_started_by_a_single_threaded_process_are_forked():
         assert forkable(base + ["decode", "--port", "0"])
         assert forkable(base + ["prefill", "--port", "0"])
         assert not forkable(base + ["router", "--port", "0"])
-        assert not forkable(base + ["decode", "--engine", "mlx", "--port", "0"])
         stop = threading.Event()
         t = threading.Thread(target=stop.wait)
         t.start()
@@ -100,3 +99,21 @@ def test_a_forked_worker_that_fails_exits_with_its_code_and_never_returns_into_i
         assert child.proc.wait(120) == 1, child.proc.returncode
     """)
     assert len(marks.read_text().split()) == 1, marks.read_text()
+
+
+def test_clusters_of_one_harness_are_forked_by_one_launcher_which_reports_how_each_up_ended():
+    run_script("""
+        import os, signal
+        from deploy.launcher import Launched, Launcher
+        from deploy.local import Cluster, children_of
+        a, b = Cluster("--colocated", "--no-warmup"), Cluster("--colocated", "--no-warmup")
+        assert isinstance(a.proc, Launched) and a.proc.launcher is b.proc.launcher
+        launcher = a.proc.launcher.proc.pid
+        a.wait_ready(), b.wait_ready()
+        assert sorted(children_of(launcher)) == sorted([a.proc.pid, b.proc.pid])
+        os.kill(a.proc.pid, signal.SIGKILL)
+        assert a.proc.wait(30) == -signal.SIGKILL
+        kids, survivors = b.stop()
+        assert b.proc.returncode == 0 and len(kids) == 2 and not survivors, (b.proc.returncode, kids, survivors)
+        a.stop()
+    """, timeout=240)
