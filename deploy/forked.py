@@ -13,8 +13,8 @@ safe as a fresh process. Each worker is then a fork of ``up`` that does what ``s
   worker, cut to the room ``up``'s own command line and environment had; the router's /health gives each
   worker's pid);
 - the root logger's handlers are removed (the worker configures its own), then the same command line runs in
-  the process (``runpy``, as ``python -m`` runs it); when it returns, the exit handlers run and the process exits with
-  its code, without unwinding into ``up``'s stack.
+  the process (``runpy``, as ``python -m`` runs it); when it returns, the exit handlers run and the process exits
+  with its code, without unwinding into ``up``'s stack.
 
 ``up`` gets a ``Forked`` for each: what the supervisor and ``up``'s stop use of ``Popen`` (``poll``, ``wait``,
 ``send_signal``, ``terminate``, ``kill``, ``pid``, ``returncode``, ``args``). A fork is used only where it can be:

@@ -49,8 +49,9 @@ def alive(pid: int) -> bool:
 
 class Cluster:
     """``pdserve up ARGS --port 0`` in a process session of its own (a signal to the group reaches every worker),
-    forked by this process's launcher where there is one (``deploy.launcher``), tied to this process (``control.lifetime``: it stops when this process dies, even by SIGKILL). The router's URL
-    is what ``up`` prints once the cluster is ready."""
+    forked by this process's launcher where there is one (``deploy.launcher``), tied to this process
+    (``control.lifetime``: it stops when this process dies, even by SIGKILL). The router's URL is what ``up``
+    prints once the cluster is ready."""
 
     def __init__(self, *args: str, ready_timeout: float = 240.0, threads: int = 1):
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--threads", str(threads), *args]

@@ -11,10 +11,6 @@ from deploy.supervise import Child, Supervisor
 from tests.streams import StreamClient
 
 
-def cmdline(pid: int) -> list[str]:
-    return argv_of(pid)
-
-
 def decode_workers(health: dict) -> dict:
     return {w["address"]: w for w in health["workers"]["decode"]}
 
@@ -97,7 +93,7 @@ def test_up_restarts_a_killed_decode_worker_while_the_others_serve():
 def test_killing_the_router_stops_the_cluster():
     cluster = Cluster().wait_ready()
     try:
-        router = next(pid for pid in children_of(cluster.proc.pid) if "router" in cmdline(pid))
+        router = next(pid for pid in children_of(cluster.proc.pid) if "router" in argv_of(pid))
         os.kill(router, signal.SIGKILL)
         assert cluster.proc.wait(40) == 1
     finally:
